@@ -1,0 +1,56 @@
+"""The proposer interface: the one thing every speculation method implements.
+
+A proposer guesses up to ``k`` draft tokens per request; the target then verifies
+them all in one forward pass (workers/rejection_sampler.py). Proposers that have
+a distribution over their guesses (a draft model) return it so the rejection
+sampler can use ``min(1, p/q)``; the others (n-gram, suffix) return ``None`` and
+are treated as one-hot ``q``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from workers.sampling_params import SamplingParams
+
+
+@dataclass
+class ProposalRequest:
+    """What a proposer sees of one running request in one engine step."""
+
+    request_id: str
+    token_ids: Sequence[int]  # [num_prompt_tokens + num_output_tokens] every committed token so far
+    num_prompt_tokens: int
+    k: int  # number of draft tokens wanted this step, >= 1
+    eos_token_ids: frozenset[int] = frozenset()
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class Proposals:
+    """Draft tokens for a batch of requests, in the order they were asked for."""
+
+    draft_token_ids: list[list[int]]  # per request: [num_draft_i], 0 <= num_draft_i <= k_i
+    # per request: [num_draft_i, vocab] processed draft probabilities (same temperature /
+    # top-k / top-p as the target), or None when the method has no distribution (one-hot q)
+    draft_probs: list[torch.Tensor | None]
+
+
+class Proposer(ABC):
+    """One speculation method. Implementations hold no Ray and no target model."""
+
+    name: str = "base"
+
+    @abstractmethod
+    def propose(self, requests: list[ProposalRequest]) -> Proposals:
+        """Propose up to ``r.k`` draft tokens for every request ``r`` in one batched call."""
+
+    def observe(self, request_id: str, num_draft_tokens: int, num_accepted: int) -> None:
+        """Feedback after verification: how many of the proposed drafts the target accepted."""
+
+    def finish(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """The request left the engine (finished or cancelled): free its state."""

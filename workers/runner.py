@@ -1,0 +1,204 @@
+"""A lean Llama forward over a ragged batch with a preallocated, slot-based KV cache.
+
+Why not call the HF model: HF's cache grows by concatenation and its batch is
+rectangular. Here every request in a step contributes its own number of new
+tokens (a prefill chunk, 1 token for a plain decode step, K+1 for a verify step),
+the linear layers run on the flat ``[num_tokens, hidden]`` matrix with no
+padding, and keys/values are written in place into the request's cache slot.
+Rolling back rejected draft tokens is only moving the request's length back:
+the stale entries are overwritten by the next write (see ``ModelRunner.forward``).
+
+KV layout: per layer ``[num_slots, num_kv_heads, max_model_len, head_dim]``. A
+step's attention reads the contiguous slot range ``[lo, hi)`` its requests
+occupy, sliced to the longest context, so no copy of the cache is ever made;
+the engine hands out the lowest free slot to keep that range tight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+
+@dataclass
+class StepBatch:
+    """One forward's worth of work, built by the engine."""
+
+    slots: list[int]  # [num_requests] KV slot of each request
+    start_pos: list[int]  # [num_requests] tokens already in the request's KV = position of its first new token
+    token_ids: list[list[int]]  # [num_requests][num_new_i] new tokens per request (num_new_i >= 1)
+    logits_rows: list[list[int]]  # [num_requests][*] offsets within the request's new tokens that need logits
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # [sum_i len(logits_rows_i), vocab] float32, in request order
+    hidden: torch.Tensor  # [sum_i len(logits_rows_i), hidden] final-norm hidden states at the same rows
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    """CUDA when present (production), CPU otherwise."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class ModelRunner:
+    """Owns the weights (cast to ``dtype``) and the KV cache of one model."""
+
+    def __init__(
+        self,
+        hf_model: PreTrainedModel,
+        num_slots: int,
+        max_model_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "auto",
+    ) -> None:
+        cfg = hf_model.config
+        self.device = pick_device(device) if isinstance(device, str) else device
+        self.dtype = dtype
+        self.num_slots = num_slots
+        self.max_model_len = max_model_len
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.hidden_size = cfg.hidden_size
+        self.vocab_size = cfg.vocab_size
+        self.eps = cfg.rms_norm_eps
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported (default RoPE only)")
+        if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+            raise ValueError("attention/mlp biases are not supported (Llama without biases only)")
+
+        def w(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to(device=self.device, dtype=dtype).contiguous()
+
+        m = hf_model.model
+        self.embed = w(m.embed_tokens.weight)  # [vocab, hidden]
+        self.final_norm = w(m.norm.weight)  # [hidden]
+        self.lm_head = w(hf_model.lm_head.weight)  # [vocab, hidden]; shares storage semantics with embed when tied
+        self.layers: list[dict[str, torch.Tensor]] = []
+        for layer in m.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            self.layers.append(
+                {
+                    "in_norm": w(layer.input_layernorm.weight),  # [hidden]
+                    # fused q/k/v: one matmul instead of three
+                    "qkv": w(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)),  # [(H + 2 Hkv) * D, hidden]
+                    "o": w(a.o_proj.weight),  # [hidden, H * D]
+                    "post_norm": w(layer.post_attention_layernorm.weight),  # [hidden]
+                    "gate_up": w(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0)),  # [2 * inter, hidden]
+                    "down": w(mlp.down_proj.weight),  # [hidden, inter]
+                }
+            )
+        inv_freq = m.rotary_emb.inv_freq.detach().float().to(self.device)  # [D / 2]
+        scale = float(getattr(m.rotary_emb, "attention_scaling", 1.0))
+        pos = torch.arange(max_model_len, device=self.device, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)  # [max_model_len, D / 2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [max_model_len, D]
+        self.cos = (emb.cos() * scale).to(dtype)
+        self.sin = (emb.sin() * scale).to(dtype)
+
+        kv_shape = (num_slots, self.num_kv_heads, max_model_len, self.head_dim)
+        self.k_cache = [torch.zeros(kv_shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v_cache = [torch.zeros(kv_shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden]; computed in fp32 like HF's LlamaRMSNorm, then cast back
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * xf.to(x.dtype)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch) -> StepOutput:
+        dev = self.device
+        num_new = [len(t) for t in batch.token_ids]
+        nreq = len(num_new)
+        flat_ids = torch.tensor([t for ts in batch.token_ids for t in ts], dtype=torch.long, device=dev)  # [T]
+        total = flat_ids.shape[0]
+        positions = torch.tensor(
+            [p for s, n in zip(batch.start_pos, num_new) for p in range(s, s + n)], dtype=torch.long, device=dev
+        )  # [T]
+        lo, hi = min(batch.slots), max(batch.slots) + 1
+        slot_of_tok = torch.tensor(
+            [s for s, n in zip(batch.slots, num_new) for _ in range(n)], dtype=torch.long, device=dev
+        )  # [T]
+        qrow_of_tok = torch.tensor([i for n in num_new for i in range(n)], dtype=torch.long, device=dev)  # [T]
+        max_q = max(num_new)
+        max_kv = max(s + n for s, n in zip(batch.start_pos, num_new))
+        if max_kv > self.max_model_len:
+            raise ValueError(f"sequence of {max_kv} tokens exceeds max_model_len={self.max_model_len}")
+
+        # Attention mask over the slot range: key j is visible to query row i of slot s iff j <= start_s + i.
+        # Unused slots / padded rows keep key 0 visible, so no row is all -inf (their outputs are discarded).
+        start = torch.zeros(hi - lo, dtype=torch.long, device=dev)
+        start[torch.tensor(batch.slots, device=dev) - lo] = torch.tensor(batch.start_pos, device=dev)
+        qpos = start[:, None] + torch.arange(max_q, device=dev)[None, :]  # [S, max_q]
+        keys = torch.arange(max_kv, device=dev)
+        mask = (keys[None, None, :] <= qpos[:, :, None]).unsqueeze(1)  # [S, 1, max_q, max_kv]
+
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        sl = slot_of_tok - lo
+
+        h = self.embed[flat_ids]  # [T, hidden]
+        for li, L in enumerate(self.layers):
+            x = self._rms_norm(h, L["in_norm"])
+            qkv = F.linear(x, L["qkv"])  # [T, (H + 2 Hkv) * D]
+            q = qkv[:, : H * D].view(total, H, D)
+            k = qkv[:, H * D : (H + Hkv) * D].view(total, Hkv, D)
+            v = qkv[:, (H + Hkv) * D :].view(total, Hkv, D)
+            q = q * cos + self._rotate_half(q) * sin  # [T, H, D]
+            k = k * cos + self._rotate_half(k) * sin  # [T, Hkv, D]
+            kc, vc = self.k_cache[li], self.v_cache[li]
+            kc[slot_of_tok, :, positions] = k  # in-place write, [T, Hkv, D] at (slot, :, pos)
+            vc[slot_of_tok, :, positions] = v
+            if nreq == 1:
+                qp = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+            else:
+                qp = q.new_zeros(hi - lo, max_q, H, D)
+                qp[sl, qrow_of_tok] = q
+                qp = qp.transpose(1, 2)  # [S, H, max_q, D]
+            attn = F.scaled_dot_product_attention(
+                qp, kc[lo:hi, :, :max_kv], vc[lo:hi, :, :max_kv], attn_mask=mask, enable_gqa=True
+            )  # [S, H, max_q, D]
+            if nreq == 1:
+                o = attn[0].transpose(0, 1).reshape(total, H * D)
+            else:
+                o = attn.transpose(1, 2)[sl, qrow_of_tok].reshape(total, H * D)
+            h = h + F.linear(o, L["o"])
+            x = self._rms_norm(h, L["post_norm"])
+            gu = F.linear(x, L["gate_up"])  # [T, 2 * inter]
+            gate, up = gu.chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, L["down"])
+
+        offsets = [0]
+        for n in num_new[:-1]:
+            offsets.append(offsets[-1] + n)
+        rows = torch.tensor(
+            [offsets[i] + r for i, rs in enumerate(batch.logits_rows) for r in rs], dtype=torch.long, device=dev
+        )  # [M]
+        hs = self._rms_norm(h[rows], self.final_norm)  # [M, hidden]
+        logits = F.linear(hs, self.lm_head).float()  # [M, vocab]
+        return StepOutput(logits=logits, hidden=hs)
+
+    def forward_tokens(self, slot: int, start_pos: int, token_ids: Sequence[int]) -> torch.Tensor:
+        """Single-request helper (tests, draft warm-up): logits for every new token, [n, vocab]."""
+        out = self.forward(StepBatch([slot], [start_pos], [list(token_ids)], [list(range(len(token_ids)))]))
+        return out.logits

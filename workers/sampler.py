@@ -1,0 +1,137 @@
+"""Turn logits into probabilities and probabilities into tokens.
+
+One transform, ``process_logits`` (temperature, then top-k, then top-p), is applied
+to the target's logits *and* to the draft's logits. Rejection sampling (Leviathan et
+al. 2023, arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01318) reproduces the
+distribution it is given as ``p``; if the draft's ``q`` were processed differently
+the output would still follow ``p``, but acceptance would drop. Sampling the wrong
+``p`` (e.g. the raw softmax) would silently change what the model writes.
+
+Every random draw is made with the request's own ``torch.Generator`` when it has a
+seed, so a seeded request writes the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.sampling_params import SamplingParams
+
+# Temperatures below this are clamped so that logits / temperature stays finite
+# (inf - inf inside softmax would give NaN). At 1e-6 the result is already argmax.
+_MIN_TEMPERATURE = 1e-6
+
+
+def process_logits(
+    logits: torch.Tensor,  # [num_rows, vocab] float32 raw logits
+    temperature: torch.Tensor,  # [num_rows] float, every entry > 0
+    top_k: torch.Tensor,  # [num_rows] long, 0 = off
+    top_p: torch.Tensor,  # [num_rows] float in (0, 1], 1.0 = off
+) -> torch.Tensor:  # [num_rows, vocab] float32 probabilities, rows sum to 1
+    """Temperature, then top-k, then top-p (nucleus), then renormalize.
+
+    Top-k keeps exactly ``k`` tokens: ties at the k-th logit are broken by the lower
+    token id (stable sort), so the same logits always give the same set, on the
+    target and on the draft. Top-p is measured on the top-k-renormalized
+    distribution and keeps the smallest prefix of most-likely tokens whose mass
+    reaches ``top_p``; the most likely token is always kept.
+    """
+    logits = logits.float() / temperature.float().clamp_min(_MIN_TEMPERATURE).unsqueeze(1)
+    num_rows, vocab = logits.shape
+    k_off = (top_k <= 0) | (top_k >= vocab)  # [num_rows] bool
+    p_off = top_p >= 1.0  # [num_rows] bool
+    if num_rows == 0 or bool((k_off & p_off).all()):
+        # Fast path: nothing to truncate, so no sort (the sort dominates at large vocab).
+        return logits.softmax(dim=-1)
+
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)  # [num_rows, vocab]
+    ranks = torch.arange(vocab, device=logits.device)  # [vocab]
+    k = torch.where(k_off, vocab, top_k.long())  # [num_rows]
+    keep = ranks.unsqueeze(0) < k.unsqueeze(1)  # [num_rows, vocab] top-k, in sorted order
+    sorted_probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly more likely tokens
+    # A token stays while the tokens before it have not yet reached top_p; the first
+    # token has mass_before == 0 < top_p, so it is always kept.
+    keep &= (mass_before < top_p.float().unsqueeze(1)) | p_off.unsqueeze(1)
+    keep[:, 0] = True
+    sorted_probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+    return torch.empty_like(sorted_probs).scatter_(-1, sorted_ids, sorted_probs)
+
+
+def sampling_tensors(
+    params: list[SamplingParams],
+    device: torch.device | str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # temperature [n] float32, top_k [n] long, top_p [n] float32
+    """Per-row tensors for ``process_logits``; greedy rows get temperature 1 (their
+    probabilities are not used for sampling, but must stay finite)."""
+    temperature = torch.tensor(
+        [1.0 if sp.greedy else sp.temperature for sp in params], dtype=torch.float32, device=device
+    )
+    top_k = torch.tensor([sp.top_k for sp in params], dtype=torch.long, device=device)
+    top_p = torch.tensor([sp.top_p for sp in params], dtype=torch.float32, device=device)
+    return temperature, top_k, top_p
+
+
+def probs_for(
+    logits: torch.Tensor,  # [num_rows, vocab] float32 raw logits, row i belongs to params[i]
+    params: list[SamplingParams],
+) -> torch.Tensor:  # [num_rows, vocab] float32
+    """``process_logits`` with the tensors built from ``params``.
+
+    Greedy rows (temperature 0) become a one-hot of the argmax, so a draft model can
+    hand the rejection sampler a ``q`` for every request without special cases.
+    """
+    if logits.shape[0] != len(params):
+        raise ValueError(f"{logits.shape[0]} logit rows but {len(params)} sampling params")
+    probs = process_logits(logits, *sampling_tensors(params, logits.device))
+    greedy_rows = [i for i, sp in enumerate(params) if sp.greedy]
+    if greedy_rows:
+        rows = torch.tensor(greedy_rows, device=logits.device)
+        one_hot = torch.zeros(len(greedy_rows), logits.shape[1], dtype=probs.dtype, device=probs.device)
+        one_hot.scatter_(1, logits[rows].argmax(dim=-1, keepdim=True), 1.0)
+        probs[rows] = one_hot
+    return probs
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    """A generator for one seeded request; ``None`` (the global RNG) when unseeded.
+
+    Seeds are taken modulo 2**64 so any Python int (negative ones too) is accepted.
+    """
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed % (1 << 64))
+    return generator
+
+
+def sample(
+    probs: torch.Tensor,  # [num_rows, vocab] float32, rows need not be normalized
+    generators: list[torch.Generator | None],  # [num_rows], None = global RNG
+) -> torch.Tensor:  # [num_rows] long token ids
+    """Draw one token per row with that row's generator.
+
+    Uses the exponential race: ``argmax_v p_v / E_v`` with ``E_v ~ Exp(1)`` picks
+    ``v`` with probability ``p_v / sum(p)``, because ``E_v / p_v ~ Exp(p_v)`` and the
+    smallest of independent exponentials is ``v`` with that probability. It needs
+    no normalization (handy for the residual ``max(0, p - q)``), never picks a
+    zero-probability token, and draws exactly ``vocab`` numbers per row, so a
+    seeded row's stream does not depend on the batch around it.
+    """
+    num_rows, vocab = probs.shape
+    if len(generators) != num_rows:
+        raise ValueError(f"{num_rows} rows but {len(generators)} generators")
+    exponentials = torch.empty_like(probs, dtype=torch.float32)  # [num_rows, vocab]
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if len(unseeded) == num_rows:
+        exponentials.exponential_()
+    else:
+        if unseeded:
+            rows = torch.tensor(unseeded, device=probs.device)
+            exponentials[rows] = torch.empty(len(unseeded), vocab, device=probs.device).exponential_()
+        for i, generator in enumerate(generators):
+            if generator is not None:
+                exponentials[i].exponential_(generator=generator)
+    # A 0 draw would make 0 / 0 = NaN for zero-probability tokens, and argmax picks NaN.
+    exponentials.clamp_min_(torch.finfo(torch.float32).tiny)
+    return (probs.float() / exponentials).argmax(dim=-1)
