@@ -1,0 +1,237 @@
+"""The plain engine: HF-exact logits and greedy output, continuous batching, sampling, limits."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from workers.async_engine import AsyncEngine
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.errors import InvalidRequestError
+from workers.runner import ModelRunner, StepBatch
+
+
+def hf_greedy(model, prompt: list[int], n: int, stop_at_eos: bool = False) -> list[int]:
+    """HF transformers' own greedy decoding: ``generate`` (stops at EOS), or, to run past EOS
+    like ``ignore_eos``, HF's forward with its own KV cache in a plain argmax loop."""
+    if stop_at_eos:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+        return out[0, len(prompt) :].tolist()
+    toks, past, inp = [], None, torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            o = model(inp, past_key_values=past, use_cache=True)
+            past = o.past_key_values
+            t = int(o.logits[0, -1].argmax())
+            toks.append(t)
+            inp = torch.tensor([[t]])
+    return toks
+
+
+def rand_prompts(n: int, seed: int, lo: int = 3, hi: int = 40, vocab: int = 49152) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def test_runner_logits_match_hf_and_rollback(tiny_loaded):
+    model = tiny_loaded.model
+    r = ModelRunner(model, num_slots=4, max_model_len=256)
+    ids = rand_prompts(1, 0, 30, 30)[0]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]  # [30, V]
+    # ragged: slot 2 prefills 20 tokens in two chunks while slot 0 prefills 7 in one step
+    a = r.forward_tokens(2, 0, ids[:12])
+    out = r.forward(StepBatch([2, 0], [12, 0], [ids[12:20], ids[:7]], [list(range(8)), [6]])).logits
+    assert (a - ref[:12]).abs().max() < 1e-4
+    assert (out[:8] - ref[12:20]).abs().max() < 1e-4
+    assert (out[8] - ref[6]).abs().max() < 1e-4
+    # decode 5 more, roll back 3 (move the length back) and re-decode: same logits
+    step = [r.forward_tokens(2, 20 + i, [ids[20 + i]]) for i in range(5)]
+    again = [r.forward_tokens(2, 22 + i, [ids[22 + i]]) for i in range(3)]
+    for x, y in zip(step[2:], again):
+        assert torch.equal(x, y)
+    assert (torch.cat(step) - ref[20:25]).abs().max() < 1e-4
+
+
+@pytest.mark.slow
+def test_smollm2_logits_within_1e4_of_hf(smollm2_loaded):
+    model, tok = smollm2_loaded.model, smollm2_loaded.tokenizer
+    r = ModelRunner(model, num_slots=2, max_model_len=512)
+    ids = tok.encode("The history of the Roman empire is long and complicated, and")
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    got = r.forward_tokens(1, 0, ids)
+    assert (got - ref).abs().max().item() < 1e-4
+
+
+CHAT = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in one sentence.",
+    "List three colors.",
+    "Repeat exactly: the quick brown fox jumps over the lazy dog.",
+    "What is 12 times 12?",
+]
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_identical_to_hf_generate(smollm2_loaded):
+    eng = LLMEngine(EngineConfig(max_num_seqs=8, max_model_len=512), smollm2_loaded)
+    prompts = [eng.tokenize_chat([{"role": "user", "content": c}]) for c in CHAT]
+    outs = eng.generate(prompts, {"max_tokens": 48})
+    for p, o in zip(prompts, outs):
+        assert o == hf_greedy(smollm2_loaded.model, p, 48, stop_at_eos=True)
+    # and past EOS, 48 tokens each, against HF's forward + cache
+    outs = eng.generate(prompts[:2], {"max_tokens": 48, "ignore_eos": True})
+    for p, o in zip(prompts, outs):
+        assert o == hf_greedy(smollm2_loaded.model, p, 48)
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_tiny_continuous_batching_matches_hf(tiny_loaded, batch):
+    """Requests join mid-flight and finish at different times; each output equals HF greedy alone."""
+    eng = LLMEngine(EngineConfig(max_num_seqs=batch, max_model_len=256, max_num_batched_tokens=32), tiny_loaded)
+    prompts = rand_prompts(batch + 3, seed=batch)
+    lens = [5 + (i * 7) % 19 for i in range(len(prompts))]
+    outs: dict[str, list[int]] = {}
+    pending = list(range(len(prompts)))
+    steps = 0
+    while pending or eng.has_work():
+        if pending and steps % 2 == 0:  # join every other step
+            i = pending.pop(0)
+            eng.add_request(f"r{i}", prompts[i], {"max_tokens": lens[i], "ignore_eos": True})
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).extend(o.token_ids)
+        steps += 1
+    for i, p in enumerate(prompts):
+        assert outs[f"r{i}"] == hf_greedy(tiny_loaded.model, p, lens[i]), i
+    assert eng.runner is not None and not eng.running and sorted(eng.free_slots) == list(range(batch))
+
+
+def test_chunked_prefill_does_not_stall_running_requests(tiny_loaded):
+    eng = LLMEngine(EngineConfig(max_num_seqs=4, max_model_len=512, max_num_batched_tokens=32), tiny_loaded)
+    eng.add_request("short", rand_prompts(1, 1, 5, 5)[0], {"max_tokens": 20, "ignore_eos": True})
+    eng.step()  # prefill + first token
+    eng.add_request("long", rand_prompts(1, 2, 300, 300)[0], {"max_tokens": 2, "ignore_eos": True})
+    for _ in range(5):  # the 300-token prompt needs ~10 steps of 31 tokens; "short" decodes every step
+        outs = {o.request_id: o for o in eng.step()}
+        assert len(outs["short"].token_ids) == 1
+        assert eng.snapshot().tokens_last_step <= 32
+
+
+def test_seeded_sampling_reproducible_across_batch_compositions(tiny_loaded):
+    params = {"max_tokens": 24, "temperature": 0.9, "top_p": 0.9, "top_k": 50, "seed": 1234, "ignore_eos": True}
+    prompt = rand_prompts(1, 3)[0]
+    alone = LLMEngine(EngineConfig(max_num_seqs=8, max_model_len=256), tiny_loaded).generate([prompt], params)[0]
+    eng = LLMEngine(EngineConfig(max_num_seqs=8, max_model_len=256), tiny_loaded)
+    others = rand_prompts(5, 4)
+    crowd = eng.generate(others[:2] + [prompt] + others[2:], [params] and params)[2]
+    assert crowd == alone
+    other_seed = LLMEngine(EngineConfig(max_num_seqs=8, max_model_len=256), tiny_loaded).generate(
+        [prompt], {**params, "seed": 99}
+    )[0]
+    assert other_seed != alone
+
+
+def test_max_tokens_and_stop_strings_exact(tiny_loaded):
+    eng = LLMEngine(EngineConfig(max_num_seqs=4, max_model_len=256), tiny_loaded)
+    prompt = rand_prompts(1, 5)[0]
+    full = eng.generate([prompt], {"max_tokens": 30, "ignore_eos": True})[0]
+    assert len(full) == 30
+    text = eng.tokenizer.decode(full, skip_special_tokens=True)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip() and stop in text
+    eng.add_request("s", prompt, {"max_tokens": 30, "ignore_eos": True, "stop": [stop]})
+    chunks, reason = [], None
+    while eng.has_work():
+        for o in eng.step():
+            chunks.append(o.text)
+            reason = o.finish_reason if o.finished else reason
+    assert reason == "stop"
+    assert "".join(chunks) == text[: text.index(stop)]
+
+
+def test_bad_input_named_and_engine_keeps_serving(tiny_loaded):
+    eng = LLMEngine(EngineConfig(max_num_seqs=4, max_model_len=128), tiny_loaded)
+    good = rand_prompts(1, 6)[0]
+    eng.add_request("ok", good, {"max_tokens": 8, "ignore_eos": True})
+    cases = [
+        ([], {}, "prompt"),
+        ([5] * 200, {}, "prompt"),
+        (good, {"max_tokens": 0}, "max_tokens"),
+        (good, {"max_tokens": 1000}, "max_tokens"),
+        (good, {"temperature": -1}, "temperature"),
+        (good, {"top_p": 0}, "top_p"),
+        (good, {"top_p": 1.5}, "top_p"),
+        ([1, 2, 10**9], {}, "prompt"),
+        ([-1], {}, "prompt"),
+        (good, {"bogus": 1}, "bogus"),
+    ]
+    for i, (p, params, field) in enumerate(cases):
+        with pytest.raises(InvalidRequestError) as ei:
+            eng.add_request(f"bad{i}", p, params)
+        assert ei.value.param == field, (params, ei.value)
+        assert field in str(ei.value) or field == "prompt"
+    with pytest.raises(InvalidRequestError):
+        eng.add_request("ok2", good, {}, proposer="nope")
+    out = []
+    while eng.has_work():
+        out += [t for o in eng.step() for t in o.token_ids]
+    assert out == hf_greedy(tiny_loaded.model, good, 8)
+
+
+def test_cancellation_frees_kv_at_once(tiny_loaded):
+    eng = LLMEngine(EngineConfig(max_num_seqs=2, max_model_len=128), tiny_loaded)
+    p = rand_prompts(3, 7)
+    for i in range(3):
+        eng.add_request(f"r{i}", p[i], {"max_tokens": 50, "ignore_eos": True})
+    eng.step()
+    assert eng.snapshot().running == 2 and eng.snapshot().waiting == 1
+    out = eng.abort("r0")
+    assert out.finished and out.finish_reason == "abort"
+    snap = eng.snapshot()
+    assert snap.running == 1 and len(eng.free_slots) == 1
+    eng.abort("r2")  # a waiting request can be cancelled too
+    assert eng.snapshot().waiting == 0
+    eng.abort("r1")
+    assert eng.snapshot().running == 0 and eng.snapshot().kv_tokens_in_use == 0 and not eng.has_work()
+
+
+def test_admission_waits_when_full(tiny_loaded):
+    eng = LLMEngine(EngineConfig(max_num_seqs=2, max_model_len=128), tiny_loaded)
+    prompts = rand_prompts(5, 8)
+    outs = eng.generate(prompts, {"max_tokens": 6, "ignore_eos": True})
+    assert all(len(o) == 6 for o in outs)
+
+
+def test_async_engine_streams_and_cancels(tiny_loaded):
+    eng = LLMEngine(EngineConfig(max_num_seqs=4, max_model_len=256), tiny_loaded)
+    ae = AsyncEngine(eng)
+    prompt = rand_prompts(1, 9)[0]
+
+    async def main():
+        toks = []
+        async for o in ae.generate("a", prompt, params={"max_tokens": 12, "ignore_eos": True}):
+            toks += o.token_ids
+        assert toks == hf_greedy(tiny_loaded.model, prompt, 12)
+        with pytest.raises(InvalidRequestError):
+            async for _ in ae.generate("b", [], params={}):
+                pass
+        gen = ae.generate("c", prompt, params={"max_tokens": 200, "ignore_eos": True})
+        await gen.__anext__()
+        await gen.aclose()  # consumer goes away: the engine aborts the request
+        for _ in range(100):
+            if (await ae.call(lambda e: e.snapshot())).running == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert (await ae.call(lambda e: e.snapshot())).running == 0
+
+    try:
+        asyncio.run(main())
+        assert ae.healthy()
+    finally:
+        ae.shutdown()

@@ -1,0 +1,140 @@
+"""Asyncio front of the engine: one background thread runs ``LLMEngine.step`` in a loop.
+
+Why a thread: a step is a blocking PyTorch forward (it releases the GIL), and the Serve
+replica's event loop must stay free to accept requests and answer health checks while
+it runs. The engine is touched only from its thread; other threads talk to it through a
+command queue, so there are no locks around engine state. Cancelling the consumer of
+``generate`` (a client disconnect) sends an abort, which frees the request's KV slot at
+the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from typing import Any, AsyncIterator, Callable, TypeVar
+
+from workers.engine import LLMEngine
+from workers.errors import EngineDeadError
+from workers.request import RequestOutput
+from workers.stats import LoadSnapshot
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_IDLE_WAIT_S = 0.02
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._cmds: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self.dead: BaseException | None = None
+        self.last_progress = time.monotonic()  # last loop iteration; a wedged loop stops moving it
+        self._snapshot = engine.snapshot()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public, any thread / event loop
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps (reconfigure, stats)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put((lambda: fn(self.engine), fut))
+        self._wake.set()
+        return await asyncio.wrap_future(fut)
+
+    async def generate(self, request_id: str, prompt_ids: list[int], **kwargs: Any) -> AsyncIterator[RequestOutput]:
+        """Submit a request and stream its outputs. Raises ``InvalidRequestError`` before the first chunk."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine loop died: {self.dead!r}")
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (loop, q)
+        try:
+            await self.call(lambda e: e.add_request(request_id, prompt_ids, **kwargs))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # consumer went away (disconnect, timeout): free its KV now
+                self._cmds.put((lambda: self.engine.abort(request_id), concurrent.futures.Future()))
+                self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self._cmds.put((lambda: self.engine.abort(request_id), concurrent.futures.Future()))
+        self._wake.set()
+
+    def snapshot(self) -> LoadSnapshot:
+        """The load as of the last step (published by the loop thread, never older than one step)."""
+        return self._snapshot
+
+    def healthy(self, stall_s: float = 30.0) -> bool:
+        """False when the loop died or has not completed an iteration in ``stall_s`` (wedged)."""
+        return self.dead is None and (time.monotonic() - self.last_progress) < stall_s
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=5)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _deliver(self, rid: str, item: Any) -> None:
+        s = self._streams.get(rid)
+        if s is not None:
+            loop, q = s
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the consumer's loop is closed
+                pass
+
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stop:
+            self.last_progress = time.monotonic()
+            while True:
+                try:
+                    fn, fut = self._cmds.get_nowait()
+                except queue.Empty:
+                    break
+                try:
+                    res = fn()
+                    if not fut.done():
+                        fut.set_result(res)
+                except BaseException as e:  # validation errors go back to the caller
+                    if not fut.done():
+                        fut.set_exception(e)
+            if not eng.has_work():
+                self._snapshot = eng.snapshot()
+                self._wake.wait(_IDLE_WAIT_S)
+                self._wake.clear()
+                continue
+            try:
+                outs = eng.step()
+            except BaseException as e:  # a broken step fails every request; the replica reports unhealthy
+                log.exception("engine step failed")
+                self.dead = e
+                for rid in list(self._streams):
+                    self._deliver(rid, EngineDeadError(f"engine step failed: {e!r}"))
+                return
+            for o in outs:
+                self._deliver(o.request_id, o)
+            self._snapshot = eng.snapshot()

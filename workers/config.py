@@ -1,0 +1,48 @@
+"""Typed engine configuration (pydantic, ``extra="forbid"``: a misspelled key is an error naming it)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_SPECULATIVE_TOKENS = 16  # beyond this a verify pass costs more than any acceptance can repay
+
+
+class ProposerConfig(BaseModel):
+    """One speculation method the engine may use. ``options`` go to the proposer's own validated config."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Literal["ngram", "suffix", "draft_model"] = Field(description="Proposer method.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Method options (e.g. min_n, max_n).")
+    model: str | None = Field(
+        None, description="draft_model only: 'smollm2', 'target' (the target as its own draft) or a local HF dir."
+    )
+
+
+class EngineConfig(BaseModel):
+    """Everything one target engine needs; shared by the in-process engine and the Serve target worker."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field("smollm2", description="'smollm2' (the shipped GGUF) or a local Hugging Face model directory.")
+    served_model_name: str = Field("SmolLM2-135M-Instruct", description="Name reported by /v1/models.")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Weights and activations. fp32 is the default: on this CPU bf16 wins only at one token per "
+        "step, and multi-token verify steps are ~3x slower in bf16 (see README, Performance).",
+    )
+    device: str = Field("auto", description="'auto' picks CUDA when present, else CPU.")
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; None keeps torch's default.")
+    max_num_seqs: int = Field(32, ge=1, le=1024, description="Running requests (KV slots); more wait in the queue.")
+    max_model_len: int = Field(2048, ge=16, description="Context length per request (prompt + output + drafts).")
+    max_num_batched_tokens: int = Field(
+        256, ge=16, description="Token budget per engine step; long prompts are prefilled in chunks of what is left."
+    )
+    num_speculative_tokens: int = Field(
+        4, ge=0, le=MAX_SPECULATIVE_TOKENS, description="K_max: most draft tokens verified per request per step."
+    )
+    proposers: list[ProposerConfig] = Field(
+        default_factory=lambda: [ProposerConfig(name="ngram")], description="Configured proposers; first = default."
+    )

@@ -1,0 +1,377 @@
+"""The decoding engine: iteration-level continuous batching of plain and speculative steps.
+
+One ``step()``:
+  1. admit waiting requests into free KV slots (lowest slot first keeps the attention range tight);
+  2. ask the decision function for every decoding request's K (0 = plain step);
+  3. ask each proposer, once per step, for the draft tokens of the requests that use it;
+  4. one target forward over a ragged batch: decoding requests feed their pending token plus
+     their drafts (K + 1 tokens), prefilling requests feed a prompt chunk within the step's
+     token budget;
+  5. verify every request at its frontier (workers/rejection_sampler.py): accepted drafts,
+     then a recovered or bonus token; a plain step is the K = 0 case of the same call;
+  6. roll the KV length back to the accepted prefix (just a number), commit the tokens,
+     detokenize, check EOS / stop strings / max_tokens, free finished requests' slots.
+
+Nothing here imports Ray; the Serve target worker drives it through ``AsyncEngine``.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any, Iterable, Sequence
+
+import torch
+from pydantic import ValidationError
+
+from workers.config import EngineConfig
+from workers.decision import DecideFn, SpecCandidate, Speculation, fixed_k
+from workers.detokenizer import IncrementalDetokenizer
+from workers.errors import InvalidRequestError
+from workers.model_loader import LoadedModel
+from workers.proposers.base import ProposalRequest, Proposer
+from workers.rejection_sampler import verify
+from workers.request import Request, RequestOutput, Status
+from workers.runner import ModelRunner, StepBatch
+from workers.sampler import make_generator
+from workers.sampling_params import SamplingParams
+from workers.stats import Ema, LoadSnapshot, SpecDecodeStats
+
+_ROLES = ("system", "user", "assistant")
+
+
+class LLMEngine:
+    """Synchronous engine core. Not thread-safe: one thread calls it (see ``AsyncEngine``)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel,
+        proposers: dict[str, Proposer] | None = None,
+        decide: DecideFn | None = None,
+    ) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.tokenizer = loaded.tokenizer
+        hf_cfg = loaded.model.config
+        self.vocab_size = hf_cfg.vocab_size
+        self.max_model_len = min(config.max_model_len, getattr(hf_cfg, "max_position_embeddings", 1 << 30))
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
+        self.runner = ModelRunner(loaded.model, config.max_num_seqs, self.max_model_len, dtype, config.device)
+        eos = getattr(hf_cfg, "eos_token_id", None)
+        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            eos_ids.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos_ids)
+        self.proposers: dict[str, Proposer] = dict(proposers or {})
+        self.default_proposer = config.proposers[0].name if config.proposers and self.proposers else None
+        if self.default_proposer not in self.proposers:
+            self.default_proposer = next(iter(self.proposers), None)
+        self.decide: DecideFn = decide or fixed_k(config.num_speculative_tokens)
+
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.free_slots = list(range(config.max_num_seqs))
+        self.stats: dict[str, SpecDecodeStats] = collections.defaultdict(SpecDecodeStats)
+        self.acceptance_ema: dict[str, Ema] = collections.defaultdict(Ema)
+        self.step_time_ema = Ema(0.1)
+        self.tokens_per_step_ema = Ema(0.1)
+        self.step_costs: collections.deque[tuple[int, float]] = collections.deque(maxlen=512)  # (tokens, seconds)
+        self.num_steps = 0
+        self._tokens_last_step = 0
+
+    # ----------------------------------------------------------------- requests in / out
+
+    def tokenize_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """Apply the model's chat template (with the generation prompt) and tokenize."""
+        if not messages:
+            raise InvalidRequestError("messages must be a non-empty list", param="messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in _ROLES:
+                raise InvalidRequestError(f"messages[{i}].role must be one of {list(_ROLES)}", param="messages")
+            if not isinstance(m.get("content"), str):
+                raise InvalidRequestError(f"messages[{i}].content must be a string", param="messages")
+        text = self.tokenizer.apply_chat_template(
+            [{"role": m["role"], "content": m["content"]} for m in messages], tokenize=False, add_generation_prompt=True
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def tokenize_text(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | dict[str, Any] | None = None,
+        proposer: str | None = None,
+        speculation: Speculation = "auto",
+    ) -> None:
+        """Validate and queue a request. Raises ``InvalidRequestError`` naming the bad field."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}", param="request_id")
+        if isinstance(params, dict) or params is None:
+            try:
+                params = SamplingParams(**(params or {}))
+            except ValidationError as e:
+                err = e.errors()[0]
+                field = ".".join(str(x) for x in err["loc"]) or None
+                raise InvalidRequestError(f"{field}: {err['msg']}", param=field) from None
+        prompt = list(prompt_ids)
+        if not prompt:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in prompt):
+            raise InvalidRequestError(f"prompt has token ids outside [0, {self.vocab_size})", param="prompt")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt)} tokens; this model's context is {self.max_model_len} tokens",
+                param="prompt",
+            )
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
+                f"{self.max_model_len} tokens",
+                param="max_tokens",
+            )
+        if speculation not in ("auto", "on", "off"):
+            raise InvalidRequestError(f"speculation must be 'auto', 'on' or 'off', not {speculation!r}", param="speculation")
+        if proposer is not None and proposer not in self.proposers:
+            raise InvalidRequestError(
+                f"unknown proposer {proposer!r}; configured: {sorted(self.proposers)}", param="proposer"
+            )
+        req = Request(
+            request_id=request_id,
+            prompt_ids=prompt,
+            params=params,
+            proposer=proposer or self.default_proposer,
+            speculation=speculation,
+            detok=IncrementalDetokenizer(self.tokenizer, prompt, params.stop),
+            generator=make_generator(params.seed, self.runner.device),
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+        )
+        self.requests[request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request: its KV slot and its proposers' state are freed at once."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req.status is Status.WAITING:
+            self.waiting.remove(req)
+        self._finish(req, "abort")
+        return self._output(req, [], final=True)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ----------------------------------------------------------------- the step
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        self._admit()
+        if not self.running:
+            return []
+        budget = self.config.max_num_batched_tokens
+        decoding = [r for r in self.running if not r.in_prefill]
+        ks = self._decide_k(decoding, budget)
+        drafts, draft_probs = self._propose(decoding, ks)
+
+        # Build the ragged batch: decoding requests first (latency-critical), then prefill chunks.
+        sched: list[tuple[Request, list[int], bool]] = []  # (request, tokens fed, at frontier)
+        for r, d in zip(decoding, drafts):
+            sched.append((r, [r.all_ids()[r.num_computed]] + d, True))
+            budget -= 1 + len(d)
+        for r in self.running:
+            if r.in_prefill and budget > 0:
+                chunk = r.prompt_ids[r.num_computed : r.num_computed + budget]
+                budget -= len(chunk)
+                sched.append((r, chunk, r.num_computed + len(chunk) == len(r.prompt_ids)))
+        frontier_drafts = {id(r): d for r, d in zip(decoding, drafts)}
+        frontier_probs = {id(r): p for r, p in zip(decoding, draft_probs)}
+
+        batch = StepBatch(
+            slots=[r.slot for r, _, _ in sched],
+            start_pos=[r.num_computed for r, _, _ in sched],
+            token_ids=[toks for _, toks, _ in sched],
+            logits_rows=[list(range(len(toks)))[-(len(frontier_drafts.get(id(r), [])) + 1) :] if f else [] for r, toks, f in sched],
+        )
+        out = self.runner.forward(batch)
+
+        at_frontier = [(r, toks) for r, toks, f in sched if f]
+        for r, toks, f in sched:
+            if not f:
+                r.num_computed += len(toks)
+        result = verify(
+            out.logits,
+            [frontier_drafts.get(id(r), []) for r, _ in at_frontier],
+            [frontier_probs.get(id(r)) for r, _ in at_frontier],
+            [r.params for r, _ in at_frontier],
+            [r.generator for r, _ in at_frontier],
+        )
+        outputs: list[RequestOutput] = []
+        for (r, toks), new_ids, n_acc in zip(at_frontier, result.output_token_ids, result.num_accepted):
+            n_draft = len(frontier_drafts.get(id(r), []))
+            r.num_computed += len(toks) - (n_draft - n_acc)  # KV of rejected drafts is now stale: length moves back
+            self._record(r, n_draft, n_acc)
+            outputs.append(self._commit(r, new_ids))
+
+        self.num_steps += 1
+        self._tokens_last_step = sum(len(t) for t in batch.token_ids)
+        dt = time.perf_counter() - t0
+        self.step_time_ema.update(dt)
+        self.tokens_per_step_ema.update(self._tokens_last_step)
+        self.step_costs.append((self._tokens_last_step, dt))
+        return outputs
+
+    def _admit(self) -> None:
+        while self.waiting and self.free_slots:
+            r = self.waiting.popleft()
+            self.free_slots.sort()
+            r.slot = self.free_slots.pop(0)
+            r.status = Status.RUNNING
+            self.running.append(r)
+
+    def _decide_k(self, decoding: list[Request], budget: int) -> list[int]:
+        if not decoding:
+            return []
+        k_cap = self.config.num_speculative_tokens
+        cands = [
+            SpecCandidate(
+                request_id=r.request_id,
+                proposer=r.proposer,
+                speculation=r.speculation,
+                # never draft past max_tokens (the verify emits accepted + 1) or past the context
+                k_max=max(0, min(k_cap, r.params.max_tokens - len(r.output_ids) - 1, self.max_model_len - r.num_tokens - 1)),
+            )
+            for r in decoding
+        ]
+        ks = self.decide(self.snapshot(), cands)
+        ks = [max(0, min(int(k), c.k_max)) if c.proposer else 0 for k, c in zip(ks, cands)]
+        # Every decoding request gets its 1 pending token; drafts share what is left of the budget.
+        spare = budget - len(decoding)
+        for i, k in enumerate(ks):
+            ks[i] = max(0, min(k, spare))
+            spare -= ks[i]
+        return ks
+
+    def _propose(self, decoding: list[Request], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        drafts: list[list[int]] = [[] for _ in decoding]
+        probs: list[torch.Tensor | None] = [None for _ in decoding]
+        by_proposer: dict[str, list[int]] = collections.defaultdict(list)
+        for i, (r, k) in enumerate(zip(decoding, ks)):
+            if k > 0 and r.proposer:
+                by_proposer[r.proposer].append(i)
+        for name, idxs in by_proposer.items():
+            reqs = [
+                ProposalRequest(
+                    request_id=decoding[i].request_id,
+                    token_ids=decoding[i].all_ids(),
+                    num_prompt_tokens=len(decoding[i].prompt_ids),
+                    k=ks[i],
+                    eos_token_ids=decoding[i].eos_token_ids,
+                    sampling=decoding[i].params,
+                )
+                for i in idxs
+            ]
+            props = self.proposers[name].propose(reqs)
+            for j, i in enumerate(idxs):
+                d = list(props.draft_token_ids[j])[: ks[i]]
+                drafts[i] = d
+                p = props.draft_probs[j]
+                probs[i] = p[: len(d)] if (p is not None and d) else None
+        return drafts, probs
+
+    def _record(self, r: Request, n_draft: int, n_acc: int) -> None:
+        r.spec.record_verify(n_draft, n_acc)
+        if r.proposer and n_draft:
+            self.stats[r.proposer].record_verify(n_draft, n_acc)
+            self.acceptance_ema[r.proposer].update(n_acc / n_draft)
+            self.proposers[r.proposer].observe(r.request_id, n_draft, n_acc)
+        elif r.proposer:
+            self.stats[r.proposer].plain_steps += 1
+
+    def _commit(self, r: Request, new_ids: Iterable[int]) -> RequestOutput:
+        committed: list[int] = []
+        if r.first_token_time is None:
+            r.first_token_time = time.monotonic()
+        for t in new_ids:
+            r.output_ids.append(t)
+            committed.append(t)
+            if t in r.eos_token_ids:
+                self._finish(r, "stop")
+                break
+            if r.detok.add(t):
+                self._finish(r, "stop")
+                break
+            if len(r.output_ids) >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
+                self._finish(r, "length")
+                break
+        return self._output(r, committed, final=r.status is Status.FINISHED)
+
+    def _output(self, r: Request, token_ids: list[int], final: bool) -> RequestOutput:
+        return RequestOutput(
+            request_id=r.request_id,
+            token_ids=token_ids,
+            text=r.detok.take(final),
+            finished=final,
+            finish_reason=r.finish_reason,
+            num_prompt_tokens=len(r.prompt_ids),
+            num_output_tokens=len(r.output_ids),
+            proposer=r.proposer,
+            spec=r.spec,
+            first_token_time=r.first_token_time,
+            arrival_time=r.arrival_time,
+        )
+
+    def _finish(self, r: Request, reason: str) -> None:
+        if r.status is Status.FINISHED:
+            return
+        if r.status is Status.RUNNING:
+            self.running.remove(r)
+            self.free_slots.append(r.slot)
+            r.slot = -1
+            for p in self.proposers.values():
+                p.finish(r.request_id, r.all_ids())
+        r.status = Status.FINISHED
+        r.finish_reason = reason
+        self.requests.pop(r.request_id, None)
+
+    # ----------------------------------------------------------------- load
+
+    def snapshot(self) -> LoadSnapshot:
+        return LoadSnapshot(
+            running=len(self.running),
+            decoding=sum(1 for r in self.running if not r.in_prefill),
+            waiting=len(self.waiting),
+            tokens_last_step=self._tokens_last_step,
+            kv_tokens_in_use=sum(r.num_computed for r in self.running),
+            kv_tokens_capacity=self.config.max_num_seqs * self.max_model_len,
+            step_time_ema_s=self.step_time_ema.value or 0.0,
+            tokens_per_step_ema=self.tokens_per_step_ema.value or 0.0,
+            acceptance_ema={k: v.value or 0.0 for k, v in self.acceptance_ema.items()},
+            num_steps=self.num_steps,
+            timestamp=time.time(),
+        )
+
+    # ----------------------------------------------------------------- convenience (tests, benchmarks)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> list[list[int]]:
+        """Run prompts to completion in one continuous batch; returns each request's output ids."""
+        base = f"gen{self.num_steps}-{id(prompts)}"
+        ids = [f"{base}-{i}" for i in range(len(prompts))]
+        for rid, p in zip(ids, prompts):
+            self.add_request(rid, p, params, **kwargs)
+        outs: dict[str, list[int]] = {rid: [] for rid in ids}
+        while any(rid in self.requests for rid in ids):
+            for o in self.step():
+                if o.request_id in outs:
+                    outs[o.request_id].extend(o.token_ids)
+        return [outs[rid] for rid in ids]

@@ -1,0 +1,68 @@
+"""Per-request state inside the engine, and what the engine hands back each step."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from workers.decision import Speculation
+from workers.detokenizer import IncrementalDetokenizer
+from workers.sampling_params import SamplingParams
+from workers.stats import SpecDecodeStats
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # no KV slot yet
+    RUNNING = "running"  # holds a slot: prefilling or decoding
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """One step's worth of output for one request (a streaming chunk)."""
+
+    request_id: str
+    token_ids: list[int]  # [num_new] tokens committed this step (after stop/EOS truncation)
+    text: str  # text delta for this step
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    num_prompt_tokens: int
+    num_output_tokens: int
+    proposer: str | None
+    spec: SpecDecodeStats  # per-request totals so far (usage.speculation)
+    first_token_time: float | None = None
+    arrival_time: float = 0.0
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    proposer: str | None
+    speculation: Speculation
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    eos_token_ids: frozenset[int]
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is valid in the slot (the rest of all_ids is pending)
+    slot: int = -1
+    finish_reason: str | None = None
+    first_token_time: float | None = None
+    spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < len(self.prompt_ids)

@@ -1,0 +1,86 @@
+"""Plain stats objects: the engine fills them, exporters (metrics, usage, the policy) read them.
+
+Vocabulary (vLLM's spec_decode metrics): a *draft* is one proposal for one request in one
+step; *draft tokens* are the tokens proposed; *accepted tokens* exclude the recovered or
+bonus token. Acceptance rate = accepted / draft tokens (in [0, 1], 0 when nothing was
+proposed); mean acceptance length = 1 + accepted / drafts (tokens committed per verify).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecDecodeStats:
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [K_max] accepted count at draft position i
+    spec_steps: int = 0
+    plain_steps: int = 0
+
+    def record_verify(self, num_draft_tokens: int, num_accepted: int) -> None:
+        if num_draft_tokens == 0:
+            self.plain_steps += 1
+            return
+        self.spec_steps += 1
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft_tokens:
+            self.accepted_per_pos.extend([0] * (num_draft_tokens - len(self.accepted_per_pos)))
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    def as_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_pos": list(self.accepted_per_pos),
+            "spec_steps": self.spec_steps,
+            "plain_steps": self.plain_steps,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+        }
+
+
+class Ema:
+    """Exponential moving average that starts at its first sample (no warm-up bias)."""
+
+    def __init__(self, alpha: float = 0.1, initial: float | None = None) -> None:
+        self.alpha = alpha
+        self.value = initial
+
+    def update(self, x: float) -> float:
+        self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
+        return self.value
+
+
+@dataclass
+class LoadSnapshot:
+    """Live load of one target engine, as the router and the policy see it."""
+
+    running: int = 0  # requests holding a KV slot (prefilling or decoding)
+    decoding: int = 0  # running requests past their prompt: the batch size that decides speculation
+    waiting: int = 0  # admitted to the engine but waiting for a slot
+    tokens_last_step: int = 0
+    kv_tokens_in_use: int = 0
+    kv_tokens_capacity: int = 0
+    step_time_ema_s: float = 0.0
+    tokens_per_step_ema: float = 0.0
+    acceptance_ema: dict[str, float] = field(default_factory=dict)  # per proposer, acceptance rate EMA
+    num_steps: int = 0
+    timestamp: float = 0.0  # time.time() when taken
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
