@@ -1,0 +1,24 @@
+"""Routing policies: given a load snapshot, K per decoding request (0 = plain). No Ray here."""
+
+from policies.base import Policy, PolicyConfigBase
+from policies.cost_model import StepCostModel
+from policies.registry import (
+    DEFAULT_POLICY,
+    PolicyConfig,
+    default_policy_config,
+    known_policies,
+    make_policy,
+    parse_policy_config,
+)
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "Policy",
+    "PolicyConfig",
+    "PolicyConfigBase",
+    "StepCostModel",
+    "default_policy_config",
+    "known_policies",
+    "make_policy",
+    "parse_policy_config",
+]

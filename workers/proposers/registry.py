@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from workers.proposers.base import Proposer
+from workers.proposers.draft_model import DraftModelProposer
 from workers.proposers.ngram import NgramProposer
 from workers.proposers.suffix import SuffixProposer
 
@@ -22,6 +23,7 @@ ProposerFactory = Callable[..., Proposer]
 _PROPOSERS: dict[str, ProposerFactory] = {
     NgramProposer.name: NgramProposer,
     SuffixProposer.name: SuffixProposer,
+    DraftModelProposer.name: DraftModelProposer,
 }
 
 

@@ -1,0 +1,104 @@
+"""The application's typed configuration: the ``args`` (and ``user_config``) of ray_config.yaml.
+
+Every model has ``extra="forbid"``: a misspelled key fails ``serve deploy`` with a
+message naming it, instead of silently doing nothing (vLLM's ``disable_by_batch_size``
+was ignored for many releases; we do not repeat that).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from policies.registry import PolicyConfig, default_policy_config
+from workers.config import EngineConfig
+
+
+class Resources(BaseModel):
+    """Where and how many replicas of one deployment run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_replicas: int = Field(1, ge=1, description="Replicas of this deployment.")
+    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs each replica reserves.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs each replica reserves (production: 1).")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources, e.g. {target_node: 0.01} to pin to a node type."
+    )
+    max_ongoing_requests: int = Field(64, ge=1, description="Requests a replica handles at once (Serve).")
+    max_queued_requests: int = Field(-1, ge=-1, description="Requests queued per caller beyond that; -1 = unbounded.")
+
+    def ray_actor_options(self) -> dict[str, Any]:
+        opts: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.resources:
+            opts["resources"] = dict(self.resources)
+        return opts
+
+
+class DraftConfig(BaseModel):
+    """The draft worker: a separate deployment holding the draft model (its own device / node)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(True, description="Deploy the draft worker and offer the 'draft_model' proposer.")
+    model: str = Field("target", description="'target' (the target as its own draft), 'smollm2' or a local HF dir.")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: str = "auto"
+    num_threads: int | None = Field(None, ge=1, description="torch threads in the draft replica.")
+    max_num_seqs: int = Field(64, ge=1, description="Requests the draft keeps KV for, over all target replicas.")
+    call_timeout_s: float = Field(
+        2.0, gt=0, description="A draft call slower than this is abandoned; the step runs plain (output unchanged)."
+    )
+    retry_after_s: float = Field(1.0, ge=0, description="After a failed call, run plain for this long, then retry.")
+    resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.5))
+
+
+class IngressConfig(BaseModel):
+    """HTTP-facing limits and auth."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens_cap: int = Field(1024, ge=1, description="Largest max_tokens a request may ask for.")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when the request gives none.")
+    max_body_bytes: int = Field(1_000_000, ge=1024, description="Request bodies above this get 413.")
+    max_stop_strings: int = Field(8, ge=0, description="Most stop strings per request.")
+    max_stop_chars: int = Field(64, ge=1, description="Longest stop string.")
+    api_key: str | None = Field(
+        None, description="If set (or env SPECSERVE_API_KEY), every route but /health needs 'Authorization: Bearer'."
+    )
+    request_timeout_s: float = Field(300.0, gt=0, description="A request running longer is cancelled with 408.")
+
+
+class RouterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    report_interval_s: float = Field(0.05, gt=0, le=5, description="How often target replicas push their load.")
+    stale_after_s: float = Field(2.0, gt=0, description="Loads older than this are ignored when picking a replica.")
+
+
+class RouterUserConfig(BaseModel):
+    """``user_config`` of the Router deployment: applied live by ``serve deploy`` (no replica restart).
+
+    The Router is the one place the policy lives; target replicas pick up a new policy
+    from the Router's answer to their next load report (within ``report_interval_s``).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: PolicyConfig = Field(default_factory=default_policy_config, description="Routing policy (default goodput).")
+
+    def policy_dump(self) -> dict[str, Any]:
+        return self.policy.model_dump(mode="json")
+
+
+class AppConfig(BaseModel):
+    """``args`` of the Serve application in ray_config.yaml."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    target: Resources = Field(default_factory=lambda: Resources(num_cpus=1.0))
+    draft: DraftConfig = Field(default_factory=DraftConfig)
+    ingress: IngressConfig = Field(default_factory=IngressConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)

@@ -1,0 +1,91 @@
+"""Draft worker: a Serve deployment that holds the draft model on its own resources.
+
+One ``propose`` call per engine step carries every speculative request of that step
+(batched forward on the draft), whichever target replica sent it. Per-request KV lives in
+the DraftModelProposer, keyed by request id; see deployments/remote_draft.py for the
+protocol that keeps it consistent with the target.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+from ray import serve
+
+from cluster.config import AppConfig
+from workers.model_loader import load_model
+from workers.proposers.base import ProposalRequest
+from workers.proposers.draft_model import DraftModelProposer
+from workers.sampling_params import SamplingParams
+
+log = logging.getLogger("ray.serve")
+
+
+@serve.deployment(name="DraftWorker")
+class DraftWorker:
+    def __init__(self, app_config: dict) -> None:
+        cfg = AppConfig.model_validate(app_config)
+        d = cfg.draft
+        if d.num_threads:
+            torch.set_num_threads(d.num_threads)
+        target = load_model(cfg.engine.model)
+        loaded = target if d.model == "target" else load_model(d.model)
+        self.proposer = DraftModelProposer(
+            loaded.model,
+            num_slots=d.max_num_seqs,
+            max_model_len=cfg.engine.max_model_len,
+            dtype=d.dtype,
+            device=d.device,
+            target_vocab_size=target.model.config.vocab_size,
+        )
+        self._known: dict[str, list[int]] = {}
+        self._lock = threading.Lock()  # Serve may run sync methods on a thread pool
+        self.num_calls = 0
+
+    def propose(self, batch: list[dict[str, Any]], released: list[str]) -> list[dict[str, Any]]:
+        with self._lock:
+            for rid in released:
+                self._known.pop(rid, None)
+                self.proposer.finish(rid, [])
+            answers: list[dict[str, Any] | None] = [None] * len(batch)
+            reqs: list[ProposalRequest] = []
+            idx: list[int] = []
+            free = self.proposer.num_slots - self.proposer.num_active
+            for i, m in enumerate(batch):
+                known = self._known.get(m["request_id"], [])
+                if m["offset"] != len(known):  # we lost this request's state (restart): ask for everything
+                    self._known.pop(m["request_id"], None)
+                    self.proposer.finish(m["request_id"], [])
+                    answers[i] = {"resync": True}
+                    continue
+                known = known + m["new_tokens"]
+                self._known[m["request_id"]] = known
+                if not self.proposer.has(m["request_id"]):
+                    if free <= 0:  # every draft slot is taken: this request runs plain this step
+                        answers[i] = {"draft_token_ids": [], "draft_probs": None}
+                        continue
+                    free -= 1
+                reqs.append(
+                    ProposalRequest(
+                        request_id=m["request_id"],
+                        token_ids=known,
+                        num_prompt_tokens=m["num_prompt_tokens"],
+                        k=m["k"],
+                        eos_token_ids=frozenset(m["eos_token_ids"]),
+                        sampling=SamplingParams(**m["sampling"]),
+                    )
+                )
+                idx.append(i)
+            if reqs:
+                props = self.proposer.propose(reqs)
+                for j, i in enumerate(idx):
+                    p = props.draft_probs[j]
+                    answers[i] = {"draft_token_ids": props.draft_token_ids[j], "draft_probs": None if p is None else p.cpu()}
+            self.num_calls += 1
+            return answers  # type: ignore[return-value]
+
+    def stats(self) -> dict[str, Any]:
+        return {"active": self.proposer.num_active, "kv_tokens_in_use": self.proposer.kv_tokens_in_use, "calls": self.num_calls}

@@ -1,0 +1,262 @@
+"""HTTP ingress: OpenAI-compatible routes, validation, chat template, SSE streaming.
+
+Every bad input is answered here with a 4xx in OpenAI's error shape naming the problem,
+before it reaches an engine; what only the engine can judge (e.g. a proposer that is not
+configured) comes back as an error chunk and is answered the same way.
+"""
+
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+
+from cluster.config import AppConfig
+from deployments import protocol as P
+
+log = logging.getLogger("ray.serve")
+app = FastAPI(title="specserve", docs_url=None, redoc_url=None)
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
+                 code: Any = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(P.error_body(self.message, self.type, self.param, self.code), self.status, headers=self.headers)
+
+
+def _validation_message(e: ValidationError) -> tuple[str, str | None]:
+    err = e.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"] if not isinstance(x, int) or True)
+    if err["type"] == "extra_forbidden":
+        return f"unknown field '{loc}'", loc
+    return f"{loc}: {err['msg']}", loc or None
+
+
+@serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0})
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, app_config: dict, target: DeploymentHandle, router: DeploymentHandle) -> None:
+        from transformers import AutoTokenizer
+
+        from workers.model_loader import resolve_model_path
+
+        self.cfg = AppConfig.model_validate(app_config)
+        self.model_name = self.cfg.engine.served_model_name
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(self.cfg.engine.model))
+        self.target = target.options(stream=True)
+        self.target_unary = target
+        self.router = router
+        self.api_key = self.cfg.ingress.api_key or os.environ.get("SPECSERVE_API_KEY") or None
+        self.proposers = [p.name for p in self.cfg.engine.proposers if p.name != "draft_model" or self.cfg.draft.enabled]
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _auth(self, request: Request) -> None:
+        if not self.api_key:
+            return
+        got = request.headers.get("authorization", "")
+        if not hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
+            raise HTTPError(401, "missing or invalid API key", type_="authentication_error", code="invalid_api_key")
+
+    async def _body(self, request: Request, model: type) -> Any:
+        self._auth(request)
+        raw = await request.body()
+        if len(raw) > self.cfg.ingress.max_body_bytes:
+            raise HTTPError(413, f"request body of {len(raw)} bytes exceeds {self.cfg.ingress.max_body_bytes}")
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise HTTPError(400, f"body is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise HTTPError(400, "body must be a JSON object")
+        try:
+            req = model.model_validate(data)
+        except ValidationError as e:
+            msg, param = _validation_message(e)
+            raise HTTPError(400, msg, param) from None
+        if req.model != self.model_name:
+            raise HTTPError(400, f"model '{req.model}' does not exist; available: ['{self.model_name}']", "model",
+                            code="model_not_found")
+        ing = self.cfg.ingress
+        if len(req.stop) > ing.max_stop_strings:
+            raise HTTPError(400, f"at most {ing.max_stop_strings} stop strings are allowed", "stop")
+        if any(len(s) > ing.max_stop_chars or not s for s in req.stop):
+            raise HTTPError(400, f"stop strings must be 1 to {ing.max_stop_chars} characters", "stop")
+        if req.proposer is not None and req.proposer not in self.proposers:
+            raise HTTPError(400, f"unknown proposer '{req.proposer}'; configured: {self.proposers}", "proposer")
+        return req
+
+    def _params(self, req: Any) -> dict[str, Any]:
+        ing = self.cfg.ingress
+        max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
+        if max_tokens is not None and max_tokens > ing.max_tokens_cap:
+            raise HTTPError(400, f"max_tokens {max_tokens} is above the cap of {ing.max_tokens_cap}", "max_tokens")
+        return {
+            "max_tokens": max_tokens or ing.default_max_tokens,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_k": req.top_k,
+            "seed": req.seed,
+            "stop": list(req.stop),
+            "ignore_eos": req.ignore_eos,
+        }
+
+    def _check_len(self, prompt_ids: list[int], params: dict[str, Any], explicit: bool) -> None:
+        ctx = self.cfg.engine.max_model_len
+        if len(prompt_ids) >= ctx:
+            raise HTTPError(400, f"prompt has {len(prompt_ids)} tokens; this model's context is {ctx} tokens",
+                            "messages", code="context_length_exceeded")
+        if len(prompt_ids) + params["max_tokens"] > ctx:
+            if explicit:
+                raise HTTPError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params['max_tokens']}) "
+                                f"exceeds the context of {ctx} tokens", "max_tokens", code="context_length_exceeded")
+            params["max_tokens"] = ctx - len(prompt_ids)  # default max_tokens: fill the context
+
+    async def _start(self, req: Any, prompt_ids: list[int], params: dict[str, Any], rid: str):
+        """Route, submit, and read the first chunk (so errors become a 4xx before any SSE byte)."""
+        route = await self.router.route.remote(req.speculation, req.proposer, self.cfg.engine.num_speculative_tokens)
+        payload = {"request_id": rid, "prompt_ids": prompt_ids, "params": params,
+                   "proposer": req.proposer, "speculation": req.speculation}
+        try:
+            gen = self.target.generate.remote(payload, replica_id=route.get("replica_id"))
+            first = await gen.__anext__()
+        except BackPressureError:
+            raise HTTPError(503, "the service is at capacity; retry later", type_="overloaded_error",
+                            code="overloaded", headers={"Retry-After": "1"}) from None
+        except StopAsyncIteration:
+            raise HTTPError(500, "the engine returned no output", type_="server_error") from None
+        except Exception as e:  # a target replica died mid-request
+            raise HTTPError(503, f"target worker failed: {type(e).__name__}", type_="server_error",
+                            headers={"Retry-After": "1"}) from None
+        if "error" in first:
+            raise HTTPError(400, first["error"]["message"], first["error"].get("param"))
+        return gen, first
+
+    async def _run(self, request: Request, kind: str) -> Response:
+        is_chat = kind == "chat"
+        req = await self._body(request, P.ChatCompletionRequest if is_chat else P.CompletionRequest)
+        params = self._params(req)
+        explicit = (getattr(req, "max_completion_tokens", None) or req.max_tokens) is not None
+        if is_chat:
+            text = self.tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in req.messages],
+                                                      tokenize=False, add_generation_prompt=True)
+            prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        elif isinstance(req.prompt, str):
+            prompt_ids = self.tokenizer.encode(req.prompt, add_special_tokens=False)
+        else:
+            prompt_ids = list(req.prompt)
+            if any(t < 0 or t >= len(self.tokenizer) for t in prompt_ids):
+                raise HTTPError(400, f"prompt has token ids outside [0, {len(self.tokenizer)})", "prompt")
+        self._check_len(prompt_ids, params, explicit)
+        rid = P.new_id("chatcmpl" if is_chat else "cmpl")
+        deadline = time.monotonic() + self.cfg.ingress.request_timeout_s
+        gen, first = await asyncio.wait_for(self._start(req, prompt_ids, params, rid), self.cfg.ingress.request_timeout_s)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(self._sse(gen, first, rid, is_chat, include_usage, deadline),
+                                     media_type="text/event-stream")
+        parts, last = [first["text"]], first
+        try:
+            while not last["finished"]:
+                last = await asyncio.wait_for(gen.__anext__(), max(0.0, deadline - time.monotonic()))
+                parts.append(last["text"])
+        except asyncio.TimeoutError:
+            gen.cancel()
+            raise HTTPError(408, f"request exceeded the {self.cfg.ingress.request_timeout_s}s timeout",
+                            type_="timeout_error", code="timeout") from None
+        except StopAsyncIteration:
+            raise HTTPError(500, "the engine stream ended early", type_="server_error") from None
+        build = P.chat_response if is_chat else P.completion_response
+        return JSONResponse(build(rid, self.model_name, "".join(parts), last["finish_reason"], last))
+
+    async def _sse(self, gen, first: dict, rid: str, is_chat: bool, include_usage: bool,
+                   deadline: float) -> AsyncIterator[bytes]:
+        created = int(time.time())
+
+        def ev(obj: dict) -> bytes:
+            return f"data: {json.dumps(obj)}\n\n".encode()
+
+        def chunk(text: str, finish: str | None, role: bool = False) -> bytes:
+            if is_chat:
+                delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+                return ev(P.chat_chunk(rid, self.model_name, delta, finish, created))
+            return ev(P.completion_chunk(rid, self.model_name, text, finish, created))
+
+        item, role = first, True
+        try:
+            while True:
+                if item["text"] or role or item["finished"]:
+                    yield chunk(item["text"], item["finish_reason"] if item["finished"] else None, role)
+                    role = False
+                if item["finished"]:
+                    break
+                item = await asyncio.wait_for(gen.__anext__(), max(0.0, deadline - time.monotonic()))
+            if include_usage:
+                u = {"id": rid, "object": "chat.completion.chunk" if is_chat else "text_completion",
+                     "created": created, "model": self.model_name, "choices": [], "usage": P.usage(item)}
+                yield ev(u)
+        except asyncio.TimeoutError:
+            gen.cancel()
+            yield ev(P.error_body("request timed out", "timeout_error", code="timeout"))
+        except asyncio.CancelledError:  # client went away: cancel the request end to end
+            gen.cancel()
+            raise
+        yield b"data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------ routes
+
+    async def _guard(self, request: Request, kind: str) -> Response:
+        try:
+            return await self._run(request, kind)
+        except HTTPError as e:
+            return e.response()
+        except asyncio.TimeoutError:
+            return HTTPError(408, "request timed out", type_="timeout_error", code="timeout").response()
+        except Exception as e:  # a bug, not the client's fault: say so in the OpenAI shape
+            log.exception("request failed")
+            return HTTPError(500, f"internal error: {type(e).__name__}", type_="server_error").response()
+
+    @app.post("/v1/chat/completions")
+    async def chat(self, request: Request) -> Response:
+        return await self._guard(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._guard(request, "completion")
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        try:
+            self._auth(request)
+        except HTTPError as e:
+            return e.response()
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "specserve"}]})
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        ok = await self.router.healthy.remote()
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    @app.get("/v1/speculation/stats")
+    async def spec_stats(self, request: Request) -> Response:
+        try:
+            self._auth(request)
+        except HTTPError as e:
+            return e.response()
+        return JSONResponse(await self.router.stats.remote())

@@ -1,0 +1,87 @@
+"""The target-side proxy of the draft worker: a Proposer whose ``propose`` is one batched RPC.
+
+Protocol (robust to lost messages and draft restarts): committed tokens never change, so
+each call sends only the tokens committed since the last call (``offset`` + ``new_tokens``).
+The draft worker rolls its KV back by itself (longest common prefix with what it cached),
+which is exactly "piggybacking the accepted counts on the next call". If the draft lost a
+request's state it answers ``resync`` and the next call sends the whole sequence. Finished
+requests ride along in ``released``. Any failure or time-out makes this step plain for the
+requests involved (same output, fewer tokens per pass) and backs off for ``retry_after_s``.
+
+Called from the engine thread (not an event loop), so a blocking ``result()`` is fine here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Sequence
+
+import torch
+
+from workers.proposers.base import ProposalRequest, Proposals, Proposer
+
+log = logging.getLogger("ray.serve")
+
+
+class RemoteDraftProposer(Proposer):
+    name = "draft_model"
+
+    def __init__(self, handle: Any, timeout_s: float = 2.0, retry_after_s: float = 1.0) -> None:
+        self.handle = handle
+        self.timeout_s = timeout_s
+        self.retry_after_s = retry_after_s
+        self._sent: dict[str, int] = {}  # request id -> committed tokens the draft worker has
+        self._released: list[str] = []
+        self._down_until = 0.0
+        self.up = True
+        self.num_failures = 0
+        self.last_call_s = 0.0
+
+    def propose(self, requests: list[ProposalRequest]) -> Proposals:
+        empty = Proposals([[] for _ in requests], [None for _ in requests])
+        if time.monotonic() < self._down_until:
+            return empty
+        batch = []
+        for r in requests:
+            off = self._sent.get(r.request_id, 0)
+            batch.append(
+                {
+                    "request_id": r.request_id,
+                    "offset": off,
+                    "new_tokens": list(r.token_ids[off:]),
+                    "num_prompt_tokens": r.num_prompt_tokens,
+                    "k": r.k,
+                    "eos_token_ids": sorted(r.eos_token_ids),
+                    "sampling": r.sampling.model_dump(),
+                }
+            )
+        released, self._released = self._released, []
+        t0 = time.perf_counter()
+        try:
+            answer = self.handle.propose.remote(batch, released).result(timeout_s=self.timeout_s)
+        except Exception as e:  # unreachable, crashed or too slow: plain step, output unchanged
+            self.num_failures += 1
+            self.up = False
+            self._down_until = time.monotonic() + self.retry_after_s
+            self._sent.clear()  # the draft may have lost everything: resend whole sequences next time
+            log.warning("draft worker call failed (%s); plain steps for %.1fs", type(e).__name__, self.retry_after_s)
+            return empty
+        self.last_call_s = time.perf_counter() - t0
+        self.up = True
+        drafts: list[list[int]] = []
+        probs: list[torch.Tensor | None] = []
+        for r, a in zip(requests, answer):
+            if a.get("resync"):
+                self._sent[r.request_id] = 0
+                drafts.append([])
+                probs.append(None)
+                continue
+            self._sent[r.request_id] = len(r.token_ids)
+            drafts.append(list(a["draft_token_ids"]))
+            probs.append(a.get("draft_probs"))
+        return Proposals(drafts, probs)
+
+    def finish(self, request_id: str, token_ids: Sequence[int]) -> None:
+        if self._sent.pop(request_id, None) is not None:
+            self._released.append(request_id)

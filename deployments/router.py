@@ -1,0 +1,70 @@
+"""Router: holds the routing policy and the live load of every target replica.
+
+Target replicas push a load snapshot every ``report_interval_s`` (50 ms by default), so
+the view is at most one interval plus one RPC old (the age is reported with every route
+decision). For each request the Router picks the least-loaded fresh replica and the
+path and K the policy would give it there; the engine then re-applies the same policy
+every step, so a request admitted at low load stops speculating when load rises.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ray import serve
+
+from cluster.config import AppConfig, RouterUserConfig
+from policies.registry import make_policy
+from workers.decision import SpecCandidate
+from workers.stats import LoadSnapshot
+
+
+@serve.deployment(name="Router", num_replicas=1, ray_actor_options={"num_cpus": 0})
+class Router:
+    def __init__(self, app_config: dict) -> None:
+        self.cfg = AppConfig.model_validate(app_config)
+        self.user_config = RouterUserConfig()
+        self.policy = make_policy(self.user_config.policy)
+        self.version = 0
+        self.loads: dict[str, tuple[float, dict[str, Any]]] = {}  # replica id -> (received at, snapshot)
+
+    def reconfigure(self, user_config: dict) -> None:
+        """Live policy change from ``serve deploy`` (validated; unknown keys fail the deploy)."""
+        uc = RouterUserConfig.model_validate(user_config or {})
+        self.policy = make_policy(uc.policy)
+        self.user_config = uc
+        self.version += 1
+
+    def report(self, replica_id: str, snapshot: dict[str, Any], version: int) -> dict[str, Any] | None:
+        self.loads[replica_id] = (time.time(), snapshot)
+        if version != self.version:
+            return {"version": self.version, "policy": self.user_config.policy_dump()}
+        return None
+
+    def _fresh(self) -> dict[str, tuple[float, dict[str, Any]]]:
+        now = time.time()
+        return {r: v for r, v in self.loads.items() if now - v[0] <= self.cfg.router.stale_after_s}
+
+    def route(self, speculation: str, proposer: str | None, k_max: int) -> dict[str, Any]:
+        fresh = self._fresh()
+        if not fresh:
+            return {"replica_id": None, "path": "unknown", "k": None, "load_age_s": None}
+        rid, (at, snap) = min(fresh.items(), key=lambda kv: (kv[1][1]["running"] + kv[1][1]["waiting"], kv[0]))
+        s = LoadSnapshot(**snap)
+        s.decoding += 1  # as if this request were already running
+        k = self.policy.decide(s, [SpecCandidate("route", proposer or "default", speculation, k_max)])[0]
+        return {"replica_id": rid, "path": "spec" if k > 0 else "plain", "k": k, "load_age_s": time.time() - at}
+
+    def stats(self) -> dict[str, Any]:
+        now = time.time()
+        return {
+            "policy": self.policy.describe(),
+            "policy_version": self.version,
+            "replicas": {r: {"age_s": now - at, **snap} for r, (at, snap) in self.loads.items()},
+            "decisions": {f"{p}:{k}": n for (p, k), n in self.policy.decisions.items()},
+        }
+
+    def healthy(self) -> bool:
+        """At least one target replica reported recently (its loop is alive and stepping)."""
+        return bool(self._fresh())

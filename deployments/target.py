@@ -1,0 +1,120 @@
+"""Target worker: a Serve replica that runs the engine loop (plain and speculative steps).
+
+It pushes its live load to the Router every ``report_interval_s`` and takes the current
+routing policy back in the answer, so a ``serve deploy`` that changes the Router's
+``user_config`` reaches every engine without restarting it. n-gram and suffix proposers
+run here; the draft model is a batched RPC to the draft worker (deployments/draft.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any, AsyncIterator
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from cluster.config import AppConfig
+from deployments.remote_draft import RemoteDraftProposer
+from policies.registry import make_policy
+from workers.async_engine import AsyncEngine
+from workers.engine import LLMEngine
+from workers.errors import InvalidRequestError
+from workers.model_loader import load_model
+from workers.proposers.base import Proposer
+from workers.proposers.registry import make_proposer
+from workers.request import RequestOutput
+
+log = logging.getLogger("ray.serve")
+
+
+def output_dict(o: RequestOutput) -> dict[str, Any]:
+    return {
+        "text": o.text,
+        "token_ids": o.token_ids,
+        "finished": o.finished,
+        "finish_reason": o.finish_reason,
+        "num_prompt_tokens": o.num_prompt_tokens,
+        "num_output_tokens": o.num_output_tokens,
+        "proposer": o.proposer,
+        "spec": o.spec.as_dict(),
+    }
+
+
+@serve.deployment(name="TargetWorker")
+class TargetWorker:
+    def __init__(self, app_config: dict, router: DeploymentHandle, draft: DeploymentHandle | None) -> None:
+        cfg = AppConfig.model_validate(app_config)
+        self.cfg = cfg
+        loaded = load_model(cfg.engine.model)
+        proposers: dict[str, Proposer] = {}
+        for p in cfg.engine.proposers:
+            if p.name == "draft_model":
+                if draft is not None:
+                    proposers["draft_model"] = RemoteDraftProposer(
+                        draft, timeout_s=cfg.draft.call_timeout_s, retry_after_s=cfg.draft.retry_after_s
+                    )
+            else:
+                proposers[p.name] = make_proposer(p.name, **p.options)
+        self.policy_version = -1
+        self.policy = make_policy({"name": "goodput"})
+        engine = LLMEngine(cfg.engine, loaded, proposers=proposers, decide=self._decide)
+        self.engine = AsyncEngine(engine)
+        self.router = router
+        ctx = serve.get_replica_context()
+        self.replica_id = ctx.replica_id.unique_id if ctx is not None else f"local-{os.getpid()}"
+        self._reporter = asyncio.get_event_loop().create_task(self._report_loop())
+
+    # The engine thread calls this every step; it reads ``self.policy`` (swapped atomically).
+    def _decide(self, snapshot, candidates):
+        return self.policy.decide(snapshot, candidates)
+
+    async def _report_loop(self) -> None:
+        interval = self.cfg.router.report_interval_s
+        while True:
+            try:
+                snap = self.engine.snapshot().as_dict()
+                answer = await self.router.report.remote(self.replica_id, snap, self.policy_version)
+                if answer and answer.get("version", -1) != self.policy_version:
+                    self.policy = make_policy(answer["policy"])
+                    self.policy_version = answer["version"]
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the router restarting must not take the engine down
+                log.warning("load report to the router failed", exc_info=True)
+            await asyncio.sleep(interval)
+
+    async def generate(self, request: dict[str, Any], replica_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
+        """Stream output chunks as dicts; an invalid request yields one ``{"error": ...}`` chunk."""
+        try:
+            async for o in self.engine.generate(
+                request["request_id"],
+                request["prompt_ids"],
+                params=request["params"],
+                proposer=request.get("proposer"),
+                speculation=request.get("speculation", "auto"),
+            ):
+                yield output_dict(o)
+        except InvalidRequestError as e:
+            yield {"error": {"message": e.message, "param": e.param}}
+
+    def load(self) -> dict[str, Any]:
+        return {"replica_id": self.replica_id, **self.engine.snapshot().as_dict()}
+
+    async def stats(self) -> dict[str, Any]:
+        def collect(e: LLMEngine) -> dict[str, Any]:
+            return {name: s.as_dict() for name, s in e.stats.items()}
+
+        return {"replica_id": self.replica_id, "proposers": await self.engine.call(collect), "load": self.load()}
+
+    def check_health(self) -> None:
+        if not self.engine.healthy():
+            raise RuntimeError("engine loop is dead or wedged")
+
+    def __del__(self) -> None:
+        try:
+            self.engine.shutdown()
+        except Exception:
+            pass

@@ -1,0 +1,80 @@
+"""Online step-cost model: seconds per engine step as a line in the tokens fed to it.
+
+    time(tokens) = c0 + c1 * tokens
+
+c0 is the fixed cost of a step (reading all weights once, launch and Python overhead);
+c1 the marginal cost of one more token in the batch (compute). At a small batch c1 * tokens
+is small next to c0 and extra verify tokens are nearly free; at a large batch the step is
+compute bound and they are not. SmartSpec (arXiv 2406.14066) models the batch latency the
+same way, as a linear function of the batched tokens.
+
+The fit is exponentially weighted least squares over ``(tokens, seconds)`` samples, so the
+model follows drift (other tenants, thermal state, a different prompt mix): sample i of n
+has weight ``decay ** (n - 1 - i)``. Until ``min_samples`` samples have been seen the
+priors are used. The slope is shrunk towards the prior slope with weight ``SLOPE_PRIOR``
+(in tokens^2): when every sample has the same token count the slope is unidentifiable and
+the prior slope is used, while a spread of a few tokens already lets the data dominate.
+"""
+
+from __future__ import annotations
+
+import math
+
+SLOPE_PRIOR = 1.0  # ridge weight pulling c1 towards prior_per_token_s; tiny next to any real spread
+MIN_STEP_S = 1e-6  # predictions never reach 0: goodput divides by them
+
+
+class StepCostModel:
+    def __init__(
+        self,
+        prior_base_s: float = 0.05,
+        prior_per_token_s: float = 0.003,
+        min_samples: int = 8,
+        decay: float = 0.98,
+    ) -> None:
+        if prior_base_s <= 0 or prior_per_token_s < 0:
+            raise ValueError("prior_base_s must be > 0 and prior_per_token_s >= 0")
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        self.prior_base_s = prior_base_s
+        self.prior_per_token_s = prior_per_token_s
+        self.min_samples = min_samples
+        self.decay = decay
+        self.num_samples = 0
+        # exponentially weighted sums: weight, x, y, x^2, x*y (x = tokens, y = seconds)
+        self._w = self._sx = self._sy = self._sxx = self._sxy = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """Add one step's measurement. Non-positive or non-finite samples are ignored."""
+        if tokens <= 0 or not (seconds > 0 and math.isfinite(seconds)):
+            return
+        d, x, y = self.decay, float(tokens), float(seconds)
+        self._w = d * self._w + 1.0
+        self._sx = d * self._sx + x
+        self._sy = d * self._sy + y
+        self._sxx = d * self._sxx + x * x
+        self._sxy = d * self._sxy + x * y
+        self.num_samples += 1
+
+    def coefficients(self) -> tuple[float, float]:
+        """``(c0, c1)``: seconds per step and seconds per token, both >= 0."""
+        if self.num_samples < self.min_samples:
+            return self.prior_base_s, self.prior_per_token_s
+        w = self._w
+        mx, my = self._sx / w, self._sy / w
+        vxx = max(self._sxx - w * mx * mx, 0.0)  # weighted sum of squared deviations of x
+        cxy = self._sxy - w * mx * my
+        c1 = max((cxy + SLOPE_PRIOR * self.prior_per_token_s) / (vxx + SLOPE_PRIOR), 0.0)
+        c0 = my - c1 * mx
+        if c0 < 0.0:  # noise made the line cross zero: keep it through the mean, from the origin
+            c0, c1 = 0.0, my / mx
+        return c0, c1
+
+    def predict(self, tokens: int | float) -> float:
+        """Expected seconds for a step that feeds ``tokens`` tokens."""
+        c0, c1 = self.coefficients()
+        return max(c0 + c1 * tokens, MIN_STEP_S)
+
+    def as_dict(self) -> dict[str, float | int]:
+        c0, c1 = self.coefficients()
+        return {"base_s": c0, "per_token_s": c1, "num_samples": self.num_samples}

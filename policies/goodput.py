@@ -1,0 +1,135 @@
+"""``goodput`` (the default policy): pick K to maximize committed tokens per second.
+
+SmartSpec (Liu et al. 2024, arXiv 2406.14066) chooses the speculation length each step
+to maximize *goodput*, the tokens the batch commits per second, from an estimate of the
+acceptance rate and a model of the step cost. Here, for a decode batch of B requests that
+all draft K tokens with per-token acceptance rate a:
+
+    E[tokens](K, a) = (1 - a^(K+1)) / (1 - a)      # committed per verify (Leviathan et al.),
+                                                    # K + 1 when a == 1, 1 when K == 0
+    goodput(K)     = B * E[tokens](K, a) / time(B * (K + 1))
+
+with ``time`` the online linear step-cost model (policies/cost_model.py) that the engine
+loop feeds through :meth:`Policy.observe_step`. Every K in [0, k_max] is evaluated; K is
+uniform per proposer (acceptance is per proposer, from ``snapshot.acceptance_ema``, with
+``prior_acceptance`` until a proposer has an EMA). A proposer whose acceptance is below
+``min_acceptance`` gets K = 0.
+
+Hysteresis: the K chosen for a proposer changes only when the best K's goodput beats the
+current K's by more than ``switch_margin`` (relative), so two K within noise of each other
+do not make the path flap step by step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Sequence
+
+from pydantic import Field
+
+from policies.base import Clock, Policy, PolicyConfigBase, batch_size
+from policies.cost_model import StepCostModel
+from workers.decision import SpecCandidate
+from workers.stats import LoadSnapshot
+
+
+class GoodputConfig(PolicyConfigBase):
+    """Choose K per proposer to maximize expected committed tokens per second (SmartSpec-style)."""
+
+    name: Literal["goodput"] = Field("goodput", description="Policy name.")
+    prior_acceptance: float = Field(
+        0.5, ge=0.0, le=1.0, description="Acceptance rate assumed for a proposer with no acceptance EMA yet."
+    )
+    min_acceptance: float = Field(
+        0.05, ge=0.0, le=1.0, description="A proposer whose acceptance rate is below this never speculates."
+    )
+    switch_margin: float = Field(
+        0.05,
+        ge=0.0,
+        description="Relative goodput gain the best K must have over the current K before K changes (0.05 = 5%).",
+    )
+    prior_base_s: float = Field(
+        0.05, gt=0.0, description="Step-cost prior: fixed seconds per engine step, used until the model is fitted."
+    )
+    prior_per_token_s: float = Field(
+        0.003, ge=0.0, description="Step-cost prior: seconds per token fed to a step, used until the model is fitted."
+    )
+    cost_min_samples: int = Field(
+        8, ge=2, description="Step measurements needed before the fitted cost model replaces the priors."
+    )
+    cost_decay: float = Field(
+        0.98,
+        gt=0.0,
+        le=1.0,
+        description="Per-sample forgetting factor of the cost model's weighted least squares (1 = never forget).",
+    )
+
+
+def expected_tokens(k: int, acceptance: float) -> float:
+    """Expected tokens committed by one verify of ``k`` drafts, i.i.d. acceptance ``acceptance``."""
+    if k <= 0:
+        return 1.0
+    a = min(max(acceptance, 0.0), 1.0)
+    if a >= 1.0:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+class GoodputPolicy(Policy[GoodputConfig]):
+    name = "goodput"
+    config_cls = GoodputConfig
+
+    def __init__(self, config: GoodputConfig | None = None, clock: Clock = time.monotonic) -> None:
+        super().__init__(config, clock)
+        cfg = self.config
+        self.cost_model = StepCostModel(
+            prior_base_s=cfg.prior_base_s,
+            prior_per_token_s=cfg.prior_per_token_s,
+            min_samples=cfg.cost_min_samples,
+            decay=cfg.cost_decay,
+        )
+        self.current: dict[str, int] = {}  # proposer -> K chosen last (the hysteresis state)
+        self._last: dict[str, dict[str, float]] = {}
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        self.cost_model.observe(tokens, seconds)
+
+    def goodput(self, k: int, acceptance: float, batch: int) -> float:
+        """Expected committed tokens per second when all ``batch`` requests draft ``k`` tokens."""
+        return batch * expected_tokens(k, acceptance) / self.cost_model.predict(batch * (k + 1))
+
+    def acceptance(self, snapshot: LoadSnapshot, proposer: str) -> float:
+        return snapshot.acceptance_ema.get(proposer, self.config.prior_acceptance)
+
+    def _choose(self, proposer: str, acceptance: float, batch: int, k_hi: int) -> int:
+        cfg = self.config
+        if acceptance < cfg.min_acceptance:
+            self.current[proposer] = 0
+            return 0
+        if k_hi <= 0:  # no candidate can take a draft: nothing to decide, keep the held K
+            return 0
+        g = [self.goodput(k, acceptance, batch) for k in range(k_hi + 1)]
+        best = max(range(k_hi + 1), key=g.__getitem__)  # first maximum: the smallest K on a tie
+        cur = self.current.get(proposer)
+        held = best if cur is None else min(cur, k_hi)  # a request near its end may cap K below cur
+        k = best if g[best] > g[held] * (1.0 + cfg.switch_margin) else held
+        if cur is None or k != held:
+            self.current[proposer] = k  # otherwise keep cur, uncapped, for the next step
+        self._last[proposer] = {"k": k, "acceptance": acceptance, "goodput": g[k]}
+        return k
+
+    def choose_k(self, snapshot: LoadSnapshot, candidates: Sequence[SpecCandidate]) -> list[int]:
+        batch = batch_size(snapshot, candidates)
+        k_hi: dict[str, int] = {}
+        for c in candidates:
+            if c.proposer is not None:
+                k_hi[c.proposer] = max(k_hi.get(c.proposer, 0), c.k_max)
+        chosen = {p: self._choose(p, self.acceptance(snapshot, p), batch, hi) for p, hi in k_hi.items()}
+        return [chosen[c.proposer] if c.proposer is not None else 0 for c in candidates]
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "k": dict(self.current),
+            "last": {p: dict(v) for p, v in self._last.items()},
+            "cost_model": self.cost_model.as_dict(),
+        }

@@ -1,0 +1,255 @@
+"""Draft-model proposer on tiny random Llama models: greedy drafts, LCP rollback, sampling, slots."""
+
+from __future__ import annotations
+
+import random
+from typing import Sequence
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from workers.proposers.base import ProposalRequest
+from workers.proposers.draft_model import DraftModelProposer, common_prefix_len
+from workers.proposers.registry import make_proposer
+from workers.sampler import process_logits
+from workers.sampling_params import SamplingParams
+
+VOCAB = 256
+MAX_LEN = 64
+
+
+def tiny_llama(vocab_size: int = VOCAB, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: with the 2 cores shared, intra-op threads only spin against each other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    return tiny_llama()
+
+
+def proposer(model: LlamaForCausalLM, num_slots: int = 4, max_model_len: int = MAX_LEN) -> DraftModelProposer:
+    return DraftModelProposer(model, num_slots=num_slots, max_model_len=max_model_len, device="cpu")
+
+
+def req(
+    tokens: Sequence[int],
+    k: int,
+    rid: str = "r",
+    eos: Sequence[int] = (),
+    sampling: SamplingParams | None = None,
+) -> ProposalRequest:
+    return ProposalRequest(
+        request_id=rid,
+        token_ids=list(tokens),
+        num_prompt_tokens=len(tokens),
+        k=k,
+        eos_token_ids=frozenset(eos),
+        sampling=sampling or SamplingParams(),
+    )
+
+
+@torch.inference_mode()
+def hf_logits(model: LlamaForCausalLM, tokens: Sequence[int]) -> torch.Tensor:  # [V] next-token logits
+    return model(torch.tensor([list(tokens)])).logits[0, -1].float()
+
+
+def greedy_reference(model: LlamaForCausalLM, tokens: Sequence[int], n: int) -> list[int]:
+    """Plain greedy decoding with the HF forward, no cache: the slow obvious way."""
+    seq = list(tokens)
+    for _ in range(n):
+        seq.append(int(hf_logits(model, seq).argmax()))
+    return seq[len(tokens) :]
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB) for _ in range(length)]
+
+
+def test_common_prefix_len() -> None:
+    assert common_prefix_len([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix_len([1, 2, 3], [1, 2, 3, 4], hint=3) == 3
+    assert common_prefix_len([], [1]) == 0
+    assert common_prefix_len([9, 2, 3], [1, 2, 3], hint=2) == 0  # a wrong hint falls back to a full scan
+    assert common_prefix_len([1, 2, 3, 4], [1, 2, 5], hint=10) == 2
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_self_draft_is_greedy_decoding(model: LlamaForCausalLM, k: int) -> None:
+    lengths = [5, 9, 3, 12]
+    prompts = [prompt(n, seed) for seed, n in enumerate(lengths)]
+    refs = [greedy_reference(model, p, k) for p in prompts]
+
+    single = proposer(model).propose([req(prompts[0], k)])
+    assert single.draft_token_ids == [refs[0]]
+    assert single.draft_probs == [None]
+
+    batched = proposer(model).propose([req(p, k, rid=f"r{i}") for i, p in enumerate(prompts)])
+    assert batched.draft_token_ids == refs
+    assert batched.draft_probs == [None] * 4
+
+
+def test_mixed_k_in_one_batch(model: LlamaForCausalLM) -> None:
+    prompts = [prompt(n, 10 + n) for n in (4, 7, 11)]
+    ks = [1, 5, 3]
+    out = proposer(model).propose([req(p, k, rid=str(i)) for i, (p, k) in enumerate(zip(prompts, ks))])
+    assert out.draft_token_ids == [greedy_reference(model, p, k) for p, k in zip(prompts, ks)]
+
+
+def test_rollback_after_partial_accept(model: LlamaForCausalLM) -> None:
+    p = prompt(8, 1)
+    prop = proposer(model)
+    first = prop.propose([req(p, 4)]).draft_token_ids[0]
+    assert len(first) == 4
+    assert prop.kv_tokens_in_use == len(p) + 3  # prompt + every draft but the last
+    # The target accepted only the first draft and then recovered a different token.
+    other = (first[1] + 1) % VOCAB
+    tokens = p + [first[0], other]
+    again = prop.propose([req(tokens, 4)]).draft_token_ids[0]
+    fresh = proposer(model).propose([req(tokens, 4)]).draft_token_ids[0]
+    assert again == fresh == greedy_reference(model, tokens, 4)
+
+
+def test_rollback_after_plain_steps(model: LlamaForCausalLM) -> None:
+    """The request went down the plain path for a few steps (no propose, no feedback):
+    its first new token differs from the stale draft 0 and more tokens follow it."""
+    p = prompt(8, 16)
+    prop = proposer(model)
+    first = prop.propose([req(p, 4)]).draft_token_ids[0]
+    tokens = p + [(first[0] + 1) % VOCAB, first[1], first[2]]  # only position len(p) disagrees
+    again = prop.propose([req(tokens, 3)]).draft_token_ids[0]
+    assert again == greedy_reference(model, tokens, 3)
+
+
+def test_incremental_equals_fresh_over_many_steps(model: LlamaForCausalLM) -> None:
+    """A proposer that follows requests step by step (random accept lengths, random
+    recovered tokens, varying k, one request taking plain steps) drafts what a fresh one does."""
+    rng = random.Random(7)
+    seqs = {"a": prompt(6, 2), "b": prompt(3, 3), "c": prompt(10, 4)}
+    prop = proposer(model)
+    for step in range(6):
+        if step == 2:  # "b" takes two plain decode steps: no propose, two new tokens
+            seqs["b"] = seqs["b"] + [rng.randrange(VOCAB), rng.randrange(VOCAB)]
+        rids = [rid for rid in seqs if not (rid == "b" and step == 2)]
+        ks = {rid: rng.choice([1, 3, 4]) for rid in rids}
+        out = prop.propose([req(seqs[rid], ks[rid], rid=rid) for rid in rids])
+        fresh = proposer(model).propose([req(seqs[rid], ks[rid], rid=rid) for rid in rids])
+        assert out.draft_token_ids == fresh.draft_token_ids
+        for rid, d in zip(rids, out.draft_token_ids):
+            accepted = rng.randint(0, len(d))
+            seqs[rid] = seqs[rid] + d[:accepted] + [rng.randrange(VOCAB)]
+    assert prop.num_active == 3
+
+
+def test_sampled_draft_probs(model: LlamaForCausalLM) -> None:
+    p = prompt(7, 5)
+    sp = SamplingParams(temperature=0.8, seed=123)
+    requests = [
+        req(p, 4, rid="s", sampling=sp),
+        req(prompt(4, 6), 2, rid="g"),  # greedy neighbour: no q
+        req(prompt(5, 8), 3, rid="u", sampling=SamplingParams(temperature=1.3)),  # unseeded
+    ]
+    out = proposer(model).propose(requests)
+    assert out.draft_probs[1] is None
+    for i in (0, 2):
+        d, q = out.draft_token_ids[i], out.draft_probs[i]
+        assert q is not None and q.shape == (len(d), VOCAB) == (requests[i].k, VOCAB)
+        assert torch.allclose(q.sum(-1), torch.ones(len(d)), atol=1e-5)
+        assert bool((q[torch.arange(len(d)), torch.tensor(d)] > 0).all())  # each draft was drawn from its q
+
+    # q_0 is the request's temperature applied to the draft's logits after the prompt.
+    expected = process_logits(
+        hf_logits(model, p)[None], torch.tensor([0.8]), torch.tensor([0]), torch.tensor([1.0])
+    )[0]
+    assert torch.allclose(out.draft_probs[0][0], expected, atol=1e-5)
+
+    # Seeded: the same calls on a fresh proposer give the same drafts and q.
+    again = proposer(model).propose(requests[:1])
+    assert again.draft_token_ids[0] == out.draft_token_ids[0]
+    assert torch.allclose(again.draft_probs[0], out.draft_probs[0])
+
+
+def test_top_k_one_is_one_hot_at_argmax(model: LlamaForCausalLM) -> None:
+    p = prompt(9, 9)
+    out = proposer(model).propose([req(p, 4, sampling=SamplingParams(temperature=1.0, top_k=1))])
+    d, q = out.draft_token_ids[0], out.draft_probs[0]
+    assert d == greedy_reference(model, p, 4)
+    assert q is not None
+    assert torch.equal(q, torch.nn.functional.one_hot(torch.tensor(d), VOCAB).float())
+
+
+def test_vocabulary_mismatch_is_rejected() -> None:
+    with pytest.raises(ValueError, match="draft vocabulary 300 != target vocabulary 256"):
+        DraftModelProposer(tiny_llama(vocab_size=300), num_slots=1, max_model_len=16, target_vocab_size=256)
+
+
+def test_slots_are_freed_and_reused(model: LlamaForCausalLM) -> None:
+    prop = proposer(model, num_slots=2)
+    prop.propose([req(prompt(4, 0), 2, rid="a"), req(prompt(5, 1), 2, rid="b")])
+    assert prop.num_active == 2
+    assert prop.kv_tokens_in_use == 4 + 1 + 5 + 1
+    with pytest.raises(RuntimeError, match="no free draft KV slot"):
+        prop.propose([req(prompt(4, 2), 2, rid="c")])
+    prop.finish("a", [])
+    assert prop.num_active == 1
+    p = prompt(6, 3)
+    assert prop.propose([req(p, 3, rid="c")]).draft_token_ids == [greedy_reference(model, p, 3)]
+    assert prop._states["c"].slot == 0  # the lowest free slot
+    prop.finish("b", [])
+    prop.finish("c", [])
+    prop.finish("never-seen", [])
+    assert prop.num_active == 0 and prop.kv_tokens_in_use == 0
+
+
+def test_reset_forgets_the_cache(model: LlamaForCausalLM) -> None:
+    p = prompt(6, 11)
+    prop = proposer(model)
+    first = prop.propose([req(p, 3)]).draft_token_ids[0]
+    prop.reset("r")
+    assert prop.kv_tokens_in_use == 0
+    assert prop.propose([req(p, 3)]).draft_token_ids[0] == first
+
+
+def test_eos_stops_the_draft(model: LlamaForCausalLM) -> None:
+    p = prompt(8, 12)
+    ref = greedy_reference(model, p, 6)
+    j = next(i for i in range(1, 6) if ref[i] not in ref[:i])  # first occurrence of a token after draft 0
+    out = proposer(model).propose([req(p, 6, eos=[ref[j]])])
+    assert out.draft_token_ids == [ref[:j]]
+    out = proposer(model).propose([req(p, 6, eos=[ref[0]], sampling=SamplingParams(temperature=1.0, top_k=1))])
+    assert out.draft_token_ids == [[]]
+    assert out.draft_probs[0] is not None and out.draft_probs[0].shape == (0, VOCAB)
+
+
+def test_drafts_fit_max_model_len(model: LlamaForCausalLM) -> None:
+    prop = proposer(model, max_model_len=12)
+    p = prompt(10, 13)
+    assert prop.propose([req(p, 5)]).draft_token_ids == [greedy_reference(model, p, 2)]
+    assert prop.propose([req(prompt(12, 14), 4, rid="full")]).draft_token_ids == [[]]
+
+
+def test_registry_builds_draft_model(model: LlamaForCausalLM) -> None:
+    prop = make_proposer("draft_model", model=model, num_slots=2, max_model_len=32, dtype=torch.float32, device="cpu")
+    assert isinstance(prop, DraftModelProposer)
+    p = prompt(5, 15)
+    assert prop.propose([req(p, 2)]).draft_token_ids == [greedy_reference(model, p, 2)]

@@ -1,0 +1,335 @@
+"""Routing policies on synthetic load traces: pure Python, a fake clock, no model, no Ray."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from policies import PolicyConfig, StepCostModel, known_policies, make_policy
+from policies.goodput import GoodputPolicy, expected_tokens
+from policies.k_table import KTablePolicy
+from policies.threshold import ThresholdPolicy
+from workers.decision import SpecCandidate
+from workers.stats import LoadSnapshot
+
+
+class FakeClock:
+    """Advances only when told: step i of a trace happens at i * dt seconds."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.dt = 0.1
+
+    def __call__(self) -> float:
+        return self.steps * self.dt  # exact multiples, no float drift from repeated addition
+
+
+def cands(n: int, proposer: str | None = "ngram", speculation: str = "auto", k_max: int = 8) -> list[SpecCandidate]:
+    return [SpecCandidate(f"r{i}", proposer, speculation, k_max) for i in range(n)]  # type: ignore[arg-type]
+
+
+def snap(batch: int, acceptance: dict[str, float] | None = None) -> LoadSnapshot:
+    return LoadSnapshot(running=batch, decoding=batch, acceptance_ema=dict(acceptance or {}))
+
+
+def step(policy, batch: int, acceptance: dict[str, float] | None = None, **kw) -> list[int]:
+    return policy.decide(snap(batch, acceptance), cands(batch, **kw))
+
+
+# ----------------------------------------------------------------------------- never / always
+
+
+def test_never_and_always_trivial() -> None:
+    never, always = make_policy({"name": "never"}), make_policy({"name": "always", "num_speculative_tokens": 3})
+    for batch in (1, 7, 64):
+        assert step(never, batch) == [0] * batch
+        assert step(always, batch) == [3] * batch
+    assert make_policy({"name": "always"}).decide(snap(1), cands(1)) == [4]  # default K
+    assert step(always, 2, k_max=2) == [2, 2]  # clipped to k_max
+    assert step(always, 2, proposer=None) == [0, 0]  # no proposer: always plain
+    assert always.decide(snap(0), []) == []
+
+
+def test_default_policy_is_goodput() -> None:
+    assert isinstance(make_policy(), GoodputPolicy)
+    assert known_policies() == ["always", "goodput", "k_table", "never", "threshold"]
+
+
+# ----------------------------------------------------------------------------- overrides
+
+
+def test_override_honoured_when_allowed() -> None:
+    never, always = make_policy({"name": "never"}), make_policy({"name": "always", "num_speculative_tokens": 3})
+    assert never.decide(snap(2), cands(2, speculation="on")) == [4, 4]  # override_k default
+    assert never.decide(snap(1), cands(1, speculation="on", k_max=2)) == [2]  # clipped to k_max
+    assert always.decide(snap(2), cands(2, speculation="on")) == [3, 3]  # the policy's own K > 0 is kept
+    assert always.decide(snap(2), cands(2, speculation="off")) == [0, 0]
+    custom = make_policy({"name": "never", "override_k": 6})
+    assert custom.decide(snap(1), cands(1, speculation="on")) == [6]
+    # a wish cannot conjure a proposer or draft room
+    assert never.decide(snap(1), cands(1, proposer=None, speculation="on")) == [0]
+    assert never.decide(snap(1), cands(1, speculation="on", k_max=0)) == [0]
+
+
+def test_override_ignored_when_not_allowed() -> None:
+    never = make_policy({"name": "never", "allow_request_override": False})
+    always = make_policy({"name": "always", "allow_request_override": False})
+    assert never.decide(snap(2), cands(2, speculation="on")) == [0, 0]
+    assert always.decide(snap(2), cands(2, speculation="off")) == [4, 4]
+
+
+def test_mixed_batch_per_candidate() -> None:
+    p = make_policy({"name": "always", "num_speculative_tokens": 4})
+    batch = [
+        SpecCandidate("a", "ngram", "auto", 8),
+        SpecCandidate("b", "ngram", "off", 8),
+        SpecCandidate("c", None, "on", 8),
+        SpecCandidate("d", "ngram", "on", 1),
+    ]
+    assert p.decide(snap(4), batch) == [4, 0, 0, 1]
+
+
+def test_decisions_counted() -> None:
+    p = make_policy({"name": "always", "num_speculative_tokens": 3})
+    p.decide(snap(3), cands(3))
+    p.decide(snap(2), [SpecCandidate("a", "ngram", "off", 8), SpecCandidate("b", "ngram", "auto", 1)])
+    assert p.decisions == {("spec", 3): 3, ("plain", 0): 1, ("spec", 1): 1}
+    assert p.decisions_as_dict() == {"plain/0": 1, "spec/1": 1, "spec/3": 3}
+
+
+# ----------------------------------------------------------------------------- threshold
+
+
+def test_threshold_band_and_state_machine() -> None:
+    clock = FakeClock()
+    p = make_policy({"name": "threshold", "t_low": 2, "t_high": 4, "min_dwell_s": 0.0}, clock=clock)
+    assert isinstance(p, ThresholdPolicy)
+    # in SPEC: stays up to t_high inclusive, leaves above it
+    assert [step(p, b)[0] for b in (1, 4, 3, 4)] == [4, 4, 4, 4]
+    assert step(p, 5)[0] == 0
+    # in PLAIN: stays inside the band, returns only at t_low
+    assert [step(p, b)[0] for b in (4, 3, 5, 3)] == [0, 0, 0, 0]
+    assert step(p, 2)[0] == 4
+    assert p.num_switches == 2
+
+
+def test_threshold_hysteresis_holds_under_oscillating_load() -> None:
+    """Load flips around T every step (vLLM #49548); path changes stay >= min_dwell_s apart."""
+    clock = FakeClock()
+    p = make_policy({"name": "threshold", "t": 4, "min_dwell_s": 1.0}, clock=clock)
+    changes: list[float] = []
+    last = None
+    for i in range(200):  # 20 s of trace
+        clock.steps = i
+        spec = step(p, 4 if i % 2 else 5)[0] > 0
+        if last is not None and spec != last:
+            changes.append(clock())
+        last = spec
+    assert changes, "the load does cross T: the path must change at least once"
+    gaps = [b - a for a, b in zip(changes, changes[1:])]
+    assert all(g >= 1.0 - 1e-9 for g in gaps), gaps  # <= 1 change per min_dwell window
+    assert len(changes) <= 20 + 1
+    # without the dwell the same trace flaps every step: the knob has an effect
+    q = make_policy({"name": "threshold", "t": 4, "min_dwell_s": 0.0}, clock=clock)
+    flips = [step(q, 4 if i % 2 else 5)[0] for i in range(20)]
+    assert sum(a != b for a, b in zip(flips, flips[1:])) == 19
+
+
+def test_threshold_band_stops_flapping_without_dwell() -> None:
+    clock = FakeClock()
+    p = make_policy({"name": "threshold", "t_low": 2, "t_high": 4, "min_dwell_s": 0.0}, clock=clock)
+    ks = [step(p, 3 if i % 2 else 5)[0] for i in range(50)]  # oscillates across t_high, never down to t_low
+    assert ks[0] == 0 and set(ks) == {0} and p.num_switches == 1
+
+
+def test_threshold_dwell_delays_switch() -> None:
+    clock = FakeClock()
+    p = make_policy({"name": "threshold", "t": 4, "min_dwell_s": 0.5}, clock=clock)
+    assert step(p, 9)[0] == 0  # first decision follows the load at once
+    for i in range(1, 5):  # 0.1 .. 0.4 s: still dwelling in PLAIN
+        clock.steps = i
+        assert step(p, 1)[0] == 0
+    clock.steps = 5
+    assert step(p, 1)[0] == 4
+
+
+def test_threshold_config_errors_name_fields() -> None:
+    with pytest.raises(ValidationError, match=r"t_low \(5\) must be <= t_high \(3\)"):
+        make_policy({"name": "threshold", "t_low": 5, "t_high": 3})
+    with pytest.raises(ValidationError, match="either t or t_low/t_high"):
+        make_policy({"name": "threshold", "t": 3, "t_high": 5})
+    cfg = make_policy({"name": "threshold", "t": 3}).config
+    assert (cfg.t_low, cfg.t_high) == (3, 3)
+
+
+# ----------------------------------------------------------------------------- k_table
+
+
+def test_k_table_boundaries_exact() -> None:
+    table = [{"max_batch_size": 4, "k": 4}, {"max_batch_size": 8, "k": 2}, {"max_batch_size": 32, "k": 1}]
+    p = make_policy({"name": "k_table", "table": table})
+    assert isinstance(p, KTablePolicy)
+    expect = {1: 4, 4: 4, 5: 2, 8: 2, 9: 1, 32: 1, 33: 0, 100: 0}
+    assert {b: p.lookup(b) for b in expect} == expect
+    assert step(p, 8) == [2] * 8 and step(p, 9) == [1] * 9
+    q = make_policy({"name": "k_table", "table": {4: 4, 8: 2}, "default_k": 1})  # TRT-LLM style mapping
+    assert [q.lookup(b) for b in (4, 5, 8, 9)] == [4, 2, 2, 1]
+
+
+def test_k_table_validation() -> None:
+    with pytest.raises(ValidationError, match="strictly ascending"):
+        make_policy({"name": "k_table", "table": [{"max_batch_size": 8, "k": 2}, {"max_batch_size": 8, "k": 1}]})
+    with pytest.raises(ValidationError, match="table.0.k"):
+        make_policy({"name": "k_table", "table": [{"max_batch_size": 8, "k": -1}]})
+    with pytest.raises(ValidationError, match="kk"):
+        make_policy({"name": "k_table", "table": [{"max_batch_size": 8, "kk": 1}]})
+
+
+# ----------------------------------------------------------------------------- cost model
+
+
+def test_cost_model_priors_then_fit() -> None:
+    m = StepCostModel(prior_base_s=0.05, prior_per_token_s=0.003, min_samples=4, decay=1.0)
+    assert m.predict(10) == pytest.approx(0.08)
+    for x in (1, 8, 16, 32, 64):
+        m.observe(x, 0.01 + 0.002 * x)
+    c0, c1 = m.coefficients()
+    assert c0 == pytest.approx(0.01, rel=1e-2) and c1 == pytest.approx(0.002, rel=1e-2)
+
+
+def test_cost_model_forgets_and_handles_one_token_count() -> None:
+    m = StepCostModel(min_samples=4, decay=0.5)
+    for _ in range(10):
+        for x in (1, 32):
+            m.observe(x, 0.05)  # flat
+    for _ in range(20):
+        for x in (1, 32):
+            m.observe(x, 0.01 * x)  # steep: the old regime must fade
+    assert m.coefficients()[1] == pytest.approx(0.01, rel=1e-2)  # the flat fit had slope 0
+    same = StepCostModel(prior_per_token_s=0.004, min_samples=2)
+    for _ in range(10):
+        same.observe(8, 0.1)  # slope unidentifiable: the prior slope is used, the level is fitted
+    c0, c1 = same.coefficients()
+    assert c1 == pytest.approx(0.004) and c0 + 8 * c1 == pytest.approx(0.1)
+
+
+# ----------------------------------------------------------------------------- goodput
+
+
+def feed(policy, fn, xs=(1, 2, 4, 8, 16, 32, 64, 128, 256)) -> None:
+    for _ in range(3):
+        for x in xs:
+            policy.observe_step(x, fn(x))
+
+
+def test_expected_tokens() -> None:
+    assert expected_tokens(0, 0.9) == 1.0
+    assert expected_tokens(4, 1.0) == 5.0
+    assert expected_tokens(3, 0.5) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(3, 0.0) == 1.0
+
+
+def test_goodput_speculates_when_cost_is_flat() -> None:
+    p = make_policy({"name": "goodput"})
+    feed(p, lambda x: 0.05 + 1e-5 * x)  # memory bound: extra verify tokens nearly free
+    assert p.decide(snap(1, {"ngram": 0.7}), cands(1, k_max=8))[0] > 0
+
+
+def test_goodput_plain_when_compute_bound() -> None:
+    p = make_policy({"name": "goodput"})
+    feed(p, lambda x: 0.002 + 0.004 * x)  # batch 32: every extra token costs real compute
+    assert step(p, 32, {"ngram": 0.7}) == [0] * 32
+    q = make_policy({"name": "goodput"})  # same load with a flat cost speculates: the cost model decides
+    feed(q, lambda x: 0.05 + 1e-5 * x)
+    assert step(q, 32, {"ngram": 0.7})[0] > 0
+
+
+def test_goodput_honours_k_max_and_acceptance_floor() -> None:
+    p = make_policy({"name": "goodput"})
+    feed(p, lambda x: 0.05)
+    assert p.decide(snap(1, {"ngram": 0.99}), cands(1, k_max=3)) == [3]  # would take more if allowed
+    assert p.decide(snap(1, {"ngram": 0.99}), cands(1, k_max=16)) == [16]
+    mixed = [SpecCandidate("a", "ngram", "auto", 2), SpecCandidate("b", "ngram", "auto", 6)]
+    assert p.decide(snap(2, {"ngram": 0.99}), mixed) == [2, 6]
+    assert step(p, 1, {"ngram": 0.04}) == [0]  # below min_acceptance
+    floor = make_policy({"name": "goodput", "min_acceptance": 0.0})
+    feed(floor, lambda x: 0.05)
+    assert step(floor, 1, {"ngram": 0.04})[0] > 0  # the floor, not the cost, made it 0
+
+
+def test_goodput_prior_acceptance_and_per_proposer() -> None:
+    p = make_policy({"name": "goodput", "prior_acceptance": 0.0})  # untried proposers assumed useless
+    batch = [SpecCandidate("a", "ngram", "auto", 8), SpecCandidate("b", "suffix", "auto", 8)]
+    ks = p.decide(LoadSnapshot(decoding=2, acceptance_ema={"ngram": 0.8}), batch)
+    assert ks[0] > 0 and ks[1] == 0
+
+
+def test_goodput_does_not_flap_within_switch_margin() -> None:
+    # At batch 8 with the prior cost, K=1 is best at acceptance 0.60 and K=2 at 0.65, by < 5%.
+    trace = [0.60 if i % 2 else 0.65 for i in range(40)]
+    flappy = make_policy({"name": "goodput", "switch_margin": 0.0})
+    ks = [step(flappy, 8, {"ngram": a})[0] for a in trace]
+    assert set(ks) == {1, 2}  # the trace does sit on the boundary
+    steady = make_policy({"name": "goodput"})
+    ks = [step(steady, 8, {"ngram": a})[0] for a in trace]
+    assert len(set(ks)) == 1
+    # a real change still gets through the margin
+    assert step(steady, 8, {"ngram": 0.95})[0] > max(ks)
+
+
+def test_goodput_state_and_describe() -> None:
+    p = make_policy({"name": "goodput", "switch_margin": 0.1})
+    step(p, 1, {"ngram": 0.7})
+    d = p.describe()
+    assert d["name"] == "goodput" and d["parameters"]["switch_margin"] == 0.1
+    assert "ngram" in p.state()["k"]
+
+
+# ----------------------------------------------------------------------------- registry / config
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"name": "never"},
+        {"name": "always", "num_speculative_tokens": 2},
+        {"name": "threshold", "t": 3},
+        {"name": "threshold", "t_low": 1, "t_high": 6, "min_dwell_s": 0.5},
+        {"name": "k_table", "table": {4: 4, 8: 2}, "default_k": 1},
+        {"name": "goodput", "switch_margin": 0.1, "allow_request_override": False},
+    ],
+)
+def test_config_dump_round_trips(config: dict) -> None:
+    """The router ships model_dump(mode="json") to the target replicas, which rebuild the policy from it."""
+    p = make_policy(config)
+    again = make_policy(p.config.model_dump(mode="json"))
+    assert type(again) is type(p) and again.config == p.config
+
+
+def test_unknown_key_and_name() -> None:
+    with pytest.raises(ValidationError, match="t_lo"):
+        make_policy({"name": "threshold", "t_lo": 2})
+    with pytest.raises(ValidationError, match="switch_margn"):
+        make_policy({"name": "goodput", "switch_margn": 0.1})
+    with pytest.raises(ValueError, match="known policies: always, goodput, k_table, never, threshold"):
+        make_policy({"name": "sometimes"})
+
+
+def test_policy_config_embeds_in_app_config() -> None:
+    class App(BaseModel):
+        policy: PolicyConfig
+
+    app = App.model_validate({"policy": {"name": "threshold", "t_low": 2, "t_high": 4}})
+    p = make_policy(app.policy)
+    assert isinstance(p, ThresholdPolicy) and p.describe()["parameters"]["t_high"] == 4
+    with pytest.raises(ValidationError, match="sometimes"):
+        App.model_validate({"policy": {"name": "sometimes"}})
+
+
+def test_policies_never_import_ray() -> None:
+    code = "import sys, policies, policies.registry; assert 'ray' not in sys.modules, 'ray imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
