@@ -87,5 +87,12 @@ class DraftWorker:
             self.num_calls += 1
             return answers  # type: ignore[return-value]
 
+    def placement(self) -> dict[str, Any]:
+        import os
+
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
     def stats(self) -> dict[str, Any]:
         return {"active": self.proposer.num_active, "kv_tokens_in_use": self.proposer.kv_tokens_in_use, "calls": self.num_calls}

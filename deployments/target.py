@@ -60,7 +60,10 @@ class TargetWorker:
                 proposers[p.name] = make_proposer(p.name, **p.options)
         self.policy_version = -1
         self.policy = make_policy({"name": "goodput"})
-        engine = LLMEngine(cfg.engine, loaded, proposers=proposers, decide=self._decide)
+        engine = LLMEngine(
+            cfg.engine, loaded, proposers=proposers, decide=self._decide,
+            on_step=lambda tokens, seconds: self.policy.observe_step(tokens, seconds),
+        )
         self.engine = AsyncEngine(engine)
         self.router = router
         ctx = serve.get_replica_context()
@@ -102,6 +105,12 @@ class TargetWorker:
 
     def load(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, **self.engine.snapshot().as_dict()}
+
+    def placement(self) -> dict[str, Any]:
+        """Where this replica runs (tests assert the target and the draft are on different nodes)."""
+        import ray
+
+        return {"replica_id": self.replica_id, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
     async def stats(self) -> dict[str, Any]:
         def collect(e: LLMEngine) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from pydantic import ValidationError
@@ -49,6 +49,7 @@ class LLMEngine:
         loaded: LoadedModel,
         proposers: dict[str, Proposer] | None = None,
         decide: DecideFn | None = None,
+        on_step: Callable[[int, float], None] | None = None,
     ) -> None:
         self.config = config
         if config.num_threads:
@@ -65,10 +66,17 @@ class LLMEngine:
             eos_ids.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos_ids)
         self.proposers: dict[str, Proposer] = dict(proposers or {})
+        for name, p in self.proposers.items():  # a draft's token ids and q rows must be the target's
+            draft_vocab = getattr(p, "vocab_size", None)
+            if draft_vocab is not None and draft_vocab != self.vocab_size:
+                raise ValueError(
+                    f"proposer {name!r}: draft vocabulary {draft_vocab} != target vocabulary {self.vocab_size}"
+                )
         self.default_proposer = config.proposers[0].name if config.proposers and self.proposers else None
         if self.default_proposer not in self.proposers:
             self.default_proposer = next(iter(self.proposers), None)
         self.decide: DecideFn = decide or fixed_k(config.num_speculative_tokens)
+        self.on_step = on_step  # (tokens in the step, seconds): feeds the policy's online step-cost model
 
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -224,6 +232,8 @@ class LLMEngine:
         self.step_time_ema.update(dt)
         self.tokens_per_step_ema.update(self._tokens_last_step)
         self.step_costs.append((self._tokens_last_step, dt))
+        if self.on_step is not None:
+            self.on_step(self._tokens_last_step, dt)
         return outputs
 
     def _admit(self) -> None:
