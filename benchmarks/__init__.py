@@ -1,0 +1,1 @@
+"""Benchmarks: in-process load generators and reports. Never part of the test run."""

@@ -1,0 +1,157 @@
+"""HTTP load sweep: routing policies `never`, `always` and the default (`goodput`) side by side.
+
+    python -m benchmarks.http_sweep [--quick]
+
+Starts a local two-node Ray cluster (tests/e2e_cluster.py), deploys the app with each policy in
+turn through `serve deploy` (the live reconfigure path), and drives it over real HTTP with a
+closed-loop load generator: N concurrent streaming clients, a bounded number of requests per
+cell, loopback only. For copy-heavy and chat prompt mixes at concurrency 1..32 it reports
+aggregate output tok/s, P50/P99 time per output token (TPOT), P50/P99 inter-chunk latency
+(ITL: the stalls a streaming client sees) and time to first token; prints a table, writes
+benchmarks/results/http_sweep.json and a PNG (throughput and P99 ITL vs concurrency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.common import RESULTS_DIR, env_info, figure, format_table, line_panel, percentile, progress, save_figure, write_json
+from benchmarks.spec_bench import CHAT_PROMPTS, COPY_PROMPTS
+from tests.e2e_cluster import LocalCluster
+
+MODEL = "SmolLM2-135M-Instruct"
+MODES = {
+    "never": {"name": "never"},
+    "always": {"name": "always", "num_speculative_tokens": 4},
+    "goodput": {"name": "goodput"},
+}
+FULL = dict(concurrency=[1, 2, 4, 8, 16, 32], max_tokens=48, requests=lambda c: max(4, 2 * c))
+QUICK = dict(concurrency=[1, 4], max_tokens=12, requests=lambda c: c)
+
+
+async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    t0 = time.perf_counter()
+    chunks: list[float] = []
+    usage: dict[str, Any] = {}
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"error": r.status_code}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("usage"):
+                usage = ev["usage"]
+            elif ev["choices"] and ev["choices"][0]["delta"].get("content"):
+                chunks.append(time.perf_counter())
+    t1 = time.perf_counter()
+    n = usage.get("completion_tokens", 0)
+    return {"ttft": chunks[0] - t0 if chunks else t1 - t0, "e2e": t1 - t0, "tokens": n,
+            "tpot": (t1 - chunks[0]) / (n - 1) if chunks and n > 1 else None,
+            "gaps": [b - a for a, b in zip(chunks, chunks[1:])], "spec": usage.get("speculation", {})}
+
+
+async def closed_loop(url: str, prompts: list[str], concurrency: int, total: int, max_tokens: int) -> dict[str, Any]:
+    queue = list(range(total))
+    results: list[dict[str, Any]] = []
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        while queue:
+            i = queue.pop()
+            results.append(await one_request(client, url, prompts[i % len(prompts)], max_tokens))
+
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=600) as client:
+        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if "error" not in r]
+    gaps = [g for r in ok for g in r["gaps"]]
+    tpots = [r["tpot"] for r in ok if r["tpot"] is not None]
+    return {
+        "requests": len(results), "errors": len(results) - len(ok), "wall_s": wall,
+        "tok_s": sum(r["tokens"] for r in ok) / wall,
+        "tpot_p50_ms": 1e3 * percentile(tpots, 50), "tpot_p99_ms": 1e3 * percentile(tpots, 99),
+        "itl_p50_ms": 1e3 * percentile(gaps, 50), "itl_p99_ms": 1e3 * percentile(gaps, 99),
+        "ttft_p50_ms": 1e3 * percentile([r["ttft"] for r in ok], 50),
+        "draft_tokens": sum(r["spec"].get("draft_tokens", 0) for r in ok),
+        "accepted_tokens": sum(r["spec"].get("accepted_tokens", 0) for r in ok),
+        "spec_steps": sum(r["spec"].get("spec_steps", 0) for r in ok),
+        "plain_steps": sum(r["spec"].get("plain_steps", 0) for r in ok),
+    }
+
+
+def wait_policy(cluster: LocalCluster, name: str) -> None:
+    for _ in range(200):
+        if cluster.stats()["policy"]["name"] == name:
+            time.sleep(0.5)
+            return
+        time.sleep(0.3)
+    raise TimeoutError(name)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    plan = QUICK if a.quick else FULL
+    mixes = {"copy": [p for _, _, p in COPY_PROMPTS], "chat": [p for _, _, p in CHAT_PROMPTS]}
+    info = env_info()
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = LocalCluster(Path(tmp), policy=MODES["never"], args_patch={
+            "engine": {"max_num_seqs": 32, "max_model_len": 1024, "num_threads": 2},
+            "draft": {"enabled": False},
+        })
+        try:
+            cluster.start()
+            cells = [(m, mix, c) for mix in mixes for c in plan["concurrency"] for m in MODES]
+            current = None
+            for mode, mix, c in progress(cells, desc="http sweep", unit="cell"):
+                if mode != current:
+                    cluster.deploy(MODES[mode])
+                    wait_policy(cluster, MODES[mode]["name"])
+                    asyncio.run(closed_loop(cluster.base_url, mixes[mix], 2, 4, 8))  # warm-up (cost model)
+                    current = mode
+                res = asyncio.run(closed_loop(cluster.base_url, mixes[mix], c, plan["requests"](c), plan["max_tokens"]))
+                rows.append({"mode": mode, "mix": mix, "concurrency": c, **res})
+        finally:
+            cluster.stop()
+    # the acceptance bar: default policy vs the better of never / always, same mix and concurrency
+    for r in rows:
+        if r["mode"] == "goodput":
+            peers = [x["tok_s"] for x in rows if x["mix"] == r["mix"] and x["concurrency"] == r["concurrency"]
+                     and x["mode"] in ("never", "always")]
+            r["vs_best"] = r["tok_s"] / max(peers) if peers else None
+    for r in rows:
+        r["steps"] = f"{r['spec_steps']}/{r['plain_steps']}"
+    cols = [("mix", "mix", "s"), ("concurrency", "c", "d"), ("mode", "mode", "s"), ("tok_s", "tok/s", ".1f"),
+            ("vs_best", "vs best", ".2f"), ("tpot_p50_ms", "TPOT p50", ".0f"), ("tpot_p99_ms", "TPOT p99", ".0f"),
+            ("itl_p50_ms", "ITL p50", ".0f"), ("itl_p99_ms", "ITL p99", ".0f"), ("ttft_p50_ms", "TTFT p50", ".0f"),
+            ("steps", "spec/plain steps", "s"), ("errors", "errors", "d")]
+    table = format_table(rows, cols, title="HTTP sweep (ms; vs best = goodput / max(never, always))")
+    print(table)
+    write_json(RESULTS_DIR / "http_sweep.json", {"env": info, "plan": {k: v for k, v in plan.items()
+                                                                       if k != "requests"}, "rows": rows})
+    fig, axes = figure(ncols=4, width=4.5)
+    for j, mix in enumerate(mixes):
+        xs = plan["concurrency"]
+        pick = lambda m, key: [next(r[key] for r in rows if r["mode"] == m and r["mix"] == mix and r["concurrency"] == c) for c in xs]
+        line_panel(axes[2 * j], xs, {m: pick(m, "tok_s") for m in MODES}, title=f"{mix}: throughput",
+                   xlabel="concurrency", ylabel="output tok/s")
+        line_panel(axes[2 * j + 1], xs, {m: pick(m, "itl_p99_ms") for m in MODES}, title=f"{mix}: P99 ITL",
+                   xlabel="concurrency", ylabel="ms")
+    save_figure(fig, RESULTS_DIR / "http_sweep.png", suptitle=f"HTTP sweep, {info.get('cpu', '')}")
+
+
+if __name__ == "__main__":
+    main()
