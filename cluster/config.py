@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from policies.registry import PolicyConfig, default_policy_config
 from workers.config import EngineConfig
@@ -51,6 +51,10 @@ class DraftConfig(BaseModel):
         2.0, gt=0, description="A draft call slower than this is abandoned; the step runs plain (output unchanged)."
     )
     retry_after_s: float = Field(1.0, ge=0, description="After a failed call, run plain for this long, then retry.")
+    state_ttl_s: float = Field(
+        60.0, gt=0, description="Draft state of a request no call touched for this long is freed (orphans of a "
+        "dead target replica); a live request resyncs, output unchanged."
+    )
     resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.5))
 
 
@@ -92,6 +96,29 @@ class RouterUserConfig(BaseModel):
         return self.policy.model_dump(mode="json")
 
 
+class TelemetryConfig(BaseModel):
+    """Metrics (always on, pulled by ``GET /metrics``) and traces (off by default)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tracing: Literal["off", "console", "otlp", "memory"] = Field(
+        "off",
+        description="Span exporter: 'off' (no tracer, no per-step event recording: zero cost), 'console' "
+        "(replica logs), 'otlp' (OTLP/HTTP to otlp_endpoint) or 'memory' (kept in process, for tests).",
+    )
+    otlp_endpoint: str | None = Field(
+        None,
+        description="OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces; None: the exporter's default "
+        "(env OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or http://localhost:4318/v1/traces).",
+    )
+    service_name: str = Field("specserve", min_length=1, description="OTel resource service.name of every span.")
+
+    @field_validator("tracing", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: object) -> object:
+        return "off" if v is False else v  # YAML 1.1 reads a bare `off` as false
+
+
 class AppConfig(BaseModel):
     """``args`` of the Serve application in ray_config.yaml."""
 
@@ -102,3 +129,4 @@ class AppConfig(BaseModel):
     draft: DraftConfig = Field(default_factory=DraftConfig)
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)

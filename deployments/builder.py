@@ -40,4 +40,4 @@ def build_app(args: dict[str, Any] | None = None):
         health_check_period_s=5,
         health_check_timeout_s=30,
     ).bind(raw, router, draft)
-    return Ingress.bind(raw, target, router)
+    return Ingress.bind(raw, target, router, draft)

@@ -3,19 +3,25 @@
 One ``propose`` call per engine step carries every speculative request of that step
 (batched forward on the draft), whichever target replica sent it. Per-request KV lives in
 the DraftModelProposer, keyed by request id; see deployments/remote_draft.py for the
-protocol that keeps it consistent with the target.
+protocol that keeps it consistent with the target. State that no call has touched for
+``draft.state_ttl_s`` (its target replica died, or a release was lost) is swept; a live
+request that was only idle resyncs on its next call, so sweeping never changes output.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 import torch
 from ray import serve
 
+from opentelemetry.metrics import Observation
+
 from cluster.config import AppConfig
+from cluster.telemetry import Telemetry
 from workers.model_loader import load_model
 from workers.proposers.base import ProposalRequest
 from workers.proposers.draft_model import DraftModelProposer
@@ -42,14 +48,39 @@ class DraftWorker:
             target_vocab_size=target.model.config.vocab_size,
         )
         self._known: dict[str, list[int]] = {}
+        self._last_seen: dict[str, float] = {}  # request id -> time.monotonic() of its last call
         self._lock = threading.Lock()  # Serve may run sync methods on a thread pool
         self.num_calls = 0
+        self.num_swept = 0
+        self.state_ttl_s = d.state_ttl_s
+        self._init_metrics(cfg)
+        threading.Thread(target=self._sweep_loop, name="draft-state-sweeper", daemon=True).start()
+
+    def _forget(self, rid: str) -> None:
+        self._known.pop(rid, None)
+        self._last_seen.pop(rid, None)
+        self.proposer.finish(rid, [])
+
+    def release(self, released: list[str]) -> None:
+        """The target finished or cancelled these requests: free their draft KV now."""
+        with self._lock:
+            for rid in released:
+                self._forget(rid)
+
+    def _sweep_loop(self) -> None:
+        while True:
+            time.sleep(min(5.0, self.state_ttl_s / 2))
+            with self._lock:
+                now = time.monotonic()
+                for rid in [r for r, t in self._last_seen.items() if now - t > self.state_ttl_s]:
+                    self._forget(rid)
+                    self.num_swept += 1
 
     def propose(self, batch: list[dict[str, Any]], released: list[str]) -> list[dict[str, Any]]:
         with self._lock:
             for rid in released:
-                self._known.pop(rid, None)
-                self.proposer.finish(rid, [])
+                self._forget(rid)
+            now = time.monotonic()
             answers: list[dict[str, Any] | None] = [None] * len(batch)
             reqs: list[ProposalRequest] = []
             idx: list[int] = []
@@ -57,12 +88,12 @@ class DraftWorker:
             for i, m in enumerate(batch):
                 known = self._known.get(m["request_id"], [])
                 if m["offset"] != len(known):  # we lost this request's state (restart): ask for everything
-                    self._known.pop(m["request_id"], None)
-                    self.proposer.finish(m["request_id"], [])
+                    self._forget(m["request_id"])
                     answers[i] = {"resync": True}
                     continue
                 known = known + m["new_tokens"]
                 self._known[m["request_id"]] = known
+                self._last_seen[m["request_id"]] = now
                 if not self.proposer.has(m["request_id"]):
                     if free <= 0:  # every draft slot is taken: this request runs plain this step
                         answers[i] = {"draft_token_ids": [], "draft_probs": None}
@@ -87,6 +118,26 @@ class DraftWorker:
             self.num_calls += 1
             return answers  # type: ignore[return-value]
 
+    def _init_metrics(self, cfg: AppConfig) -> None:
+        ctx = serve.get_replica_context()
+        self.telemetry = Telemetry(cfg.telemetry, "draft", ctx.replica_id.unique_id if ctx else "draft")
+        m = self.telemetry.meter
+        m.create_observable_counter("specserve_draft_calls", callbacks=[lambda _o: [Observation(self.num_calls)]],
+                                    description="Batched propose calls served by the draft worker.")
+        m.create_observable_counter("specserve_draft_swept_requests", callbacks=[lambda _o: [Observation(self.num_swept)]],
+                                    description="Request states dropped after state_ttl_s without a call.")
+        m.create_observable_gauge("specserve_draft_active_requests",
+                                  callbacks=[lambda _o: [Observation(self.proposer.num_active)]],
+                                  description="Requests holding a draft KV slot.")
+        m.create_observable_gauge("specserve_draft_kv_tokens_in_use",
+                                  callbacks=[lambda _o: [Observation(self.proposer.kv_tokens_in_use)]],
+                                  description="Draft KV cache tokens in use.")
+
+    def metrics_samples(self) -> list[dict[str, Any]]:
+        """The draft worker's metric samples (plain dicts) for the ingress's ``/metrics``."""
+        with self._lock:  # the gauges read proposer state that propose() mutates
+            return self.telemetry.samples()
+
     def placement(self) -> dict[str, Any]:
         import os
 
@@ -95,4 +146,5 @@ class DraftWorker:
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
     def stats(self) -> dict[str, Any]:
-        return {"active": self.proposer.num_active, "kv_tokens_in_use": self.proposer.kv_tokens_in_use, "calls": self.num_calls}
+        return {"active": self.proposer.num_active, "kv_tokens_in_use": self.proposer.kv_tokens_in_use,
+                "calls": self.num_calls, "known": len(self._known), "swept": self.num_swept}

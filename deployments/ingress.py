@@ -17,15 +17,24 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from cluster.config import AppConfig
+from cluster.telemetry import render_prometheus, spec_decode_summary
 from deployments import protocol as P
+from deployments.ingress_telemetry import IngressTelemetry, RequestTelemetry, gather_cluster_samples
 
 log = logging.getLogger("ray.serve")
 app = FastAPI(title="specserve", docs_url=None, redoc_url=None)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown route (404), wrong method (405): OpenAI's error shape, like every other error."""
+    return JSONResponse(P.error_body(str(exc.detail)), exc.status_code, headers=getattr(exc, "headers", None))
 
 
 class HTTPError(Exception):
@@ -50,7 +59,8 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, app_config: dict, target: DeploymentHandle, router: DeploymentHandle) -> None:
+    def __init__(self, app_config: dict, target: DeploymentHandle, router: DeploymentHandle,
+                 draft: DeploymentHandle | None = None) -> None:
         from transformers import AutoTokenizer
 
         from workers.model_loader import resolve_model_path
@@ -61,6 +71,9 @@ class Ingress:
         self.target = target.options(stream=True)
         self.target_unary = target
         self.router = router
+        self.draft = draft
+        ctx = serve.get_replica_context()
+        self.telemetry = IngressTelemetry(self.cfg, ctx.replica_id.unique_id if ctx is not None else "ingress")
         self.api_key = self.cfg.ingress.api_key or os.environ.get("SPECSERVE_API_KEY") or None
         self.proposers = [p.name for p in self.cfg.engine.proposers if p.name != "draft_model" or self.cfg.draft.enabled]
 
@@ -80,8 +93,11 @@ class Ingress:
             raise HTTPError(413, f"request body of {len(raw)} bytes exceeds {self.cfg.ingress.max_body_bytes}")
         try:
             data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
+            json.dumps(data, ensure_ascii=False).encode()  # lone surrogates (\ud800) would crash the tokenizer
+        except (ValueError, UnicodeError) as e:
             raise HTTPError(400, f"body is not valid JSON: {e}") from None
+        except RecursionError:  # [[[[...]]]] nested deeper than the parser's stack
+            raise HTTPError(400, "body is not valid JSON: nested too deeply") from None
         if not isinstance(data, dict):
             raise HTTPError(400, "body must be a JSON object")
         try:
@@ -127,11 +143,17 @@ class Ingress:
                                 f"exceeds the context of {ctx} tokens", "max_tokens", code="context_length_exceeded")
             params["max_tokens"] = ctx - len(prompt_ids)  # default max_tokens: fill the context
 
-    async def _start(self, req: Any, prompt_ids: list[int], params: dict[str, Any], rid: str):
+    async def _start(self, req: Any, prompt_ids: list[int], params: dict[str, Any], rid: str,
+                     rt: RequestTelemetry):
         """Route, submit, and read the first chunk (so errors become a 4xx before any SSE byte)."""
+        t_route = time.time_ns()
         route = await self.router.route.remote(req.speculation, req.proposer, self.cfg.engine.num_speculative_tokens)
+        rt.on_route(route, t_route)
         payload = {"request_id": rid, "prompt_ids": prompt_ids, "params": params,
                    "proposer": req.proposer, "speculation": req.speculation}
+        carrier = rt.carrier()
+        if carrier:
+            payload["trace_context"] = carrier  # W3C traceparent: the target's spans join this trace
         try:
             gen = self.target.generate.remote(payload, replica_id=route.get("replica_id"))
             first = await gen.__anext__()
@@ -147,7 +169,7 @@ class Ingress:
             raise HTTPError(400, first["error"]["message"], first["error"].get("param"))
         return gen, first
 
-    async def _run(self, request: Request, kind: str) -> Response:
+    async def _run(self, request: Request, kind: str, rt: RequestTelemetry) -> Response:
         is_chat = kind == "chat"
         req = await self._body(request, P.ChatCompletionRequest if is_chat else P.CompletionRequest)
         params = self._params(req)
@@ -165,15 +187,18 @@ class Ingress:
         self._check_len(prompt_ids, params, explicit)
         rid = P.new_id("chatcmpl" if is_chat else "cmpl")
         deadline = time.monotonic() + self.cfg.ingress.request_timeout_s
-        gen, first = await asyncio.wait_for(self._start(req, prompt_ids, params, rid), self.cfg.ingress.request_timeout_s)
+        gen, first = await asyncio.wait_for(self._start(req, prompt_ids, params, rid, rt),
+                                            self.cfg.ingress.request_timeout_s)
+        rt.on_chunk(first)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._sse(gen, first, rid, is_chat, include_usage, deadline),
+            return StreamingResponse(self._sse(gen, first, rid, is_chat, include_usage, deadline, rt),
                                      media_type="text/event-stream")
         parts, last = [first["text"]], first
         try:
             while not last["finished"]:
                 last = await asyncio.wait_for(gen.__anext__(), max(0.0, deadline - time.monotonic()))
+                rt.on_chunk(last)
                 parts.append(last["text"])
         except asyncio.TimeoutError:
             gen.cancel()
@@ -181,11 +206,14 @@ class Ingress:
                             type_="timeout_error", code="timeout") from None
         except StopAsyncIteration:
             raise HTTPError(500, "the engine stream ended early", type_="server_error") from None
+        except Exception as e:  # the target replica died mid-request (ActorDiedError, ...)
+            raise HTTPError(503, f"target worker failed mid-request: {type(e).__name__}", type_="server_error",
+                            headers={"Retry-After": "1"}) from None
         build = P.chat_response if is_chat else P.completion_response
         return JSONResponse(build(rid, self.model_name, "".join(parts), last["finish_reason"], last))
 
     async def _sse(self, gen, first: dict, rid: str, is_chat: bool, include_usage: bool,
-                   deadline: float) -> AsyncIterator[bytes]:
+                   deadline: float, rt: RequestTelemetry) -> AsyncIterator[bytes]:
         created = int(time.time())
 
         def ev(obj: dict) -> bytes:
@@ -206,30 +234,44 @@ class Ingress:
                 if item["finished"]:
                     break
                 item = await asyncio.wait_for(gen.__anext__(), max(0.0, deadline - time.monotonic()))
+                rt.on_chunk(item)
             if include_usage:
                 u = {"id": rid, "object": "chat.completion.chunk" if is_chat else "text_completion",
                      "created": created, "model": self.model_name, "choices": [], "usage": P.usage(item)}
                 yield ev(u)
         except asyncio.TimeoutError:
             gen.cancel()
+            rt.end(200, error="timeout")
             yield ev(P.error_body("request timed out", "timeout_error", code="timeout"))
         except asyncio.CancelledError:  # client went away: cancel the request end to end
             gen.cancel()
+            rt.end(499, error="client disconnected")
             raise
+        except Exception as e:  # the target replica died mid-stream: end the stream with an error event
+            rt.end(503, error="target worker failed")
+            yield ev(P.error_body(f"target worker failed mid-request: {type(e).__name__}", "server_error"))
+        finally:
+            rt.end(200)
         yield b"data: [DONE]\n\n"
 
     # ------------------------------------------------------------------ routes
 
     async def _guard(self, request: Request, kind: str) -> Response:
+        rt = self.telemetry.request(request.headers, "POST", "/v1/chat/completions" if kind == "chat" else "/v1/completions")
         try:
-            return await self._run(request, kind)
+            resp = await self._run(request, kind, rt)
         except HTTPError as e:
-            return e.response()
+            resp = e.response()
         except asyncio.TimeoutError:
-            return HTTPError(408, "request timed out", type_="timeout_error", code="timeout").response()
+            resp = HTTPError(408, "request timed out", type_="timeout_error", code="timeout").response()
+        except asyncio.CancelledError:  # client went away before the response started
+            rt.respond(499, streaming=False)
+            raise
         except Exception as e:  # a bug, not the client's fault: say so in the OpenAI shape
             log.exception("request failed")
-            return HTTPError(500, f"internal error: {type(e).__name__}", type_="server_error").response()
+            resp = HTTPError(500, f"internal error: {type(e).__name__}", type_="server_error").response()
+        rt.respond(resp.status_code, streaming=isinstance(resp, StreamingResponse))
+        return resp
 
     @app.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
@@ -239,24 +281,54 @@ class Ingress:
     async def completions(self, request: Request) -> Response:
         return await self._guard(request, "completion")
 
+    def _counted(self, route: str, resp: Response) -> Response:
+        self.telemetry.count(route, resp.status_code)
+        return resp
+
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
         try:
             self._auth(request)
         except HTTPError as e:
-            return e.response()
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "specserve"}]})
+            return self._counted("/v1/models", e.response())
+        return self._counted("/v1/models", JSONResponse({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "specserve"}]}))
 
     @app.get("/health")
     async def health(self) -> Response:
         ok = await self.router.healthy.remote()
-        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+        return self._counted("/health", JSONResponse({"status": "ok" if ok else "unavailable"},
+                                                     status_code=200 if ok else 503))
 
-    @app.get("/v1/speculation/stats")
-    async def spec_stats(self, request: Request) -> Response:
+    async def _cluster_samples(self) -> list[dict[str, Any]]:
+        return await gather_cluster_samples(self.telemetry.tel.samples(), self.router, self.target_unary, self.draft)
+
+    @app.get("/metrics")
+    async def metrics(self, request: Request) -> Response:
+        """Prometheus text for the whole cluster: this ingress, the Router, every target replica, the draft."""
         try:
             self._auth(request)
         except HTTPError as e:
-            return e.response()
-        return JSONResponse(await self.router.stats.remote())
+            return self._counted("/metrics", e.response())
+        self.telemetry.count("/metrics", 200)  # counted before the scrape, so it shows in this scrape
+        text = render_prometheus(await self._cluster_samples())
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/speculation/stats")
+    async def spec_stats(self, request: Request) -> Response:
+        """Policy and parameters, live load per replica, and per proposer acceptance rate and mean
+        acceptance length (over all target replicas, and per replica)."""
+        try:
+            self._auth(request)
+        except HTTPError as e:
+            return self._counted("/v1/speculation/stats", e.response())
+        stats, samples = await asyncio.gather(self.router.stats.remote(), self._cluster_samples())
+        stats["proposers"] = spec_decode_summary(samples)
+        stats["proposers_by_replica"] = {
+            rid: spec_decode_summary(s for s in samples if s["labels"].get("replica") == rid) for rid in stats["replicas"]
+        }
+        return self._counted("/v1/speculation/stats", JSONResponse(stats))
+
+    def debug_spans(self) -> list[dict[str, Any]]:
+        """Finished spans, when ``telemetry.tracing`` is "memory" (tests); else empty."""
+        return self.telemetry.tel.finished_spans()

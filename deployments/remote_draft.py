@@ -4,9 +4,12 @@ Protocol (robust to lost messages and draft restarts): committed tokens never ch
 each call sends only the tokens committed since the last call (``offset`` + ``new_tokens``).
 The draft worker rolls its KV back by itself (longest common prefix with what it cached),
 which is exactly "piggybacking the accepted counts on the next call". If the draft lost a
-request's state it answers ``resync`` and the next call sends the whole sequence. Finished
-requests ride along in ``released``. Any failure or time-out makes this step plain for the
-requests involved (same output, fewer tokens per pass) and backs off for ``retry_after_s``.
+request's state it answers ``resync`` and the next call sends the whole sequence. A finished
+or cancelled request is released at once with a fire-and-forget ``release`` call (so the
+draft's KV is freed even when no further draft call follows); ids that could not be sent
+ride along in the next call's ``released``. Any failure or time-out makes this step plain
+for the requests involved (same output, fewer tokens per pass) and backs off for
+``retry_after_s``; the requests stay tracked, so they are still released when they finish.
 
 Called from the engine thread (not an event loop), so a blocking ``result()`` is fine here.
 """
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -37,6 +40,7 @@ class RemoteDraftProposer(Proposer):
         self.up = True
         self.num_failures = 0
         self.last_call_s = 0.0
+        self.on_call: Callable[[float], None] | None = None  # seconds of each successful call (metrics)
 
     def propose(self, requests: list[ProposalRequest]) -> Proposals:
         empty = Proposals([[] for _ in requests], [None for _ in requests])
@@ -64,11 +68,15 @@ class RemoteDraftProposer(Proposer):
             self.num_failures += 1
             self.up = False
             self._down_until = time.monotonic() + self.retry_after_s
-            self._sent.clear()  # the draft may have lost everything: resend whole sequences next time
+            # the draft may have lost everything: resend whole sequences next time, but keep the ids
+            # (a draft that only timed out still holds their state and must be told when they finish)
+            self._sent = dict.fromkeys(self._sent, 0)
             log.warning("draft worker call failed (%s); plain steps for %.1fs", type(e).__name__, self.retry_after_s)
             return empty
         self.last_call_s = time.perf_counter() - t0
         self.up = True
+        if self.on_call is not None:
+            self.on_call(self.last_call_s)
         drafts: list[list[int]] = []
         probs: list[torch.Tensor | None] = []
         for r, a in zip(requests, answer):
@@ -83,5 +91,11 @@ class RemoteDraftProposer(Proposer):
         return Proposals(drafts, probs)
 
     def finish(self, request_id: str, token_ids: Sequence[int]) -> None:
-        if self._sent.pop(request_id, None) is not None:
-            self._released.append(request_id)
+        if self._sent.pop(request_id, None) is None:
+            return
+        self._released.append(request_id)
+        released, self._released = self._released, []
+        try:  # fire and forget: frees the draft's KV now, not at the next draft call
+            self.handle.release.remote(released)
+        except Exception:
+            self._released.extend(released)  # piggyback on the next propose instead

@@ -14,7 +14,10 @@ from typing import Any
 
 from ray import serve
 
+from opentelemetry.metrics import Observation
+
 from cluster.config import AppConfig, RouterUserConfig
+from cluster.telemetry import Telemetry
 from policies.registry import make_policy
 from workers.decision import SpecCandidate
 from workers.stats import LoadSnapshot
@@ -28,6 +31,14 @@ class Router:
         self.policy = make_policy(self.user_config.policy)
         self.version = 0
         self.loads: dict[str, tuple[float, dict[str, Any]]] = {}  # replica id -> (received at, snapshot)
+        ctx = serve.get_replica_context()
+        self.telemetry = Telemetry(self.cfg.telemetry, "router", ctx.replica_id.unique_id if ctx else "router")
+        # per-request decisions, cumulative across policy swaps (the policy's own count starts over)
+        self.route_decisions = self.telemetry.meter.create_counter(
+            "specserve_route_decisions", description="Per-request routing decisions, by path and K.")
+        self.telemetry.meter.create_observable_gauge(
+            "specserve_policy_version", callbacks=[lambda _o: [Observation(self.version, {"policy": self.policy.name})]],
+            description="Live policy version (bumped by every reconfigure), labelled with the policy name.")
 
     def reconfigure(self, user_config: dict) -> None:
         """Live policy change from ``serve deploy`` (validated; unknown keys fail the deploy)."""
@@ -54,6 +65,7 @@ class Router:
         s = LoadSnapshot(**snap)
         s.decoding += 1  # as if this request were already running
         k = self.policy.decide(s, [SpecCandidate("route", proposer or "default", speculation, k_max)])[0]
+        self.route_decisions.add(1, {"path": "spec" if k > 0 else "plain", "k": str(k)})
         return {"replica_id": rid, "path": "spec" if k > 0 else "plain", "k": k, "load_age_s": time.time() - at}
 
     def stats(self) -> dict[str, Any]:
@@ -64,6 +76,14 @@ class Router:
             "replicas": {r: {"age_s": now - at, **snap} for r, (at, snap) in self.loads.items()},
             "decisions": {f"{p}:{k}": n for (p, k), n in self.policy.decisions.items()},
         }
+
+    def metrics_samples(self) -> list[dict[str, Any]]:
+        """The Router's metric samples (plain dicts) for the ingress's ``/metrics``."""
+        return self.telemetry.samples()
+
+    def replica_ids(self) -> list[str]:
+        """Target replicas that reported recently: the ones ``/metrics`` asks for their samples."""
+        return sorted(self._fresh())
 
     def healthy(self) -> bool:
         """At least one target replica reported recently (its loop is alive and stepping)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from typing import Any, AsyncIterator
 
 from ray import serve
@@ -18,6 +19,7 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.config import AppConfig
 from deployments.remote_draft import RemoteDraftProposer
+from deployments.target_telemetry import TargetTelemetry
 from policies.registry import make_policy
 from workers.async_engine import AsyncEngine
 from workers.engine import LLMEngine
@@ -60,19 +62,31 @@ class TargetWorker:
                 proposers[p.name] = make_proposer(p.name, **p.options)
         self.policy_version = -1
         self.policy = make_policy({"name": "goodput"})
+        ctx = serve.get_replica_context()
+        self.replica_id = ctx.replica_id.unique_id if ctx is not None else f"local-{os.getpid()}"
+        draft_proxy = proposers.get("draft_model")
+        self.telemetry = TargetTelemetry(
+            cfg, self.replica_id, list(proposers), snapshot=lambda: self.engine.snapshot(), draft_proxy=draft_proxy
+        )
+        if isinstance(draft_proxy, RemoteDraftProposer):
+            draft_proxy.on_call = self.telemetry.on_draft_call
         engine = LLMEngine(
             cfg.engine, loaded, proposers=proposers, decide=self._decide,
-            on_step=lambda tokens, seconds: self.policy.observe_step(tokens, seconds),
+            on_step=self._on_step, on_verify=self.telemetry.on_verify,
         )
         self.engine = AsyncEngine(engine)
         self.router = router
-        ctx = serve.get_replica_context()
-        self.replica_id = ctx.replica_id.unique_id if ctx is not None else f"local-{os.getpid()}"
         self._reporter = asyncio.get_event_loop().create_task(self._report_loop())
 
     # The engine thread calls this every step; it reads ``self.policy`` (swapped atomically).
     def _decide(self, snapshot, candidates):
-        return self.policy.decide(snapshot, candidates)
+        ks = self.policy.decide(snapshot, candidates)
+        self.telemetry.count_decisions(ks)  # cumulative across policy swaps (a policy's own count resets)
+        return ks
+
+    def _on_step(self, tokens: int, seconds: float) -> None:  # engine thread, after every step
+        self.policy.observe_step(tokens, seconds)
+        self.telemetry.on_step(tokens, seconds)
 
     async def _report_loop(self) -> None:
         interval = self.cfg.router.report_interval_s
@@ -90,7 +104,14 @@ class TargetWorker:
             await asyncio.sleep(interval)
 
     async def generate(self, request: dict[str, Any], replica_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
-        """Stream output chunks as dicts; an invalid request yields one ``{"error": ...}`` chunk."""
+        """Stream output chunks as dicts; an invalid request yields one ``{"error": ...}`` chunk.
+
+        With tracing on, ``request["trace_context"]`` (a W3C carrier from the ingress) makes the
+        engine record this request's steps, emitted as spans when it finishes.
+        """
+        parent = self.telemetry.trace_parent(request.get("trace_context"))
+        start_ns = time.time_ns() if parent is not None else 0
+        finish_reason = "abort"
         try:
             async for o in self.engine.generate(
                 request["request_id"],
@@ -98,10 +119,25 @@ class TargetWorker:
                 params=request["params"],
                 proposer=request.get("proposer"),
                 speculation=request.get("speculation", "auto"),
+                record_events=parent is not None,
             ):
+                if o.finished:
+                    finish_reason = o.finish_reason or "stop"
+                    if parent is not None:
+                        self.telemetry.emit_request_spans(parent, start_ns, time.time_ns(), o.events, {
+                            "request_id": o.request_id, "proposer": o.proposer or "", "finish_reason": finish_reason,
+                            "num_output_tokens": o.num_output_tokens, "num_draft_tokens": o.spec.num_draft_tokens,
+                            "num_accepted_tokens": o.spec.num_accepted_tokens,
+                        })
                 yield output_dict(o)
         except InvalidRequestError as e:
+            finish_reason = "invalid"
             yield {"error": {"message": e.message, "param": e.param}}
+        except Exception:
+            finish_reason = "error"  # e.g. the engine loop died
+            raise
+        finally:
+            self.telemetry.requests.add(1, {"finish_reason": finish_reason})
 
     def load(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, **self.engine.snapshot().as_dict()}
@@ -117,6 +153,15 @@ class TargetWorker:
             return {name: s.as_dict() for name, s in e.stats.items()}
 
         return {"replica_id": self.replica_id, "proposers": await self.engine.call(collect), "load": self.load()}
+
+    async def metrics_samples(self, replica_id: str | None = None) -> list[dict[str, Any]]:
+        """This replica's metric samples (plain dicts, labelled ``replica``) for the ingress's ``/metrics``.
+        ``replica_id`` pins the call to that replica (deployments/replica_router.py)."""
+        return await self.telemetry.samples(self.engine.call)
+
+    def debug_spans(self, replica_id: str | None = None) -> list[dict[str, Any]]:
+        """Finished spans, when ``telemetry.tracing`` is "memory" (tests); else empty."""
+        return self.telemetry.tel.finished_spans()
 
     def check_health(self) -> None:
         if not self.engine.healthy():

@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import psutil
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,7 +58,35 @@ class LocalCluster:
         return self
 
     def stop(self) -> None:
-        self._run(str(BIN / "ray"), "stop", "--force", check=False)
+        """Kill this cluster's processes only (``ray stop`` would kill every Ray on the machine)."""
+        for proc in self.processes():
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+
+    def processes(self) -> list["psutil.Process"]:
+        """Every process of this cluster: those naming its session directory, and their children."""
+        session = None
+        for p in psutil.process_iter(["cmdline"]):  # the GCS, or any raylet / monitor that names its address
+            cmd = p.info["cmdline"] or []
+            if f"--gcs_server_port={self.gcs_port}" in cmd or any(
+                    a.startswith(("--gcs-address=", "--gcs_address=")) and a.endswith(f":{self.gcs_port}") for a in cmd):
+                session = next((a.split("=", 1)[1] for a in cmd if a.startswith(("--session-dir=", "--session_dir="))),
+                               None)
+                if session:
+                    break
+        if not session:
+            return []
+        found: dict[int, psutil.Process] = {}
+        for p in psutil.process_iter(["cmdline"]):
+            if any(a.endswith(session) or session + "/" in a for a in (p.info["cmdline"] or [])):
+                found[p.pid] = p
+                try:
+                    found.update({c.pid: c for c in p.children(recursive=True)})
+                except psutil.Error:
+                    pass
+        return list(found.values())
 
     def config(self, policy: dict[str, Any]) -> dict[str, Any]:
         cfg = yaml.safe_load((ROOT / "ray_config.yaml").read_text())
@@ -108,3 +137,52 @@ class LocalCluster:
         if out.returncode != 0:
             raise RuntimeError(out.stderr[-2000:])
         return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+class Probe:
+    """A long-lived driver process that calls deployment methods through Serve handles.
+
+    ``LocalCluster.call`` starts a fresh driver per call (~3 s); tests that poll a replica's
+    state many times (KV in use, draft state) use one of these instead (~10 ms per call).
+    """
+
+    _CODE = (
+        "import json, sys, ray\nfrom ray import serve\n"
+        "ray.init(address=sys.argv[1], logging_level='ERROR')\n"
+        "handles = {}\n"
+        "for line in sys.stdin:\n"
+        "    dep, method, args, timeout_s = json.loads(line)\n"
+        "    try:\n"
+        "        h = handles.get(dep) or handles.setdefault(dep, serve.get_deployment_handle(dep, app_name='specserve'))\n"
+        "        out = {'ok': getattr(h, method).remote(*args).result(timeout_s=timeout_s)}\n"
+        "    except Exception as e:\n"
+        "        out = {'error': repr(e)[-2000:]}\n"
+        "    print('@@' + json.dumps(out), flush=True)\n"
+    )
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", self._CODE, f"127.0.0.1:{cluster.gcs_port}"], cwd=ROOT,
+                                     env=cluster.env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL)
+
+    def call(self, deployment: str, method: str, *args: Any, timeout_s: float = 60) -> Any:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps([deployment, method, list(args), timeout_s]) + "\n")
+        self.proc.stdin.flush()
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError("probe process exited")
+            if line.startswith("@@"):
+                out = json.loads(line[2:])
+                if "error" in out:
+                    raise RuntimeError(out["error"])
+                return out["ok"]
+
+    def close(self) -> None:
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+            self.proc.wait(timeout=10)
+        except Exception:
+            self.proc.kill()

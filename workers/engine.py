@@ -31,7 +31,7 @@ from workers.errors import InvalidRequestError
 from workers.model_loader import LoadedModel
 from workers.proposers.base import ProposalRequest, Proposer
 from workers.rejection_sampler import verify
-from workers.request import Request, RequestOutput, Status
+from workers.request import Request, RequestOutput, Status, StepEvent
 from workers.runner import ModelRunner, StepBatch
 from workers.sampler import make_generator
 from workers.sampling_params import SamplingParams
@@ -50,6 +50,7 @@ class LLMEngine:
         proposers: dict[str, Proposer] | None = None,
         decide: DecideFn | None = None,
         on_step: Callable[[int, float], None] | None = None,
+        on_verify: Callable[[str, int, int], None] | None = None,
     ) -> None:
         self.config = config
         if config.num_threads:
@@ -77,6 +78,7 @@ class LLMEngine:
             self.default_proposer = next(iter(self.proposers), None)
         self.decide: DecideFn = decide or fixed_k(config.num_speculative_tokens)
         self.on_step = on_step  # (tokens in the step, seconds): feeds the policy's online step-cost model
+        self.on_verify = on_verify  # (proposer, num_draft, num_accepted) per speculative verify: metrics
 
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -89,6 +91,7 @@ class LLMEngine:
         self.step_costs: collections.deque[tuple[int, float]] = collections.deque(maxlen=512)  # (tokens, seconds)
         self.num_steps = 0
         self._tokens_last_step = 0
+        self._num_recording = 0  # requests in flight that record per-step events (tracing); 0: no event work
 
     # ----------------------------------------------------------------- requests in / out
 
@@ -116,8 +119,13 @@ class LLMEngine:
         params: SamplingParams | dict[str, Any] | None = None,
         proposer: str | None = None,
         speculation: Speculation = "auto",
+        record_events: bool = False,
     ) -> None:
-        """Validate and queue a request. Raises ``InvalidRequestError`` naming the bad field."""
+        """Validate and queue a request. Raises ``InvalidRequestError`` naming the bad field.
+
+        ``record_events``: keep a ``StepEvent`` per engine step of this request (for its trace),
+        handed back on its final output; off by default, and then no step does any event work.
+        """
         if request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", param="request_id")
         if isinstance(params, dict) or params is None:
@@ -159,6 +167,9 @@ class LLMEngine:
             generator=make_generator(params.seed, self.runner.device),
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
         )
+        if record_events:
+            req.events = []
+            self._num_recording += 1
         self.requests[request_id] = req
         self.waiting.append(req)
 
@@ -179,6 +190,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        rec = self._num_recording > 0  # per-step event timestamps only while some request records them
+        t0_ns = time.time_ns() if rec else 0
         self._admit()
         if not self.running:
             return []
@@ -186,6 +199,7 @@ class LLMEngine:
         decoding = [r for r in self.running if not r.in_prefill]
         ks = self._decide_k(decoding, budget)
         drafts, draft_probs = self._propose(decoding, ks)
+        t_prop_ns = time.time_ns() if rec else 0
 
         # Build the ragged batch: decoding requests first (latency-critical), then prefill chunks.
         sched: list[tuple[Request, list[int], bool]] = []  # (request, tokens fed, at frontier)
@@ -212,6 +226,8 @@ class LLMEngine:
         for r, toks, f in sched:
             if not f:
                 r.num_computed += len(toks)
+                if rec and r.events is not None:
+                    r.events.append(StepEvent(t0_ns, time.time_ns(), "prefill", 0, 0, t_prop_ns))
         result = verify(
             out.logits,
             [frontier_drafts.get(id(r), []) for r, _ in at_frontier],
@@ -222,6 +238,9 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         for (r, toks), new_ids, n_acc in zip(at_frontier, result.output_token_ids, result.num_accepted):
             n_draft = len(frontier_drafts.get(id(r), []))
+            if rec and r.events is not None:
+                kind = "prefill" if r.in_prefill else ("spec" if n_draft else "plain")
+                r.events.append(StepEvent(t0_ns, time.time_ns(), kind, n_draft, n_acc, t_prop_ns))
             r.num_computed += len(toks) - (n_draft - n_acc)  # KV of rejected drafts is now stale: length moves back
             self._record(r, n_draft, n_acc)
             outputs.append(self._commit(r, new_ids))
@@ -300,6 +319,8 @@ class LLMEngine:
             self.stats[r.proposer].record_verify(n_draft, n_acc)
             self.acceptance_ema[r.proposer].update(n_acc / n_draft)
             self.proposers[r.proposer].observe(r.request_id, n_draft, n_acc)
+            if self.on_verify is not None:
+                self.on_verify(r.proposer, n_draft, n_acc)
         elif r.proposer:
             self.stats[r.proposer].plain_steps += 1
 
@@ -334,6 +355,7 @@ class LLMEngine:
             spec=r.spec,
             first_token_time=r.first_token_time,
             arrival_time=r.arrival_time,
+            events=r.events if final else None,
         )
 
     def _finish(self, r: Request, reason: str) -> None:
@@ -345,6 +367,8 @@ class LLMEngine:
             r.slot = -1
             for p in self.proposers.values():
                 p.finish(r.request_id, r.all_ids())
+        if r.events is not None:
+            self._num_recording -= 1
         r.status = Status.FINISHED
         r.finish_reason = reason
         self.requests.pop(r.request_id, None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -12,6 +13,17 @@ from workers.decision import Speculation
 from workers.detokenizer import IncrementalDetokenizer
 from workers.sampling_params import SamplingParams
 from workers.stats import SpecDecodeStats
+
+
+class StepEvent(NamedTuple):
+    """One engine step of one request, recorded only for requests that asked (tracing on)."""
+
+    t_start_ns: int  # time.time_ns() at the start of the step
+    t_end_ns: int  # after the verify (or after the forward, for a prefill chunk)
+    kind: str  # "prefill" (a prompt chunk; the last one also makes the first token) | "spec" | "plain"
+    num_draft: int  # draft tokens verified this step (0 unless "spec")
+    num_accepted: int  # of those, accepted (the recovered / bonus token not counted)
+    t_proposed_ns: int  # when the proposer returned and the target forward began
 
 
 class Status(enum.Enum):
@@ -35,6 +47,7 @@ class RequestOutput:
     spec: SpecDecodeStats  # per-request totals so far (usage.speculation)
     first_token_time: float | None = None
     arrival_time: float = 0.0
+    events: list[StepEvent] | None = None  # on the final output of a request added with record_events
 
 
 @dataclass
@@ -55,6 +68,7 @@ class Request:
     finish_reason: str | None = None
     first_token_time: float | None = None
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    events: list[StepEvent] | None = None  # per-step events, only when recording (tracing on)
 
     @property
     def num_tokens(self) -> int:
