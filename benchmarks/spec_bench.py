@@ -144,7 +144,7 @@ CHAT_PROMPTS = [
 
 # Sized for <= ~12 min on 2 shared, busy cores.
 FULL = dict(tokens=48, num_copy=4, num_chat=2, concurrency=[1, 4, 16, 32], sweep_tokens=32,
-            sweep_requests={1: 2, 4: 6, 16: 20, 32: 36})
+            sweep_requests={1: 2, 4: 6, 16: 16, 32: 32})
 QUICK = dict(tokens=16, num_copy=1, num_chat=1, concurrency=[1, 4], sweep_tokens=8, sweep_requests={1: 1, 4: 4})
 
 MAX_MODEL_LEN = 768

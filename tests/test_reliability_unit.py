@@ -1,0 +1,208 @@
+"""Fast reliability checks without a cluster (issue 7): a wedged or dead engine loop fails the
+health check; the draft's per-request state is released when a request ends (also after a
+failed draft call) and swept when nobody will ever release it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from workers.async_engine import AsyncEngine
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.errors import EngineDeadError
+from workers.proposers.base import ProposalRequest, Proposals, Proposer
+from workers.sampling_params import SamplingParams
+
+
+class WedgeProposer(Proposer):
+    """Blocks inside ``propose`` until released (a stuck draft RPC, a deadlock); or raises."""
+
+    name = "wedge"
+
+    def __init__(self, fail: bool = False) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.fail = fail
+
+    def propose(self, requests: list[ProposalRequest]) -> Proposals:
+        self.entered.set()
+        if self.fail:
+            raise RuntimeError("proposer blew up")
+        self.release.wait(30)
+        return Proposals([[] for _ in requests], [None for _ in requests])
+
+
+def _target_worker_with(engine: AsyncEngine):
+    from deployments.target import TargetWorker
+
+    tw = object.__new__(TargetWorker.func_or_class)  # only what check_health reads
+    tw.engine = engine
+    return tw
+
+
+def test_check_health_fails_while_the_engine_loop_is_wedged_and_recovers(tiny_loaded):
+    wedge = WedgeProposer()
+    ae = AsyncEngine(LLMEngine(EngineConfig(max_num_seqs=2, max_model_len=128), tiny_loaded, proposers={"wedge": wedge}))
+    tw = _target_worker_with(ae)
+    try:
+        time.sleep(0.1)
+        assert ae.healthy(stall_s=0.05)  # idle: the loop keeps ticking
+        tw.check_health()
+
+        async def main():
+            out = []
+            async for o in ae.generate("r", [1, 2, 3, 4], params={"max_tokens": 4, "ignore_eos": True},
+                                       speculation="on"):
+                out += o.token_ids
+            return out
+
+        result: dict = {}
+        t = threading.Thread(target=lambda: result.setdefault("out", asyncio.run(main())), daemon=True)
+        t.start()
+        assert wedge.entered.wait(30)
+        time.sleep(0.3)
+        assert not ae.healthy(stall_s=0.2)  # stuck inside a step: no iteration for 0.3 s
+        ae.last_progress -= 60  # as if wedged for a minute (check_health's threshold is 30 s)
+        with pytest.raises(RuntimeError, match="wedged"):
+            tw.check_health()
+        wedge.release.set()  # unstuck: the loop moves on, the request finishes, health comes back
+        t.join(30)
+        assert len(result["out"]) == 4
+        assert ae.healthy(stall_s=1.0)
+        tw.check_health()
+    finally:
+        wedge.release.set()
+        ae.shutdown()
+
+
+def test_check_health_fails_when_the_engine_loop_died(tiny_loaded):
+    ae = AsyncEngine(LLMEngine(EngineConfig(max_num_seqs=2, max_model_len=128), tiny_loaded,
+                               proposers={"wedge": WedgeProposer(fail=True)}))
+    tw = _target_worker_with(ae)
+    try:
+        async def main():
+            async for _ in ae.generate("r", [1, 2, 3], params={"max_tokens": 4}, speculation="on"):
+                pass
+
+        with pytest.raises(EngineDeadError):
+            asyncio.run(main())
+        assert ae.dead is not None and not ae.healthy()
+        with pytest.raises(RuntimeError):
+            tw.check_health()
+    finally:
+        ae.shutdown()
+
+
+# ----------------------------------------------------------------------------- draft state
+
+
+class _Resp:
+    def __init__(self, fn, args):
+        try:
+            self.value, self.exc = fn(*args), None
+        except Exception as e:  # noqa: BLE001
+            self.value, self.exc = None, e
+
+    def result(self, timeout_s=None):
+        if self.exc is not None:
+            raise self.exc
+        return self.value
+
+
+class _Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return _Resp(self.fn, args)
+
+
+class FakeDraftHandle:
+    """Stands in for the DraftWorker handle: tracks which request ids the draft holds."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, int] = {}
+        self.down = False
+        self.propose = _Method(self._propose)
+        self.release = _Method(self._release)
+
+    def _propose(self, batch, released):
+        if self.down:
+            raise TimeoutError("draft call timed out")
+        self._release(released)
+        out = []
+        for m in batch:
+            if m["offset"] != self.held.get(m["request_id"], 0):
+                self.held.pop(m["request_id"], None)
+                out.append({"resync": True})
+                continue
+            self.held[m["request_id"]] = m["offset"] + len(m["new_tokens"])
+            out.append({"draft_token_ids": [7] * m["k"], "draft_probs": None})
+        return out
+
+    def _release(self, ids):
+        for rid in ids:
+            self.held.pop(rid, None)
+
+
+def _req(rid: str, n: int) -> ProposalRequest:
+    return ProposalRequest(request_id=rid, token_ids=list(range(1, n + 1)), num_prompt_tokens=3, k=2)
+
+
+def test_remote_draft_releases_at_finish_without_waiting_for_another_call():
+    from deployments.remote_draft import RemoteDraftProposer
+
+    h = FakeDraftHandle()
+    p = RemoteDraftProposer(h, timeout_s=1.0, retry_after_s=0.0)
+    assert p.propose([_req("a", 4), _req("b", 4)]).draft_token_ids == [[7, 7], [7, 7]]
+    assert set(h.held) == {"a", "b"}
+    p.finish("a", [])
+    assert set(h.held) == {"b"}  # freed at once, no further propose needed
+    # the draft stops answering: the step runs plain, and "b" is still released when it ends
+    h.down = True
+    assert p.propose([_req("b", 5)]).draft_token_ids == [[]]
+    p.finish("b", [])
+    assert h.held == {}
+
+
+def test_remote_draft_resyncs_after_a_failed_call():
+    from deployments.remote_draft import RemoteDraftProposer
+
+    h = FakeDraftHandle()
+    p = RemoteDraftProposer(h, timeout_s=1.0, retry_after_s=0.0)
+    p.propose([_req("a", 4)])
+    h.down = True
+    p.propose([_req("a", 5)])  # fails
+    h.down = False
+    assert p.propose([_req("a", 6)]).draft_token_ids == [[]]  # offset 0 != what the draft holds: resync
+    assert p.propose([_req("a", 6)]).draft_token_ids == [[7, 7]]  # whole sequence sent again
+    assert h.held == {"a": 6}
+
+
+def test_draft_worker_sweeps_state_nobody_releases(tiny_model_dir, monkeypatch):
+    from deployments.draft import DraftWorker
+
+    monkeypatch.setattr("ray.serve.get_replica_context", lambda: None)  # not inside a Serve replica here
+    cfg = {"engine": {"model": tiny_model_dir, "max_model_len": 128},
+           "draft": {"model": "target", "max_num_seqs": 4, "state_ttl_s": 0.3}}
+    w = DraftWorker.func_or_class(cfg)
+
+    def msg(rid: str) -> dict:
+        return {"request_id": rid, "offset": 0, "new_tokens": [1, 2, 3, 4], "num_prompt_tokens": 4, "k": 2,
+                "eos_token_ids": [], "sampling": SamplingParams().model_dump()}
+
+    w.propose([msg("orphan"), msg("live")], [])
+    assert w.stats()["active"] == 2 and w.stats()["kv_tokens_in_use"] > 0
+    w.release(["live"])  # released by its target: freed at once
+    assert w.stats()["active"] == 1
+    t0 = time.monotonic()
+    while w.stats()["active"] and time.monotonic() - t0 < 5:
+        time.sleep(0.05)
+    s = w.stats()
+    assert s["active"] == 0 and s["kv_tokens_in_use"] == 0 and s["swept"] == 1 and s["known"] == 0
+    # a request that was only idle resyncs on its next call (its offset no longer matches)
+    assert w.propose([{**msg("orphan"), "offset": 4, "new_tokens": [5]}], []) == [{"resync": True}]
