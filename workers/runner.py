@@ -162,11 +162,13 @@ class ModelRunner:
 
         # Attention mask over the slot range: key j is visible to query row i of slot s iff j <= start_s + i.
         # Unused slots / padded rows keep key 0 visible, so no row is all -inf (their outputs are discarded).
+        # One request decoding one token sees every cached key: no mask needed (the common c=1 step).
+        single = nreq == 1 and max_q == 1
         start = torch.zeros(hi - lo, dtype=torch.long, device=dev)
         start[torch.tensor(batch.slots, device=dev) - lo] = torch.tensor(batch.start_pos, device=dev)
         qpos = start[:, None] + torch.arange(max_q, device=dev)[None, :]  # [S, max_q]
         keys = torch.arange(max_kv, device=dev)
-        mask = (keys[None, None, :] <= qpos[:, :, None]).unsqueeze(1)  # [S, 1, max_q, max_kv]
+        mask = None if single else (keys[None, None, :] <= qpos[:, :, None]).unsqueeze(1)  # [S, 1, max_q, max_kv]
 
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1)
@@ -177,14 +179,18 @@ class ModelRunner:
         for li, L in enumerate(self.layers):
             x = self._rms_norm(h, L["in_norm"])
             qkv = self._linear(x, L, "qkv")  # [T, (H + 2 Hkv) * D]
-            q = qkv[:, : H * D].view(total, H, D)
-            k = qkv[:, H * D : (H + Hkv) * D].view(total, Hkv, D)
+            qk = qkv[:, : (H + Hkv) * D].view(total, H + Hkv, D)
+            qk = qk * cos + self._rotate_half(qk) * sin  # [T, H + Hkv, D]: RoPE on q and k in one pass
+            q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D]
             v = qkv[:, (H + Hkv) * D :].view(total, Hkv, D)
-            q = q * cos + self._rotate_half(q) * sin  # [T, H, D]
-            k = k * cos + self._rotate_half(k) * sin  # [T, Hkv, D]
             kc, vc = self.k_cache[li], self.v_cache[li]
-            kc[slot_of_tok, :, positions] = k  # in-place write, [T, Hkv, D] at (slot, :, pos)
-            vc[slot_of_tok, :, positions] = v
+            if single:
+                p0 = batch.start_pos[0]
+                kc[lo, :, p0] = k[0]  # plain slice write, [Hkv, D]
+                vc[lo, :, p0] = v[0]
+            else:
+                kc[slot_of_tok, :, positions] = k  # in-place write, [T, Hkv, D] at (slot, :, pos)
+                vc[slot_of_tok, :, positions] = v
             if nreq == 1:
                 qp = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
             else:
