@@ -124,6 +124,8 @@ def main() -> None:
                     current = mode
                 res = asyncio.run(closed_loop(cluster.base_url, mixes[mix], c, plan["requests"](c), plan["max_tokens"]))
                 rows.append({"mode": mode, "mix": mix, "concurrency": c, **res})
+                # written after every cell, so a run cut short still leaves its measurements
+                write_json(RESULTS_DIR / "http_sweep.partial.json", {"env": info, "rows": rows})
         finally:
             cluster.stop()
     # the acceptance bar: default policy vs the better of never / always, same mix and concurrency

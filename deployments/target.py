@@ -92,6 +92,11 @@ class TargetWorker:
         interval = self.cfg.router.report_interval_s
         while True:
             try:
+                if not self.engine.healthy(stall_s=self.cfg.router.stale_after_s * 5):
+                    # A dead or wedged loop stops reporting: the Router drops this replica as stale
+                    # (no new requests, /health 503 when it was the last) before Serve replaces it.
+                    await asyncio.sleep(interval)
+                    continue
                 snap = self.engine.snapshot().as_dict()
                 answer = await self.router.report.remote(self.replica_id, snap, self.policy_version)
                 if answer and answer.get("version", -1) != self.policy_version:
