@@ -34,7 +34,7 @@ stop:
 	-$(PYTHON) -m cluster.serve_local stop
 
 bench: $(STAMP)
-	$(PYTHON) -m benchmarks.engine_bench
+	for b in engine_bench spec_bench http_overhead http_sweep; do $(PYTHON) -m benchmarks.$$b || exit 1; done
 
 clean:
 	rm -rf $(VENV)
