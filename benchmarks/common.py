@@ -28,6 +28,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from workers.stats import SpecDecodeStats
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 Work = Sequence[tuple[list[int], dict[str, Any]]]  # [(prompt token ids, sampling params dict)]
@@ -101,33 +103,15 @@ def ratio(a: float, b: float) -> float:
 
 
 @dataclass
-class SpecTotals:
-    """Summed per-request SpecDecodeStats (acceptance rate excludes the bonus token)."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
+class SpecTotals(SpecDecodeStats):
+    """Summed per-request SpecDecodeStats; the acceptance rate and length come from the engine's own
+    definitions (workers/stats.py), so a benchmark can never compute them differently."""
 
     def add(self, spec: dict[str, Any] | None) -> None:
         if spec:
             self.num_drafts += spec.get("num_drafts", 0)
             self.num_draft_tokens += spec.get("num_draft_tokens", 0)
             self.num_accepted_tokens += spec.get("num_accepted_tokens", 0)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            **asdict(self),
-            "acceptance_rate": self.acceptance_rate,
-            "mean_acceptance_length": self.mean_acceptance_length,
-        }
 
 
 @dataclass
