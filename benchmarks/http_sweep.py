@@ -102,8 +102,14 @@ def wait_policy(cluster: LocalCluster, name: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--concurrency", help="comma-separated subset, e.g. 1,4,16 (default: the full 1..32)")
+    ap.add_argument("--max-tokens", type=int, help="output tokens per request")
     a = ap.parse_args()
-    plan = QUICK if a.quick else FULL
+    plan = dict(QUICK if a.quick else FULL)
+    if a.concurrency:
+        plan["concurrency"] = [int(c) for c in a.concurrency.split(",")]
+    if a.max_tokens:
+        plan["max_tokens"] = a.max_tokens
     mixes = {"copy": [p for _, _, p in COPY_PROMPTS], "chat": [p for _, _, p in CHAT_PROMPTS]}
     info = env_info()
     rows: list[dict[str, Any]] = []
