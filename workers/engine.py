@@ -73,6 +73,8 @@ class LLMEngine:
                 raise ValueError(
                     f"proposer {name!r}: draft vocabulary {draft_vocab} != target vocabulary {self.vocab_size}"
                 )
+        # proposers that read the target's hidden states (EAGLE): only their requests pay for keeping them
+        self._hidden_proposers = {n for n, p in self.proposers.items() if getattr(p, "needs_hidden_states", False)}
         self.default_proposer = config.proposers[0].name if config.proposers and self.proposers else None
         if self.default_proposer not in self.proposers:
             self.default_proposer = next(iter(self.proposers), None)
@@ -220,7 +222,12 @@ class LLMEngine:
             token_ids=[toks for _, toks, _ in sched],
             logits_rows=[list(range(len(toks)))[-(len(frontier_drafts.get(id(r), [])) + 1) :] if f else [] for r, toks, f in sched],
         )
+        want_hidden = [r.proposer in self._hidden_proposers for r, _, _ in sched] if self._hidden_proposers else []
+        if any(want_hidden):
+            batch.hidden_rows = [list(range(len(toks))) if w else [] for (_, toks, _), w in zip(sched, want_hidden)]
         out = self.runner.forward(batch)
+        if out.extra_hidden is not None:
+            self._keep_hidden(sched, want_hidden, out.extra_hidden)
 
         at_frontier = [(r, toks) for r, toks, f in sched if f]
         for r, toks, f in sched:
@@ -302,6 +309,7 @@ class LLMEngine:
                     k=ks[i],
                     eos_token_ids=decoding[i].eos_token_ids,
                     sampling=decoding[i].params,
+                    hidden_states=None if decoding[i].hidden is None else decoding[i].hidden[: decoding[i].num_computed],
                 )
                 for i in idxs
             ]
@@ -312,6 +320,24 @@ class LLMEngine:
                 p = props.draft_probs[j]
                 probs[i] = p[: len(d)] if (p is not None and d) else None
         return drafts, probs
+
+    def _keep_hidden(
+        self,
+        sched: list[tuple[Request, list[int], bool]],
+        want: list[bool],
+        hidden: torch.Tensor,  # [sum of fed tokens of the wanting requests, hidden] in schedule order
+    ) -> None:
+        """Write each fed row's hidden state at its position. Rows of drafts the verify rejects sit past
+        ``num_computed`` afterwards and are overwritten by the next step, like the KV cache."""
+        off = 0
+        for (r, toks, _), w in zip(sched, want):
+            if not w:
+                continue
+            if r.hidden is None:
+                cap = min(self.max_model_len, len(r.prompt_ids) + r.params.max_tokens + self.config.num_speculative_tokens + 1)
+                r.hidden = hidden.new_zeros(cap, hidden.shape[1])  # [capacity, hidden]
+            r.hidden[r.num_computed : r.num_computed + len(toks)] = hidden[off : off + len(toks)]
+            off += len(toks)
 
     def _record(self, r: Request, n_draft: int, n_acc: int) -> None:
         r.spec.record_verify(n_draft, n_acc)

@@ -69,6 +69,9 @@ class Request:
     first_token_time: float | None = None
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     events: list[StepEvent] | None = None  # per-step events, only when recording (tracing on)
+    # [capacity, hidden] the target's final-norm hidden state at every position the target has read
+    # (valid up to num_computed); kept only when the request's proposer needs_hidden_states (EAGLE)
+    hidden: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

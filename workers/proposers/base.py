@@ -28,6 +28,10 @@ class ProposalRequest:
     k: int  # number of draft tokens wanted this step, >= 1
     eos_token_ids: frozenset[int] = frozenset()
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Only for proposers with ``needs_hidden_states`` (EAGLE): the target's final-norm hidden state at
+    # positions 0 .. len(token_ids) - 2 (every committed token but the last, which the target has not
+    # read yet). A read-only view of the engine's buffer: copy what you keep. None for other proposers.
+    hidden_states: torch.Tensor | None = None  # [len(token_ids) - 1, hidden]
 
 
 @dataclass
@@ -44,6 +48,9 @@ class Proposer(ABC):
     """One speculation method. Implementations hold no Ray and no target model."""
 
     name: str = "base"
+    # True: the engine keeps the target's hidden states of this proposer's requests and passes them in
+    # ProposalRequest.hidden_states (costs a norm over every fed row); False: the engine does no such work.
+    needs_hidden_states: bool = False
 
     @abstractmethod
     def propose(self, requests: list[ProposalRequest]) -> Proposals:
