@@ -18,6 +18,17 @@ uniform per proposer (acceptance is per proposer, from ``snapshot.acceptance_ema
 Hysteresis: the K chosen for a proposer changes only when the best K's goodput beats the
 current K's by more than ``switch_margin`` (relative), so two K within noise of each other
 do not make the path flap step by step.
+
+Exploring: a K whose step cost is unmeasured is predicted by the line and tried when it looks
+best, which fills the cost table where it matters; the plain step's cost at the current batch
+size, the baseline of every comparison, is measured first (a plain step or two per new batch
+size) so that a line pulled up by costly verify steps cannot make plain look worse than it is.
+
+Probing: acceptance is only observed on steps that speculate, so once a proposer is held at
+K = 0 its acceptance EMA would freeze at the value that made it lose, and a workload that
+turns copy-heavy later would never be noticed. After ``probe_interval_steps`` consecutive
+K = 0 decisions for a proposer, one step drafts ``probe_k`` tokens to refresh the estimate
+(about 1% of steps at the default, each costing one slightly longer step).
 """
 
 from __future__ import annotations
@@ -57,6 +68,13 @@ class GoodputConfig(PolicyConfigBase):
     cost_min_samples: int = Field(
         8, ge=2, description="Step measurements needed before the fitted cost model replaces the priors."
     )
+    probe_interval_steps: int = Field(
+        100,
+        ge=0,
+        description="After this many consecutive K = 0 steps for a proposer, one step drafts probe_k tokens to "
+        "re-measure its acceptance (0 = never probe).",
+    )
+    probe_k: int = Field(2, ge=1, description="Drafts per request on a probing step (clipped to k_max).")
     cost_decay: float = Field(
         0.98,
         gt=0.0,
@@ -89,6 +107,8 @@ class GoodputPolicy(Policy[GoodputConfig]):
             decay=cfg.cost_decay,
         )
         self.current: dict[str, int] = {}  # proposer -> K chosen last (the hysteresis state)
+        self._zero_run: dict[str, int] = {}  # proposer -> consecutive K = 0 decisions (probing)
+        self.num_probes = 0
         self._last: dict[str, dict[str, float]] = {}
 
     def observe_step(self, tokens: int, seconds: float) -> None:
@@ -102,6 +122,24 @@ class GoodputPolicy(Policy[GoodputConfig]):
         return snapshot.acceptance_ema.get(proposer, self.config.prior_acceptance)
 
     def _choose(self, proposer: str, acceptance: float, batch: int, k_hi: int) -> int:
+        cm, cfg = self.cost_model, self.config
+        if k_hi > 0 and cm.fitted and cm.bucket_min_samples and cm.measured(batch) is None:
+            # The plain step's cost at this batch size is the baseline every K is compared with;
+            # while it is unmeasured, spend a plain step measuring it rather than trusting the line.
+            return 0
+        k = self._choose_by_goodput(proposer, acceptance, batch, k_hi)
+        if k > 0 or k_hi <= 0:
+            self._zero_run[proposer] = 0
+            return k
+        run = self._zero_run.get(proposer, 0) + 1
+        if cfg.probe_interval_steps and run >= cfg.probe_interval_steps:
+            self._zero_run[proposer] = 0
+            self.num_probes += 1
+            return min(cfg.probe_k, k_hi)
+        self._zero_run[proposer] = run
+        return 0
+
+    def _choose_by_goodput(self, proposer: str, acceptance: float, batch: int, k_hi: int) -> int:
         cfg = self.config
         if acceptance < cfg.min_acceptance:
             self.current[proposer] = 0
@@ -132,4 +170,5 @@ class GoodputPolicy(Policy[GoodputConfig]):
             "k": dict(self.current),
             "last": {p: dict(v) for p, v in self._last.items()},
             "cost_model": self.cost_model.as_dict(),
+            "probes": self.num_probes,
         }

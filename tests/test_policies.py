@@ -217,6 +217,34 @@ def test_cost_model_forgets_and_handles_one_token_count() -> None:
     assert c1 == pytest.approx(0.004) and c0 + 8 * c1 == pytest.approx(0.1)
 
 
+def test_cost_model_table_overrides_the_line_where_measured() -> None:
+    m = StepCostModel(min_samples=2, decay=1.0, bucket_min_samples=2)
+    for _ in range(5):  # a CPU whose 2-token step costs 1.4x its 1-token step, then linear
+        m.observe(1, 0.043)
+        m.observe(2, 0.061)
+        for x in (64, 128, 256):
+            m.observe(x, 0.03 + 0.0016 * x)
+    assert m.predict(1) == pytest.approx(0.043) and m.predict(2) == pytest.approx(0.061)
+    c0, c1 = m.coefficients()
+    assert m.predict(3) == pytest.approx(c0 + 3 * c1)  # unmeasured: the line
+    assert m.predict(40) == pytest.approx(c0 + 40 * c1)
+    assert m.predict(128) == pytest.approx(0.03 + 0.0016 * 128)  # its bucket
+    assert m.as_dict()["measured_s_by_bucket"]["2"] == pytest.approx(0.061)
+    line_only = StepCostModel(min_samples=2, decay=1.0, bucket_min_samples=0)
+    for _ in range(5):
+        line_only.observe(1, 0.043)
+        line_only.observe(2, 0.061)
+    assert line_only.measured(2) is None
+
+
+def test_cost_model_buckets() -> None:
+    from policies.cost_model import bucket
+
+    assert [bucket(t) for t in (1, 2, 31, 32)] == [1, 2, 31, 32]
+    assert bucket(33) == bucket(38) != bucket(39)  # quarter octaves above 32
+    assert bucket(256) > bucket(128) > bucket(64) > bucket(33)
+
+
 # ----------------------------------------------------------------------------- goodput
 
 
@@ -279,6 +307,43 @@ def test_goodput_does_not_flap_within_switch_margin() -> None:
     assert len(set(ks)) == 1
     # a real change still gets through the margin
     assert step(steady, 8, {"ngram": 0.95})[0] > max(ks)
+
+
+def test_goodput_learns_a_costly_small_verify_and_goes_plain() -> None:
+    """The 1 -> 2 token jump the line cannot see: after measuring it, 20% acceptance goes plain."""
+    p = make_policy({"name": "goodput", "probe_interval_steps": 0})
+    costs = {1: 0.043}  # measured 2..9-token steps cost 1.4x-2x a 1-token step (small-M GEMM on CPU)
+    costs.update({t: 0.061 + 0.004 * (t - 2) for t in range(2, 10)})
+    for x in (64, 128, 256):  # prefill chunks: the line's slope comes from these
+        for _ in range(3):
+            p.observe_step(x, 0.03 + 0.0016 * x)
+    ks = []
+    for _ in range(80):  # the engine loop: decide, run the step, feed its measured cost back
+        k = step(p, 1, {"ngram": 0.2})[0]
+        ks.append(k)
+        p.observe_step(k + 1, costs[k + 1])
+    assert ks[:2] == [0, 0]  # first the plain baseline at this batch size is measured
+    assert ks[2] > 0  # then the line alone thinks a verify is nearly free and tries one
+    assert ks[-40:] == [0] * 40  # measured: speculation loses at 20% acceptance
+    assert sum(k > 0 for k in ks) <= 3 * 8  # exploration is bounded: each K measured a few times
+    q = make_policy({"name": "goodput", "probe_interval_steps": 0})
+    for x in (64, 128, 256):
+        for _ in range(3):
+            q.observe_step(x, 0.03 + 0.0016 * x)
+    ks = []
+    for _ in range(80):  # same costs, copy-heavy acceptance: speculation wins and stays
+        ks.append(step(q, 1, {"ngram": 0.9})[0])
+        q.observe_step(ks[-1] + 1, costs[ks[-1] + 1])
+    assert min(ks[-40:]) > 0
+
+
+def test_goodput_probes_a_held_proposer() -> None:
+    p = make_policy({"name": "goodput", "probe_interval_steps": 10, "probe_k": 2})
+    ks = [step(p, 1, {"ngram": 0.01})[0] for _ in range(30)]  # below min_acceptance: held at 0
+    assert ks == ([0] * 9 + [2]) * 3  # one probing step every 10, with probe_k drafts
+    assert p.state()["probes"] == 3
+    off = make_policy({"name": "goodput", "probe_interval_steps": 0})
+    assert [step(off, 1, {"ngram": 0.01})[0] for _ in range(30)] == [0] * 30
 
 
 def test_goodput_state_and_describe() -> None:
