@@ -235,3 +235,29 @@ def test_async_engine_streams_and_cancels(tiny_loaded):
         assert ae.healthy()
     finally:
         ae.shutdown()
+
+
+def test_slow_stream_consumer_gets_the_backlog_as_one_chunk(tiny_loaded):
+    """A consumer that falls behind receives merged chunks, and no token or text is lost."""
+    import asyncio
+
+    from workers.async_engine import AsyncEngine
+
+    eng = LLMEngine(EngineConfig(max_num_seqs=2, max_model_len=128), tiny_loaded)
+    want = eng.generate([[5, 6, 7]], {"max_tokens": 24, "temperature": 0, "ignore_eos": True})[0]
+    ae = AsyncEngine(LLMEngine(EngineConfig(max_num_seqs=2, max_model_len=128), tiny_loaded))
+    try:
+        async def consume() -> list:
+            chunks = []
+            async for o in ae.generate("slow", [5, 6, 7], params={"max_tokens": 24, "temperature": 0,
+                                                                   "ignore_eos": True}):
+                chunks.append(o)
+                await asyncio.sleep(0.05)  # slower than the tiny model's steps
+            return chunks
+
+        chunks = asyncio.run(consume())
+    finally:
+        ae.shutdown()
+    assert [t for c in chunks for t in c.token_ids] == want
+    assert len(chunks) < len(want)  # merged: fewer messages than tokens
+    assert chunks[-1].finished and chunks[-1].num_output_tokens == 24
