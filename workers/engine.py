@@ -208,6 +208,8 @@ class LLMEngine:
         for r, d in zip(decoding, drafts):
             sched.append((r, [r.all_ids()[r.num_computed]] + d, True))
             budget -= 1 + len(d)
+        if decoding:  # running streams wait for this step: keep the prefill part of it short
+            budget = min(budget, self.config.max_prefill_tokens_while_decoding)
         for r in self.running:
             if r.in_prefill and budget > 0:
                 chunk = r.prompt_ids[r.num_computed : r.num_computed + budget]
