@@ -3,7 +3,8 @@
 Field names and error shapes follow the OpenAI API so the official client works
 unchanged; our extensions (``speculation``, ``proposer``, ``top_k``, ``ignore_eos``)
 arrive through the client's ``extra_body``. Unknown fields are rejected (400 naming
-them) rather than silently ignored.
+them) rather than silently ignored. Types are strict (pydantic ``strict=True``): ``"stream": "yes"``
+or ``"max_tokens": "5"`` is a 400 naming the field, not a guess at what the client meant.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ Role = Literal["system", "user", "assistant"]
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Role
     content: str
@@ -26,13 +27,13 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)

@@ -166,6 +166,8 @@ HOSTILE: list[tuple[str, str, Any, str | None, int | None]] = [
     ("temperature NaN", CHAT, b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}'
      % MODEL.encode(), "temperature", None),
     ("stream wrong type", CHAT, {"stream": {"on": True}}, "stream", None),
+    ("stream a string", CHAT, {"stream": "yes"}, "stream", None),
+    ("max_tokens a numeric string", CHAT, {"max_tokens": "5"}, "max_tokens", None),
     ("stream_options nested garbage", CHAT, {"stream": True, "stream_options": {"include_usage": {"a": [1]}}},
      "stream_options.include_usage", None),
     ("null model", CHAT, {"model": None, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
