@@ -1,0 +1,165 @@
+"""The EAGLE draft head (Li et al. 2024, arXiv 2401.15077): one decoder layer over the target's features.
+
+EAGLE drafts at the *feature* level: with ``f_j`` the target's feature at position ``j`` and
+``t_{j+1}`` the token sampled from it, the head reads the pair ``[f_j ; embed(t_{j+1})]``
+(concatenated, then ``fc`` back to ``hidden``), runs one Llama decoder layer (causal attention over
+the earlier pairs of the same sequence, RoPE at position ``j``) and predicts ``f_{j+1}``, which the
+target's frozen LM head turns into the distribution of ``t_{j+2}``. Drafting feeds its own
+predicted feature and drafted token back as the next pair.
+
+Features: ``f_j`` is the target's hidden state *after* its final RMSNorm (what ``ModelRunner``
+returns as ``hidden``), exactly what its LM head reads; the head's output is scored through the
+LM head directly, with no further norm (as in the EAGLE reference code).
+
+Reduced draft vocabulary (EAGLE-3's trick): the target's LM head is 49152 x 576, and one row of it
+costs more than the whole decoder layer on this CPU. The head scores only ``draft_vocab`` (the
+most frequent tokens of the target's own outputs, ids stored in ``d2t``); a draft token is always
+a target token id, and tokens outside the set are simply never proposed.
+
+Shipped files (models/smollm2-eagle/): ``eagle_config.json`` (:class:`EagleConfig`) and
+``model.safetensors`` (fc + the layer + ``d2t``). The embedding and LM head are the target's and
+are not stored.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+CONFIG_FILE = "eagle_config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+class EagleConfig(BaseModel):
+    """Shape of the head; must match the target it was trained on."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hidden_size: int = Field(description="The target's hidden size.")
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int = Field(description="The target's vocabulary (draft token ids are target ids).")
+    draft_vocab_size: int = Field(description="Rows of the LM head the head scores (len(d2t)).")
+    target_num_layers: int = Field(description="Layers of the target it was trained on (a sanity check).")
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class EagleHead(nn.Module):
+    """fc + one Llama decoder layer. ``embed`` and ``lm_head_rows`` are the target's (frozen buffers)."""
+
+    def __init__(self, cfg: EagleConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        H, I = cfg.hidden_size, cfg.intermediate_size
+        nq, nkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.fc = nn.Linear(2 * H, H, bias=False)  # [f ; e] -> hidden
+        self.in_norm = nn.Parameter(torch.ones(H))
+        self.qkv = nn.Linear(H, (nq + 2 * nkv) * D, bias=False)
+        self.o = nn.Linear(nq * D, H, bias=False)
+        self.post_norm = nn.Parameter(torch.ones(H))
+        self.gate_up = nn.Linear(H, 2 * I, bias=False)
+        self.down = nn.Linear(I, H, bias=False)
+        self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size), persistent=True)  # [V_draft] target ids
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+        self.register_buffer("inv_freq", inv, persistent=False)  # [D / 2]
+
+    # ------------------------------------------------------------------ pieces shared by training and drafting
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.outer(positions.float(), self.inv_freq.float())  # [T, D / 2]
+        emb = torch.cat([freqs, freqs], -1)  # [T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def qkv_proj(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x: [..., T, hidden] (fc output) -> q [..., T, nq, D], k/v [..., T, nkv, D] with RoPE."""
+        c = self.cfg
+        nq, nkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        qkv = self.qkv(rms_norm(x, self.in_norm, c.rms_norm_eps))
+        q, k, v = qkv.split([nq * D, nkv * D, nkv * D], -1)
+        q = q.unflatten(-1, (nq, D))
+        k = k.unflatten(-1, (nkv, D))
+        v = v.unflatten(-1, (nkv, D))
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [..., T, 1, D]
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """x: [..., hidden] layer input; attn: [..., nq * D] -> predicted feature [..., hidden]."""
+        h = x + self.o(attn)
+        gate, up = self.gate_up(rms_norm(h, self.post_norm, self.cfg.rms_norm_eps)).chunk(2, -1)
+        return h + self.down(F.silu(gate) * up)
+
+    # ------------------------------------------------------------------ training: whole padded sequences
+
+    def forward_train(
+        self,
+        feats: torch.Tensor,  # [B, T, hidden] target features f_0 .. f_{T-1}
+        next_emb: torch.Tensor,  # [B, T, hidden] embeddings of t_1 .. t_T
+    ) -> torch.Tensor:  # [B, T, hidden] predicted f_1 .. f_T
+        B, T, _ = feats.shape
+        x = self.fc(torch.cat([feats, next_emb], -1))  # [B, T, hidden]
+        cos, sin = self.rope(torch.arange(T, device=x.device), x.dtype)
+        q, k, v = self.qkv_proj(x, cos, sin)  # [B, T, n, D]
+        a = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+        )  # [B, nq, T, D]
+        return self.finish(x, a.transpose(1, 2).flatten(-2))
+
+
+def save_head(head: EagleHead, out_dir: Path, dtype: torch.dtype = torch.float16) -> None:
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in head.state_dict().items()}
+    save_file(sd, str(out_dir / WEIGHTS_FILE))
+    (out_dir / CONFIG_FILE).write_text(json.dumps(head.cfg.model_dump(), indent=1) + "\n")
+
+
+def load_head(path: str | Path) -> EagleHead:
+    """Load a head saved by :func:`save_head` (weights come back in fp32)."""
+    from safetensors.torch import load_file
+
+    from workers.model_loader import resolve_local_dir
+
+    p = resolve_local_dir(str(path))
+    if not (p / CONFIG_FILE).exists():
+        raise FileNotFoundError(f"{p} is not an EAGLE head directory (no {CONFIG_FILE})")
+    cfg = EagleConfig.model_validate_json((p / CONFIG_FILE).read_text())
+    head = EagleHead(cfg)
+    sd = load_file(str(p / WEIGHTS_FILE))
+    head.load_state_dict({k: (v.float() if v.is_floating_point() else v) for k, v in sd.items()})
+    return head.eval()
+
+
+def head_config_for(target_cfg, draft_vocab_size: int) -> EagleConfig:
+    """The head's shape for a HF Llama target config."""
+    rope = getattr(target_cfg, "rope_parameters", None) or {}
+    return EagleConfig(
+        hidden_size=target_cfg.hidden_size,
+        intermediate_size=target_cfg.intermediate_size,
+        num_attention_heads=target_cfg.num_attention_heads,
+        num_key_value_heads=target_cfg.num_key_value_heads,
+        head_dim=getattr(target_cfg, "head_dim", None) or target_cfg.hidden_size // target_cfg.num_attention_heads,
+        rms_norm_eps=target_cfg.rms_norm_eps,
+        rope_theta=float(rope.get("rope_theta", getattr(target_cfg, "rope_theta", 10000.0))),
+        vocab_size=target_cfg.vocab_size,
+        draft_vocab_size=draft_vocab_size,
+        target_num_layers=target_cfg.num_hidden_layers,
+    )

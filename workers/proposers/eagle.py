@@ -1,0 +1,261 @@
+"""EAGLE proposer: drafts with a one-layer head over the target's own features (arXiv 2401.15077).
+
+The head (workers/eagle_head.py) reads pairs ``[f_j ; embed(t_{j+1})]`` and predicts ``f_{j+1}``;
+the target's LM head (restricted to the head's draft vocabulary) turns it into the next draft
+token. The engine passes the target's final-norm features of every committed position
+(``ProposalRequest.hidden_states``, positions ``0 .. n-2`` for ``n`` committed tokens: the last
+token has not been read by the target yet), because this proposer sets ``needs_hidden_states``.
+
+Per request (keyed by id) the proposer keeps a slot in the head's own KV cache (one layer) and
+``n_true``: how many pairs at the front of that slot were computed from the target's *true*
+features. Each step it
+
+1. feeds the pairs ``j = n_true .. n-2`` (the features committed since the last call; at the first
+   call, the whole prompt) in one ragged batch: the last row predicts ``f_{n-1}``, whose LM-head
+   argmax (greedy) or sample (``q``, same temperature / top-k / top-p as the target) is draft 0;
+2. feeds ``[f^_{n-2+i} ; embed(d_{i-1})]`` at position ``n-2+i`` for drafts ``i = 1 .. k-1``, its own
+   predicted feature and draft token, like EAGLE's autoregressive drafting (a chain, no tree).
+
+Pairs built from predicted features sit past ``n_true`` and are overwritten by the next call
+(rejected drafts roll back by moving ``n_true``, like the target's KV). Committed tokens never change,
+so no feedback from the verifier is needed.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from workers.eagle_head import EagleHead, load_head
+from workers.proposers.base import Proposals, ProposalRequest, Proposer
+from workers.proposers.draft_model import DRAFT_SEED_SALT
+from workers.sampler import make_generator, process_logits, sample, sampling_tensors
+from workers.sampling_params import SamplingParams
+
+
+@dataclass
+class _EagleState:
+    slot: int
+    n_true: int = 0  # pairs 0 .. n_true-1 in the slot were built from the target's true features
+    generator: torch.Generator | None = None
+    generator_ready: bool = False
+
+
+class EagleProposer(Proposer):
+    """Proposes with an EAGLE head over the target's hidden states.
+
+    Args:
+        head: an :class:`EagleHead`, or the directory it was saved to (models/smollm2-eagle).
+        target_model: the target HF model: its embedding and LM head (frozen) are read from it.
+        num_slots, max_model_len: requests with head KV at once, and their longest sequence.
+        dtype, device: of the head's weights and cache (``device="auto"``: CUDA when present).
+    """
+
+    name = "eagle"
+    needs_hidden_states = True
+
+    def __init__(
+        self,
+        head: EagleHead | str,
+        target_model,
+        num_slots: int,
+        max_model_len: int,
+        dtype: torch.dtype | str = torch.float32,
+        device: torch.device | str = "auto",
+    ) -> None:
+        from workers.runner import pick_device
+
+        if num_slots < 1 or max_model_len < 2:
+            raise ValueError(f"num_slots must be >= 1 and max_model_len >= 2, got {num_slots}, {max_model_len}")
+        if isinstance(dtype, str):
+            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+        self.device = pick_device(device) if isinstance(device, str) else device
+        self.dtype = dtype
+        h = load_head(head) if isinstance(head, str) else head
+        tcfg = target_model.config
+        if h.cfg.hidden_size != tcfg.hidden_size or h.cfg.vocab_size != tcfg.vocab_size:
+            raise ValueError(
+                f"EAGLE head (hidden {h.cfg.hidden_size}, vocab {h.cfg.vocab_size}) does not fit the target "
+                f"(hidden {tcfg.hidden_size}, vocab {tcfg.vocab_size})"
+            )
+        self.head = h.to(device=self.device, dtype=dtype).eval()
+        self.head.d2t = h.d2t.to(device=self.device, dtype=torch.long)
+        self.cfg = h.cfg
+        self.vocab_size = int(tcfg.vocab_size)
+        self.embed = target_model.model.embed_tokens.weight.detach().to(self.device, dtype)  # [V, hidden]
+        lm = target_model.lm_head.weight.detach()  # [V, hidden] (tied with embed for SmolLM2)
+        self.lm_rows = lm[self.head.d2t.cpu()].to(self.device, dtype).contiguous()  # [V_draft, hidden]
+        self.lm_rows_t = self.lm_rows.t().contiguous()  # [hidden, V_draft]: the fast layout for one row on CPU
+        self.num_slots = num_slots
+        self.max_model_len = max_model_len
+        c = self.cfg
+        shape = (num_slots, c.num_key_value_heads, max_model_len, c.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._free: list[int] = list(range(num_slots))
+        self._states: dict[str, _EagleState] = {}
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def num_active(self) -> int:
+        return len(self._states)
+
+    @property
+    def kv_tokens_in_use(self) -> int:
+        return sum(st.n_true for st in self._states.values())
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    def finish(self, request_id: str, token_ids: Sequence[int] = ()) -> None:
+        st = self._states.pop(request_id, None)
+        if st is not None:
+            heapq.heappush(self._free, st.slot)
+
+    def reset(self, request_id: str) -> None:
+        st = self._states.get(request_id)
+        if st is not None:
+            st.n_true = 0
+
+    # ------------------------------------------------------------------ the head's forward over ragged rows
+
+    @torch.inference_mode()
+    def _forward(
+        self,
+        slots: list[int],
+        starts: list[int],  # position of each request's first new pair
+        feats: torch.Tensor,  # [T, hidden] features of the new pairs, requests concatenated
+        tokens: torch.Tensor,  # [T] the next token of each pair
+        counts: list[int],  # new pairs per request (sum = T)
+    ) -> torch.Tensor:  # [num_requests, hidden] predicted feature at each request's last new pair
+        hd = self.head
+        c = self.cfg
+        positions = torch.tensor([s + i for s, n in zip(starts, counts) for i in range(n)], device=self.device)
+        x = hd.fc(torch.cat([feats, self.embed[tokens]], -1))  # [T, hidden]
+        cos, sin = hd.rope(positions, x.dtype)
+        q, k, v = hd.qkv_proj(x, cos, sin)  # [T, nq, D], [T, nkv, D], [T, nkv, D]
+        attn_out = []
+        off = 0
+        for slot, s, n in zip(slots, starts, counts):
+            pos = positions[off : off + n]
+            self.k_cache[slot, :, pos] = k[off : off + n].transpose(0, 1)  # [nkv, n, D] at (slot, :, pos)
+            self.v_cache[slot, :, pos] = v[off : off + n].transpose(0, 1)
+            kv_len = s + n
+            # one layer: only the last pair's output is needed, and it attends to every pair so far (no mask)
+            a = F.scaled_dot_product_attention(
+                q[off + n - 1 : off + n].transpose(0, 1).unsqueeze(0),  # [1, nq, 1, D]
+                self.k_cache[slot : slot + 1, :, :kv_len],
+                self.v_cache[slot : slot + 1, :, :kv_len],
+                enable_gqa=True,
+            )  # [1, nq, 1, D]
+            attn_out.append(a[0, :, 0])  # [nq, D]
+            off += n
+        last = torch.tensor([sum(counts[: i + 1]) - 1 for i in range(len(counts))], device=self.device)
+        return hd.finish(x[last], torch.stack(attn_out).flatten(1))  # [R, hidden]
+
+    def _logits(self, f: torch.Tensor) -> torch.Tensor:  # f: [R, hidden] -> [R, V_draft] float32
+        if f.shape[0] == 1 and self.device.type == "cpu":
+            return (f @ self.lm_rows_t).float()
+        return F.linear(f, self.lm_rows).float()
+
+    # ---------------------------------------------------------------- propose
+
+    def propose(self, requests: list[ProposalRequest]) -> Proposals:
+        drafts: list[list[int]] = [[] for _ in requests]
+        q_rows: list[list[torch.Tensor]] = [[] for _ in requests]
+        rows: list[int] = []
+        k_of: list[int] = []
+        for i, r in enumerate(requests):
+            n = len(r.token_ids)
+            if r.hidden_states is None or r.hidden_states.shape[0] < n - 1:
+                raise ValueError(f"request {r.request_id!r}: the eagle proposer needs the target's hidden states "
+                                 f"of its {n - 1} committed positions")
+            k_of.append(max(0, min(r.k, self.max_model_len - n)))
+            if k_of[i] > 0 and n >= 2:
+                rows.append(i)
+        new = [i for i in rows if requests[i].request_id not in self._states]
+        if len(new) > len(self._free):
+            raise RuntimeError(f"no free EAGLE KV slot: {len(new)} new requests, {len(self._free)} free")
+        for i in new:
+            self._states[requests[i].request_id] = _EagleState(slot=heapq.heappop(self._free))
+        states = {i: self._states[requests[i].request_id] for i in rows}
+
+        # Step 0: the pairs committed since the last call (at least the last one, re-fed if nothing is new).
+        slots, starts, counts, feats, toks = [], [], [], [], []
+        for i in rows:
+            r, st = requests[i], states[i]
+            n = len(r.token_ids)
+            s = min(st.n_true, n - 2)
+            slots.append(st.slot)
+            starts.append(s)
+            counts.append(n - 1 - s)
+            feats.append(r.hidden_states[s : n - 1])  # [n-1-s, hidden] f_s .. f_{n-2}
+            toks.extend(r.token_ids[s + 1 : n])  # t_{s+1} .. t_{n-1}
+            st.n_true = n - 1
+        pos_next = {i: len(requests[i].token_ids) - 1 for i in rows}  # position of the next pair to feed
+        f_prev: torch.Tensor | None = None
+        while rows:
+            if f_prev is None:
+                f = self._forward(slots, starts, torch.cat(feats).to(self.device, self.dtype),
+                                  torch.tensor(toks, device=self.device), counts)
+            else:
+                f = self._forward([states[i].slot for i in rows], [pos_next[i] for i in rows], f_prev,
+                                  torch.tensor([drafts[i][-1] for i in rows], device=self.device), [1] * len(rows))
+                for i in rows:
+                    pos_next[i] += 1
+            chosen, q = self._select(self._logits(f), [requests[i].sampling for i in rows], [states[i] for i in rows])
+            still, keep = [], []
+            for j, i in enumerate(rows):
+                if chosen[j] in requests[i].eos_token_ids:
+                    continue  # never propose EOS: the target decides whether to stop
+                drafts[i].append(chosen[j])
+                if q[j] is not None:
+                    q_rows[i].append(q[j])
+                if len(drafts[i]) < k_of[i] and pos_next[i] < self.max_model_len:
+                    still.append(i)
+                    keep.append(j)
+            rows = still
+            f_prev = f[keep] if keep else None
+
+        draft_probs: list[torch.Tensor | None] = []
+        for i, r in enumerate(requests):
+            if r.sampling.greedy:
+                draft_probs.append(None)
+            elif q_rows[i]:
+                draft_probs.append(torch.stack(q_rows[i]))  # [num_draft_i, V]
+            else:
+                draft_probs.append(torch.zeros(0, self.vocab_size, device=self.device))
+        return Proposals(draft_token_ids=drafts, draft_probs=draft_probs)
+
+    def _select(
+        self,
+        logits: torch.Tensor,  # [n, V_draft] float32 over the draft vocabulary
+        params: list[SamplingParams],
+        states: list[_EagleState],
+    ) -> tuple[list[int], list[torch.Tensor | None]]:  # target token id per row; q row [V] (None for greedy)
+        d2t = self.head.d2t
+        chosen = d2t[logits.argmax(-1)]  # [n] target ids
+        q_out: list[torch.Tensor | None] = [None] * len(params)
+        sampled = [j for j, sp in enumerate(params) if not sp.greedy]
+        if sampled:
+            idx = torch.tensor(sampled, device=logits.device)
+            full = logits.new_full((len(sampled), self.vocab_size), float("-inf"))  # [S, V]: q is 0 off the draft vocab
+            full[:, d2t] = logits[idx]
+            sp_rows = [params[j] for j in sampled]
+            q = process_logits(full, *sampling_tensors(sp_rows, logits.device))  # [S, V] q: draft probs
+            gens = [self._generator(states[j], params[j]) for j in sampled]
+            chosen[idx] = sample(q, gens)
+            for a, j in enumerate(sampled):
+                q_out[j] = q[a]
+        return chosen.tolist(), q_out
+
+    def _generator(self, st: _EagleState, sp: SamplingParams) -> torch.Generator | None:
+        if not st.generator_ready:
+            st.generator = make_generator(None if sp.seed is None else sp.seed ^ DRAFT_SEED_SALT, self.device)
+            st.generator_ready = True
+        return st.generator
