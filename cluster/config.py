@@ -72,6 +72,12 @@ class IngressConfig(BaseModel):
         None, description="If set (or env SPECSERVE_API_KEY), every route but /health needs 'Authorization: Bearer'."
     )
     request_timeout_s: float = Field(300.0, gt=0, description="A request running longer is cancelled with 408.")
+    num_replicas: int = Field(1, ge=1, description="Ingress replicas (HTTP parsing, SSE framing).")
+    max_ongoing_requests: int = Field(
+        256, ge=1, description="Requests one ingress replica streams at once. Serve's own default (5) would cap the "
+        "whole service at 5 concurrent requests; the target's limits (target.max_ongoing_requests / "
+        "max_queued_requests) are where overload is turned into 503s."
+    )
 
 
 class RouterConfig(BaseModel):

@@ -40,4 +40,7 @@ def build_app(args: dict[str, Any] | None = None):
         health_check_period_s=5,
         health_check_timeout_s=30,
     ).bind(raw, router, draft)
-    return Ingress.bind(raw, target, router, draft)
+    ing = cfg.ingress
+    return Ingress.options(num_replicas=ing.num_replicas, max_ongoing_requests=ing.max_ongoing_requests).bind(
+        raw, target, router, draft
+    )

@@ -23,7 +23,9 @@ from workers.decision import SpecCandidate
 from workers.stats import LoadSnapshot
 
 
-@serve.deployment(name="Router", num_replicas=1, ray_actor_options={"num_cpus": 0})
+# Every request asks the Router once and every target replica reports to it every 50 ms: cheap
+# calls that must never queue behind Serve's default limit of 5 in flight.
+@serve.deployment(name="Router", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
 class Router:
     def __init__(self, app_config: dict) -> None:
         self.cfg = AppConfig.model_validate(app_config)
