@@ -103,9 +103,14 @@ class RouterUserConfig(BaseModel):
 
 
 class TelemetryConfig(BaseModel):
-    """Metrics (always on, pulled by ``GET /metrics``) and traces (off by default)."""
+    """Metrics (on by default, pulled by ``GET /metrics``) and traces (off by default)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    metrics: bool = Field(
+        True, description="Record metrics for GET /metrics. false: no-op instruments, /metrics has no samples "
+        "(the telemetry-overhead benchmark's baseline)."
+    )
 
     tracing: Literal["off", "console", "otlp", "memory"] = Field(
         "off",

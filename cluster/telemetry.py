@@ -29,6 +29,7 @@ import re
 from typing import Any, Iterable, Mapping
 
 from opentelemetry import trace as trace_api
+from opentelemetry.metrics import NoOpMeterProvider
 from opentelemetry.context import Context
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import Gauge, Histogram, InMemoryMetricReader, MetricsData, Sum
@@ -248,9 +249,14 @@ class Telemetry:
             "service.instance.id": replica,
             "specserve.component": component,
         })
-        self.reader = InMemoryMetricReader()
-        self.meter_provider = MeterProvider(metric_readers=[self.reader], resource=resource, shutdown_on_exit=False)
-        self.meter = self.meter_provider.get_meter("specserve")
+        self.reader: InMemoryMetricReader | None = None
+        self.meter_provider: MeterProvider | None = None
+        if config.metrics:
+            self.reader = InMemoryMetricReader()
+            self.meter_provider = MeterProvider(metric_readers=[self.reader], resource=resource, shutdown_on_exit=False)
+            self.meter = self.meter_provider.get_meter("specserve")
+        else:  # instruments exist (callers need no branches) but record nothing and cost ~nothing
+            self.meter = NoOpMeterProvider().get_meter("specserve")
         self.tracer: trace_api.Tracer | None = None
         self._memory = None
         self._tracer_provider = None
@@ -283,6 +289,8 @@ class Telemetry:
 
     def samples(self) -> list[Sample]:
         """Collect now (observable callbacks run here) and flatten, labelled with this replica."""
+        if self.reader is None:
+            return []
         return metrics_to_samples(self.reader.get_metrics_data(), {"replica": self.replica})
 
     def finished_spans(self) -> list[dict[str, Any]]:
@@ -293,7 +301,8 @@ class Telemetry:
 
     def shutdown(self) -> None:
         try:
-            self.meter_provider.shutdown()
+            if self.meter_provider is not None:
+                self.meter_provider.shutdown()
             if self._tracer_provider is not None:
                 self._tracer_provider.shutdown()
         except Exception:

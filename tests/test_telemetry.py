@@ -317,3 +317,15 @@ def test_yaml_off_is_tracing_off():
         TelemetryConfig.model_validate({"tracing": "jaeger"})
     with pytest.raises(ValueError):
         TelemetryConfig.model_validate({"exporter": "otlp"})
+
+
+def test_metrics_off_records_nothing_and_costs_no_reader():
+    cfg = AppConfig.model_validate({"telemetry": {"metrics": False}})
+    tt = TargetTelemetry(cfg, "t1", ["ngram"], snapshot=lambda: LoadSnapshot(running=2, waiting=1))
+    tt.on_step(5, 0.01)
+    tt.on_verify("ngram", 4, 3)
+    assert tt.tel.reader is None and tt.tel.samples() == []
+    assert render_prometheus([]) == "" or "spec_decode" not in render_prometheus([])
+    on = _target_telemetry("off")
+    on.on_verify("ngram", 4, 3)
+    assert any(s["name"] == "spec_decode_num_draft_tokens" for s in on.tel.samples())
