@@ -58,8 +58,11 @@ CHAT_PROMPTS = [
 ]
 
 # Sized for <= ~12 min on 2 shared, busy cores.
+# Three requests per client at c >= 4, so the closed loop spends most of its time at its
+# concurrency rather than in the ramp-down tail (with 1.5 per client, the last third of a c=16 run
+# had fewer than 16 running).
 FULL = dict(tokens=64, num_prompts=3, concurrency=[1, 4, 16, 32], sweep_tokens=64,
-            sweep_requests={1: 3, 4: 8, 16: 24, 32: 40}, rounds=3)
+            sweep_requests={1: 3, 4: 12, 16: 48, 32: 96}, rounds=3)
 QUICK = dict(tokens=16, num_prompts=1, concurrency=[1, 4], sweep_tokens=16, sweep_requests={1: 2, 4: 4}, rounds=1)
 
 MAX_MODEL_LEN = 512
