@@ -79,8 +79,11 @@ class LocalCluster:
         if not session:
             return []
         found: dict[int, psutil.Process] = {}
+        gcs = f":{self.gcs_port}"
         for p in psutil.process_iter(["cmdline"]):
-            if any(a.endswith(session) or session + "/" in a for a in (p.info["cmdline"] or [])):
+            # the session's own processes, and those that only name the GCS address (Ray's client server)
+            if any(a.endswith(session) or session + "/" in a or (a.startswith("--address=") and a.endswith(gcs))
+                   for a in (p.info["cmdline"] or [])):
                 found[p.pid] = p
                 try:
                     found.update({c.pid: c for c in p.children(recursive=True)})
