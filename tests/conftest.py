@@ -66,3 +66,12 @@ def smollm2_loaded():
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls: with the 2 cores shared, intra-op threads only spin against each other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -18,6 +18,8 @@ from workers.sampling_params import SamplingParams
 VOCAB = 256
 MAX_LEN = 64
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 
 def tiny_llama(vocab_size: int = VOCAB, seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
@@ -31,15 +33,6 @@ def tiny_llama(vocab_size: int = VOCAB, seed: int = 0) -> LlamaForCausalLM:
         max_position_embeddings=256,
     )
     return LlamaForCausalLM(cfg).eval()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: with the 2 cores shared, intra-op threads only spin against each other."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

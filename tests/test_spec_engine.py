@@ -31,14 +31,7 @@ GREEDY = {"max_tokens": 24, "ignore_eos": True}
 # proposers under test: draft_self = the target as its own draft, draft_bad = a different random model
 KINDS = ("ngram", "suffix", "draft_self", "draft_bad")
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: with the 2 cores shared, intra-op threads only spin against each other."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

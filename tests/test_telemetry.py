@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from cluster.config import AppConfig, TelemetryConfig
 from cluster.telemetry import (
@@ -244,14 +243,6 @@ def test_target_samples_from_engine_view():
 
 
 # ------------------------------------------------------------------ engine hooks
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _engine(loaded, **kw) -> LLMEngine:
