@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,32 @@ async def closed_loop(url: str, prompts: list[str], concurrency: int, total: int
     }
 
 
+class ViewAgeSampler:
+    """Polls the Router's view (``/v1/speculation/stats``) every ``period_s`` during a cell and keeps
+    the age of each replica's last load report as the Router saw it (issue 5: never older than ~100 ms)."""
+
+    def __init__(self, cluster: LocalCluster, period_s: float = 0.5) -> None:
+        self.cluster, self.period_s, self.ages = cluster, period_s, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                reps = self.cluster.stats().get("replicas", {})
+                self.ages.extend(float(r["age_s"]) for r in reps.values() if "age_s" in r)
+            except Exception:
+                pass
+
+    def __enter__(self) -> "ViewAgeSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 def wait_policy(cluster: LocalCluster, name: str) -> None:
     for _ in range(200):
         if cluster.stats()["policy"]["name"] == name:
@@ -128,7 +155,11 @@ def main() -> None:
                     wait_policy(cluster, MODES[mode]["name"])
                     asyncio.run(closed_loop(cluster.base_url, mixes[mix], 2, 4, 8))  # warm-up (cost model)
                     current = mode
-                res = asyncio.run(closed_loop(cluster.base_url, mixes[mix], c, plan["requests"](c), plan["max_tokens"]))
+                with ViewAgeSampler(cluster) as ages:
+                    res = asyncio.run(closed_loop(cluster.base_url, mixes[mix], c, plan["requests"](c),
+                                                  plan["max_tokens"]))
+                res["view_age_p50_ms"] = 1e3 * percentile(ages.ages, 50) if ages.ages else None
+                res["view_age_max_ms"] = 1e3 * max(ages.ages) if ages.ages else None
                 rows.append({"mode": mode, "mix": mix, "concurrency": c, **res})
                 # written after every cell, so a run cut short still leaves its measurements
                 write_json(RESULTS_DIR / "http_sweep.partial.json", {"env": info, "rows": rows})
@@ -145,7 +176,7 @@ def main() -> None:
     cols = [("mix", "mix", "s"), ("concurrency", "c", "d"), ("mode", "mode", "s"), ("tok_s", "tok/s", ".1f"),
             ("vs_best", "vs best", ".2f"), ("tpot_p50_ms", "TPOT p50", ".0f"), ("tpot_p99_ms", "TPOT p99", ".0f"),
             ("itl_p50_ms", "ITL p50", ".0f"), ("itl_p99_ms", "ITL p99", ".0f"), ("ttft_p50_ms", "TTFT p50", ".0f"),
-            ("steps", "spec/plain steps", "s"), ("errors", "errors", "d")]
+            ("steps", "spec/plain steps", "s"), ("view_age_max_ms", "view age max", ".0f"), ("errors", "errors", "d")]
     table = format_table(rows, cols, title="HTTP sweep (ms; vs best = goodput / max(never, always))")
     print(table)
     write_json(RESULTS_DIR / "http_sweep.json", {"env": info, "plan": {k: v for k, v in plan.items()
