@@ -339,10 +339,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the report here")
+    ap.add_argument("--local", action="store_true",
+                    help="start a two-node local Ray cluster with ray_config.yaml (tests/e2e_cluster.py), soak it, "
+                    "stop it; --url and --dashboard are then taken from it")
+    ap.add_argument("--args-patch", default=None,
+                    help="with --local: JSON merged into the app's args per section, e.g. "
+                    "'{\"draft\": {\"model\": \"target\"}}'")
     args = ap.parse_args(argv)
+    if args.local:
+        return _soak_local(args)
     if not is_loopback(args.url):
         ap.error(f"--url must be a loopback address (127.0.0.1, ::1, localhost), not {args.url}")
-    report = asyncio.run(soak(args))
+    return _report(asyncio.run(soak(args)), args)
+
+
+def _soak_local(args: argparse.Namespace) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from tests.e2e_cluster import LocalCluster
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = LocalCluster(Path(tmp), args_patch=json.loads(args.args_patch) if args.args_patch else None)
+        try:
+            t0 = time.time()
+            cluster.start()
+            print(f"[soak] local cluster up in {time.time() - t0:.0f} s at {cluster.base_url}", file=sys.stderr,
+                  flush=True)
+            args.url, args.dashboard = cluster.base_url, f"http://127.0.0.1:{cluster.dash_port}"
+            return _report(asyncio.run(soak(args)), args)
+        finally:
+            cluster.stop()
+
+
+def _report(report: dict[str, Any], args: argparse.Namespace) -> int:
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:
