@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from policies.registry import PolicyConfig, default_policy_config
 from workers.config import EngineConfig
@@ -43,6 +43,11 @@ class DraftConfig(BaseModel):
 
     enabled: bool = Field(True, description="Deploy the draft worker and offer the 'draft_model' proposer.")
     model: str = Field("target", description="'target' (the target as its own draft), 'smollm2' or a local HF dir.")
+    eagle: str | None = Field(
+        None,
+        description="Directory of a trained EAGLE head (e.g. models/smollm2-eagle; a relative path missing from "
+        "the working directory is taken from the repo root): the draft worker also serves the 'eagle' proposer.",
+    )
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: str = "auto"
     num_threads: int | None = Field(None, ge=1, description="torch threads in the draft replica.")
@@ -130,6 +135,10 @@ class TelemetryConfig(BaseModel):
         return "off" if v is False else v  # YAML 1.1 reads a bare `off` as false
 
 
+# Proposers that run in the draft worker (the target worker holds a remote proxy for each).
+DRAFT_WORKER_PROPOSERS = ("draft_model", "eagle")
+
+
 class AppConfig(BaseModel):
     """``args`` of the Serve application in ray_config.yaml."""
 
@@ -141,3 +150,9 @@ class AppConfig(BaseModel):
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+
+    @model_validator(mode="after")
+    def _eagle_needs_a_head(self) -> "AppConfig":
+        if self.draft.enabled and any(p.name == "eagle" for p in self.engine.proposers) and not self.draft.eagle:
+            raise ValueError("engine.proposers lists 'eagle' but draft.eagle (the EAGLE head directory) is not set")
+        return self

@@ -10,7 +10,7 @@ from typing import Any
 
 from ray.serve.config import RequestRouterConfig
 
-from cluster.config import AppConfig
+from cluster.config import DRAFT_WORKER_PROPOSERS, AppConfig
 from deployments.draft import DraftWorker
 from deployments.ingress import Ingress
 from deployments.router import Router
@@ -22,7 +22,7 @@ def build_app(args: dict[str, Any] | None = None):
     raw = cfg.model_dump(mode="json")
     router = Router.bind(raw)
     draft = None
-    if cfg.draft.enabled and any(p.name == "draft_model" for p in cfg.engine.proposers):
+    if cfg.draft.enabled and any(p.name in DRAFT_WORKER_PROPOSERS for p in cfg.engine.proposers):
         d = cfg.draft.resources
         draft = DraftWorker.options(
             num_replicas=d.num_replicas, ray_actor_options=d.ray_actor_options(),

@@ -25,6 +25,7 @@ from cluster.telemetry import Telemetry
 from workers.model_loader import load_model
 from workers.proposers.base import ProposalRequest
 from workers.proposers.draft_model import DraftModelProposer
+from workers.proposers.eagle import EagleProposer
 from workers.sampling_params import SamplingParams
 
 log = logging.getLogger("ray.serve")
@@ -47,6 +48,12 @@ class DraftWorker:
             device=d.device,
             target_vocab_size=target.model.config.vocab_size,
         )
+        # the EAGLE head (optional) drafts from the target's hidden states, which each call carries
+        self.eagle: EagleProposer | None = None
+        if d.eagle:
+            self.eagle = EagleProposer(d.eagle, target.model, num_slots=d.max_num_seqs,
+                                       max_model_len=cfg.engine.max_model_len, dtype=d.dtype, device=d.device)
+        self._hidden: dict[str, torch.Tensor] = {}  # eagle requests: [len(known) - 1, hidden] fp16
         self._known: dict[str, list[int]] = {}
         self._last_seen: dict[str, float] = {}  # request id -> time.monotonic() of its last call
         self._lock = threading.Lock()  # Serve may run sync methods on a thread pool
@@ -59,7 +66,10 @@ class DraftWorker:
     def _forget(self, rid: str) -> None:
         self._known.pop(rid, None)
         self._last_seen.pop(rid, None)
+        self._hidden.pop(rid, None)
         self.proposer.finish(rid, [])
+        if self.eagle is not None:
+            self.eagle.finish(rid, [])
 
     def release(self, released: list[str]) -> None:
         """The target finished or cancelled these requests: free their draft KV now."""
@@ -82,36 +92,54 @@ class DraftWorker:
                 self._forget(rid)
             now = time.monotonic()
             answers: list[dict[str, Any] | None] = [None] * len(batch)
-            reqs: list[ProposalRequest] = []
-            idx: list[int] = []
-            free = self.proposer.num_slots - self.proposer.num_active
+            by_method: dict[str, tuple[list[ProposalRequest], list[int]]] = {}
+            free = {"draft_model": self.proposer.num_slots - self.proposer.num_active}
+            if self.eagle is not None:
+                free["eagle"] = self.eagle.num_slots - self.eagle.num_active
             for i, m in enumerate(batch):
-                known = self._known.get(m["request_id"], [])
+                method = m.get("proposer", "draft_model")
+                prop = self.eagle if method == "eagle" else self.proposer
+                if prop is None:  # no EAGLE head configured here: plain step
+                    answers[i] = {"draft_token_ids": [], "draft_probs": None}
+                    continue
+                rid = m["request_id"]
+                known = self._known.get(rid, [])
                 if m["offset"] != len(known):  # we lost this request's state (restart): ask for everything
-                    self._forget(m["request_id"])
+                    self._forget(rid)
                     answers[i] = {"resync": True}
                     continue
                 known = known + m["new_tokens"]
-                self._known[m["request_id"]] = known
-                self._last_seen[m["request_id"]] = now
-                if not self.proposer.has(m["request_id"]):
-                    if free <= 0:  # every draft slot is taken: this request runs plain this step
+                hidden = None
+                if method == "eagle":  # rows for positions len(old known) - 1 .. len(known) - 2 arrive with the call
+                    old = self._hidden.get(rid)
+                    hidden = m["hidden"] if old is None else torch.cat([old, m["hidden"]])
+                    if hidden.shape[0] != len(known) - 1:
+                        self._forget(rid)
+                        answers[i] = {"resync": True}
+                        continue
+                    self._hidden[rid] = hidden
+                self._known[rid] = known
+                self._last_seen[rid] = now
+                if not prop.has(rid):
+                    if free[method] <= 0:  # every draft slot is taken: this request runs plain this step
                         answers[i] = {"draft_token_ids": [], "draft_probs": None}
                         continue
-                    free -= 1
+                    free[method] -= 1
+                reqs, idx = by_method.setdefault(method, ([], []))
                 reqs.append(
                     ProposalRequest(
-                        request_id=m["request_id"],
+                        request_id=rid,
                         token_ids=known,
                         num_prompt_tokens=m["num_prompt_tokens"],
                         k=m["k"],
                         eos_token_ids=frozenset(m["eos_token_ids"]),
                         sampling=SamplingParams(**m["sampling"]),
+                        hidden_states=hidden,
                     )
                 )
                 idx.append(i)
-            if reqs:
-                props = self.proposer.propose(reqs)
+            for method, (reqs, idx) in by_method.items():
+                props = (self.eagle if method == "eagle" else self.proposer).propose(reqs)  # type: ignore[union-attr]
                 for j, i in enumerate(idx):
                     p = props.draft_probs[j]
                     answers[i] = {"draft_token_ids": props.draft_token_ids[j], "draft_probs": None if p is None else p.cpu()}

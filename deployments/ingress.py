@@ -22,7 +22,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from cluster.config import AppConfig
+from cluster.config import DRAFT_WORKER_PROPOSERS, AppConfig
 from cluster.telemetry import render_prometheus, spec_decode_summary
 from deployments import protocol as P
 from deployments.ingress_telemetry import IngressTelemetry, RequestTelemetry, gather_cluster_samples
@@ -75,7 +75,7 @@ class Ingress:
         ctx = serve.get_replica_context()
         self.telemetry = IngressTelemetry(self.cfg, ctx.replica_id.unique_id if ctx is not None else "ingress")
         self.api_key = self.cfg.ingress.api_key or os.environ.get("SPECSERVE_API_KEY") or None
-        self.proposers = [p.name for p in self.cfg.engine.proposers if p.name != "draft_model" or self.cfg.draft.enabled]
+        self.proposers = [p.name for p in self.cfg.engine.proposers if p.name not in DRAFT_WORKER_PROPOSERS or self.cfg.draft.enabled]
 
     # ------------------------------------------------------------------ plumbing
 

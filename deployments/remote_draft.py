@@ -46,20 +46,7 @@ class RemoteDraftProposer(Proposer):
         empty = Proposals([[] for _ in requests], [None for _ in requests])
         if time.monotonic() < self._down_until:
             return empty
-        batch = []
-        for r in requests:
-            off = self._sent.get(r.request_id, 0)
-            batch.append(
-                {
-                    "request_id": r.request_id,
-                    "offset": off,
-                    "new_tokens": list(r.token_ids[off:]),
-                    "num_prompt_tokens": r.num_prompt_tokens,
-                    "k": r.k,
-                    "eos_token_ids": sorted(r.eos_token_ids),
-                    "sampling": r.sampling.model_dump(),
-                }
-            )
+        batch = [self._message(r, self._sent.get(r.request_id, 0)) for r in requests]
         released, self._released = self._released, []
         t0 = time.perf_counter()
         try:
@@ -90,6 +77,18 @@ class RemoteDraftProposer(Proposer):
             probs.append(a.get("draft_probs"))
         return Proposals(drafts, probs)
 
+    def _message(self, r: ProposalRequest, off: int) -> dict[str, Any]:
+        """One request's part of a draft call: the tokens committed since ``off`` (what the draft has)."""
+        return {
+            "request_id": r.request_id,
+            "offset": off,
+            "new_tokens": list(r.token_ids[off:]),
+            "num_prompt_tokens": r.num_prompt_tokens,
+            "k": r.k,
+            "eos_token_ids": sorted(r.eos_token_ids),
+            "sampling": r.sampling.model_dump(),
+        }
+
     def finish(self, request_id: str, token_ids: Sequence[int]) -> None:
         if self._sent.pop(request_id, None) is None:
             return
@@ -99,3 +98,23 @@ class RemoteDraftProposer(Proposer):
             self.handle.release.remote(released)
         except Exception:
             self._released.extend(released)  # piggyback on the next propose instead
+
+
+class RemoteEagleProposer(RemoteDraftProposer):
+    """The EAGLE head in the draft worker: each call also carries the target's hidden states.
+
+    With ``n`` committed tokens the head needs the target's features at positions ``0 .. n-2``
+    (workers/proposers/eagle.py). The draft worker holds the rows of earlier calls, so a call sends
+    only the rows committed since (fp16, ``[new rows, hidden]``): after ``off`` tokens the draft has
+    ``off - 1`` rows; a resync (``off = 0``) sends them all.
+    """
+
+    name = "eagle"
+    needs_hidden_states = True
+
+    def _message(self, r: ProposalRequest, off: int) -> dict[str, Any]:
+        m = super()._message(r, off)
+        assert r.hidden_states is not None, "the engine passes hidden states to proposers that need them"
+        m["proposer"] = "eagle"
+        m["hidden"] = r.hidden_states[max(off - 1, 0) :].to(device="cpu", dtype=torch.float16)  # [new rows, hidden]
+        return m

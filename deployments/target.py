@@ -17,8 +17,8 @@ from typing import Any, AsyncIterator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from cluster.config import AppConfig
-from deployments.remote_draft import RemoteDraftProposer
+from cluster.config import DRAFT_WORKER_PROPOSERS, AppConfig
+from deployments.remote_draft import RemoteDraftProposer, RemoteEagleProposer
 from deployments.target_telemetry import TargetTelemetry
 from policies.registry import make_policy
 from workers.async_engine import AsyncEngine
@@ -53,9 +53,10 @@ class TargetWorker:
         loaded = load_model(cfg.engine.model)
         proposers: dict[str, Proposer] = {}
         for p in cfg.engine.proposers:
-            if p.name == "draft_model":
+            if p.name in DRAFT_WORKER_PROPOSERS:
                 if draft is not None:
-                    proposers["draft_model"] = RemoteDraftProposer(
+                    remote = RemoteEagleProposer if p.name == "eagle" else RemoteDraftProposer
+                    proposers[p.name] = remote(
                         draft, timeout_s=cfg.draft.call_timeout_s, retry_after_s=cfg.draft.retry_after_s
                     )
             else:

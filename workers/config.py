@@ -14,7 +14,7 @@ class ProposerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: Literal["ngram", "suffix", "draft_model"] = Field(description="Proposer method.")
+    name: Literal["ngram", "suffix", "draft_model", "eagle"] = Field(description="Proposer method.")
     options: dict[str, Any] = Field(default_factory=dict, description="Method options (e.g. min_n, max_n).")
     model: str | None = Field(
         None, description="draft_model only: 'smollm2', 'target' (the target as its own draft) or a local HF dir."

@@ -82,10 +82,24 @@ def ensure_smollm2_converted(progress: bool = True) -> Path:
     return out
 
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def resolve_local_dir(path: str) -> Path:
+    """A directory as given, or, when it is relative and missing from the working directory, relative
+    to the repository root (ray_config.yaml names the shipped drafts as ``models/...``, and a Serve
+    replica's working directory need not be the repo)."""
+    p = Path(path)
+    if not p.exists() and not p.is_absolute() and (REPO_ROOT / p).exists():
+        return REPO_ROOT / p
+    return p
+
+
 def resolve_model_path(model: str) -> str:
     """``"smollm2"`` -> the cached converted dir; anything else must be a local HF directory."""
     if model == SMOLLM2:
         return str(ensure_smollm2_converted())
+    model = str(resolve_local_dir(model))
     if not Path(model, "config.json").exists():
         raise FileNotFoundError(f"model {model!r} is neither {SMOLLM2!r} nor a local Hugging Face model directory")
     return model

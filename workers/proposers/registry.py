@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from workers.proposers.base import Proposer
 from workers.proposers.draft_model import DraftModelProposer
+from workers.proposers.eagle import EagleProposer
 from workers.proposers.ngram import NgramProposer
 from workers.proposers.suffix import SuffixProposer
 
@@ -24,6 +25,7 @@ _PROPOSERS: dict[str, ProposerFactory] = {
     NgramProposer.name: NgramProposer,
     SuffixProposer.name: SuffixProposer,
     DraftModelProposer.name: DraftModelProposer,
+    EagleProposer.name: EagleProposer,
 }
 
 
