@@ -20,6 +20,7 @@ from ray.serve.handle import DeploymentHandle
 from cluster.config import DRAFT_WORKER_PROPOSERS, AppConfig
 from deployments.remote_draft import RemoteDraftProposer, RemoteEagleProposer
 from deployments.target_telemetry import TargetTelemetry
+from policies.cost_model import StepCostModel
 from policies.registry import make_policy
 from workers.async_engine import AsyncEngine
 from workers.engine import LLMEngine
@@ -62,7 +63,10 @@ class TargetWorker:
             else:
                 proposers[p.name] = make_proposer(p.name, **p.options)
         self.policy_version = -1
-        self.policy = make_policy({"name": "goodput"})
+        # Step cost belongs to this replica's hardware, not to a policy: measured every step and
+        # handed to each policy that predicts from it (goodput), so a live swap keeps what was learned.
+        self.step_costs = StepCostModel()
+        self.policy = self._make_policy({"name": "goodput"})
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id if ctx is not None else f"local-{os.getpid()}"
         draft_proxy = proposers.get("draft_model")
@@ -79,6 +83,12 @@ class TargetWorker:
         self.router = router
         self._reporter = asyncio.get_event_loop().create_task(self._report_loop())
 
+    def _make_policy(self, config: dict[str, Any]):
+        policy = make_policy(config)
+        if hasattr(policy, "use_cost_model"):
+            policy.use_cost_model(self.step_costs)
+        return policy
+
     # The engine thread calls this every step; it reads ``self.policy`` (swapped atomically).
     def _decide(self, snapshot, candidates):
         ks = self.policy.decide(snapshot, candidates)
@@ -86,6 +96,7 @@ class TargetWorker:
         return ks
 
     def _on_step(self, tokens: int, seconds: float) -> None:  # engine thread, after every step
+        self.step_costs.observe(tokens, seconds)
         self.policy.observe_step(tokens, seconds)
         self.telemetry.on_step(tokens, seconds)
 
@@ -101,7 +112,7 @@ class TargetWorker:
                 snap = self.engine.snapshot().as_dict()
                 answer = await self.router.report.remote(self.replica_id, snap, self.policy_version)
                 if answer and answer.get("version", -1) != self.policy_version:
-                    self.policy = make_policy(answer["policy"])
+                    self.policy = self._make_policy(answer["policy"])
                     self.policy_version = answer["version"]
             except asyncio.CancelledError:
                 raise

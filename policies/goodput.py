@@ -106,13 +106,29 @@ class GoodputPolicy(Policy[GoodputConfig]):
             min_samples=cfg.cost_min_samples,
             decay=cfg.cost_decay,
         )
+        self._owns_cost_model = True
         self.current: dict[str, int] = {}  # proposer -> K chosen last (the hysteresis state)
         self._zero_run: dict[str, int] = {}  # proposer -> consecutive K = 0 decisions (probing)
         self.num_probes = 0
         self._last: dict[str, dict[str, float]] = {}
 
+    def use_cost_model(self, model: StepCostModel) -> None:
+        """Predict from (and let its owner feed) ``model`` instead of a private one.
+
+        Step cost is a property of the hardware and the model, not of the policy: the target
+        worker keeps one model across live policy swaps, measured every step whatever policy is
+        active, so a goodput policy deployed mid-flight starts with the costs already measured
+        instead of exploring again. This policy's priors and decay are applied to it.
+        """
+        cfg = self.config
+        model.prior_base_s, model.prior_per_token_s = cfg.prior_base_s, cfg.prior_per_token_s
+        model.min_samples, model.decay = cfg.cost_min_samples, cfg.cost_decay
+        self.cost_model = model
+        self._owns_cost_model = False
+
     def observe_step(self, tokens: int, seconds: float) -> None:
-        self.cost_model.observe(tokens, seconds)
+        if self._owns_cost_model:  # a shared model is fed by its owner
+            self.cost_model.observe(tokens, seconds)
 
     def goodput(self, k: int, acceptance: float, batch: int) -> float:
         """Expected committed tokens per second when all ``batch`` requests draft ``k`` tokens."""

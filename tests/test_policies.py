@@ -398,3 +398,21 @@ def test_policy_config_embeds_in_app_config() -> None:
 def test_policies_never_import_ray() -> None:
     code = "import sys, policies, policies.registry; assert 'ray' not in sys.modules, 'ray imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
+
+
+def test_goodput_shares_a_cost_model_across_policy_swaps() -> None:
+    """The target worker owns the step-cost model; a goodput policy deployed later predicts from it."""
+    shared = StepCostModel()
+    for _ in range(5):  # measured while another policy (never) was live
+        for x in (1, 2, 5, 64):
+            shared.observe(x, 0.04 + 0.002 * x)
+    p = make_policy({"name": "goodput", "prior_base_s": 0.2, "cost_decay": 0.9})
+    p.use_cost_model(shared)
+    assert p.cost_model is shared and shared.prior_base_s == 0.2 and shared.decay == 0.9
+    assert p.cost_model.measured(2) == pytest.approx(0.044)
+    n = shared.num_samples
+    p.observe_step(3, 0.05)  # the owner feeds a shared model; the policy must not count a step twice
+    assert shared.num_samples == n
+    own = make_policy({"name": "goodput"})
+    own.observe_step(3, 0.05)
+    assert own.cost_model.num_samples == 1
