@@ -24,7 +24,7 @@ import httpx
 
 from benchmarks.common import RESULTS_DIR, env_info, format_table, write_json
 from benchmarks.spec_bench import CHAT_PROMPTS
-from tests.e2e_cluster import LocalCluster
+from cluster.local_cluster import LocalCluster
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.model_loader import load_model

@@ -2,7 +2,7 @@
 
     python -m benchmarks.http_sweep [--quick]
 
-Starts a local two-node Ray cluster (tests/e2e_cluster.py), deploys the app with each policy in
+Starts a local two-node Ray cluster (cluster/local_cluster.py), deploys the app with each policy in
 turn through `serve deploy` (the live reconfigure path), and drives it over real HTTP with a
 closed-loop load generator: N concurrent streaming clients, a bounded number of requests per
 cell, loopback only. For copy-heavy and chat prompt mixes at concurrency 1..32 it reports
@@ -26,7 +26,7 @@ import httpx
 
 from benchmarks.common import RESULTS_DIR, env_info, figure, format_table, line_panel, percentile, progress, save_figure, write_json
 from benchmarks.spec_bench import CHAT_PROMPTS, COPY_PROMPTS
-from tests.e2e_cluster import LocalCluster
+from cluster.local_cluster import LocalCluster
 
 MODEL = "SmolLM2-135M-Instruct"
 MODES = {

@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the report here")
     ap.add_argument("--local", action="store_true",
-                    help="start a two-node local Ray cluster with ray_config.yaml (tests/e2e_cluster.py), soak it, "
+                    help="start a two-node local Ray cluster with ray_config.yaml (cluster/local_cluster.py), soak it, "
                     "stop it; --url and --dashboard are then taken from it")
     ap.add_argument("--args-patch", default=None,
                     help="with --local: JSON merged into the app's args per section, e.g. "
@@ -357,7 +357,7 @@ def _soak_local(args: argparse.Namespace) -> int:
     import tempfile
     from pathlib import Path
 
-    from tests.e2e_cluster import LocalCluster
+    from cluster.local_cluster import LocalCluster
 
     with tempfile.TemporaryDirectory() as tmp:
         cluster = LocalCluster(Path(tmp), args_patch=json.loads(args.args_patch) if args.args_patch else None)

@@ -2,7 +2,7 @@
 
     python -m benchmarks.telemetry_overhead [--rounds 3] [--quick]
 
-One local two-node Ray cluster (tests/e2e_cluster.py), deployed alternately with
+One local two-node Ray cluster (cluster/local_cluster.py), deployed alternately with
 
 * ``off``: ``telemetry: {metrics: false, tracing: off}`` (no-op instruments, no tracer);
 * ``on``:  ``telemetry: {metrics: true, tracing: otlp}`` exporting every span over OTLP/HTTP to a
@@ -34,7 +34,7 @@ from typing import Any
 from benchmarks.common import RESULTS_DIR, bar_panel, env_info, figure, format_table, progress, save_figure, write_json
 from benchmarks.http_sweep import closed_loop
 from benchmarks.spec_bench import COPY_PROMPTS
-from tests.e2e_cluster import LocalCluster
+from cluster.local_cluster import LocalCluster
 
 POLICY = {"name": "always", "num_speculative_tokens": 4}
 FULL = dict(rounds=3, concurrency={1: 4, 16: 32}, max_tokens=48)

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e_cluster import LocalCluster
+from cluster.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"

@@ -16,7 +16,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e_cluster import ROOT, LocalCluster
+from cluster.local_cluster import ROOT, LocalCluster
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"

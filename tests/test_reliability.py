@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from tests.bad_inputs import CHAT, HOSTILE, send
-from tests.e2e_cluster import ROOT, LocalCluster, Probe
+from cluster.local_cluster import ROOT, LocalCluster, Probe
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"

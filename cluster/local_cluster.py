@@ -1,0 +1,192 @@
+"""A real two-node Ray cluster on this machine, with the app deployed by `serve deploy`.
+
+The head node carries the custom resource ``target_node`` and a second Ray node carries
+``draft_node``, so the target and the draft workers land on different nodes exactly as
+they would on a `ray up` cluster. The app is deployed from a YAML derived from the
+repo's ray_config.yaml (smaller context, free ports), through the same CLI users run.
+The end-to-end tests and the HTTP benchmarks (http_sweep, telemetry_overhead, soak --local) use it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalCluster:
+    def __init__(self, workdir: Path, policy: dict[str, Any] | None = None, args_patch: dict | None = None) -> None:
+        self.workdir = workdir
+        self.gcs_port, self.dash_port, self.http_port = free_port(), free_port(), free_port()
+        self.base_url = f"http://127.0.0.1:{self.http_port}"
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
+        self.env.pop("RAY_ADDRESS", None)
+        self.policy = policy or {"name": "goodput"}
+        self.args_patch = args_patch or {}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, cwd=ROOT, env=self.env, check=check, text=True, capture_output=True)
+
+    def start(self) -> "LocalCluster":
+        self._run(str(BIN / "ray"), "start", "--head", f"--port={self.gcs_port}", "--num-cpus=2",
+                  f"--dashboard-port={self.dash_port}", "--dashboard-host=127.0.0.1",
+                  f"--ray-client-server-port={free_port()}", "--resources", json.dumps({"target_node": 1}))
+        self._run(str(BIN / "ray"), "start", f"--address=127.0.0.1:{self.gcs_port}", "--num-cpus=2",
+                  "--resources", json.dumps({"draft_node": 1}))
+        self.deploy(self.policy)
+        self.wait_healthy()
+        return self
+
+    def stop(self) -> None:
+        """Kill this cluster's processes only (``ray stop`` would kill every Ray on the machine)."""
+        for proc in self.processes():
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+
+    def processes(self) -> list["psutil.Process"]:
+        """Every process of this cluster: those naming its session directory, and their children."""
+        session = None
+        for p in psutil.process_iter(["cmdline"]):  # the GCS, or any raylet / monitor that names its address
+            cmd = p.info["cmdline"] or []
+            if f"--gcs_server_port={self.gcs_port}" in cmd or any(
+                    a.startswith(("--gcs-address=", "--gcs_address=")) and a.endswith(f":{self.gcs_port}") for a in cmd):
+                session = next((a.split("=", 1)[1] for a in cmd if a.startswith(("--session-dir=", "--session_dir="))),
+                               None)
+                if session:
+                    break
+        if not session:
+            return []
+        found: dict[int, psutil.Process] = {}
+        gcs = f":{self.gcs_port}"
+        for p in psutil.process_iter(["cmdline"]):
+            # the session's own processes, and those that only name the GCS address (Ray's client server)
+            if any(a.endswith(session) or session + "/" in a or (a.startswith("--address=") and a.endswith(gcs))
+                   for a in (p.info["cmdline"] or [])):
+                found[p.pid] = p
+                try:
+                    found.update({c.pid: c for c in p.children(recursive=True)})
+                except psutil.Error:
+                    pass
+        return list(found.values())
+
+    def config(self, policy: dict[str, Any]) -> dict[str, Any]:
+        cfg = yaml.safe_load((ROOT / "ray_config.yaml").read_text())
+        cfg["http_options"]["port"] = self.http_port
+        app = cfg["applications"][0]
+        args = app["args"]
+        args["engine"].update({"max_model_len": 512, "max_num_seqs": 8, "num_threads": 1})
+        args["target"].update({"num_cpus": 0.5, "resources": {"target_node": 0.01}})
+        args["draft"].update({"num_threads": 1, "max_num_seqs": 16,
+                              "resources": {"num_cpus": 0.5, "resources": {"draft_node": 0.01}}})
+        for key, val in self.args_patch.items():
+            args.setdefault(key, {}).update(copy.deepcopy(val))
+        app["deployments"] = [{"name": "Router", "user_config": {"policy": policy}}]
+        return cfg
+
+    def deploy(self, policy: dict[str, Any]) -> None:
+        path = self.workdir / f"serve_{int(time.time() * 1000)}.yaml"
+        path.write_text(yaml.safe_dump(self.config(policy)))
+        self._run(str(BIN / "serve"), "deploy", "-a", f"http://127.0.0.1:{self.dash_port}", str(path))
+
+    def wait_healthy(self, timeout_s: float = 300) -> None:
+        t0 = time.time()
+        while time.time() - t0 < timeout_s:
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except Exception:
+                pass
+            time.sleep(1)
+        status = self._run(str(BIN / "serve"), "status", "-a", f"http://127.0.0.1:{self.dash_port}", check=False)
+        raise TimeoutError(f"app not healthy after {timeout_s}s:\n{status.stdout}\n{status.stderr}")
+
+    def stats(self) -> dict[str, Any]:
+        with urllib.request.urlopen(f"{self.base_url}/v1/speculation/stats", timeout=10) as r:
+            return json.loads(r.read())
+
+    def call(self, deployment: str, method: str, *args: Any) -> Any:
+        """Call a deployment method through a Serve handle from a short-lived driver process."""
+        code = (
+            "import json, sys, ray\nfrom ray import serve\n"
+            f"ray.init(address='127.0.0.1:{self.gcs_port}', logging_level='ERROR')\n"
+            f"h = serve.get_deployment_handle({deployment!r}, app_name='specserve')\n"
+            f"print(json.dumps(getattr(h, {method!r}).remote(*{list(args)!r}).result()))\n"
+        )
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=self.env, text=True,
+                             capture_output=True, timeout=120)
+        if out.returncode != 0:
+            raise RuntimeError(out.stderr[-2000:])
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+class Probe:
+    """A long-lived driver process that calls deployment methods through Serve handles.
+
+    ``LocalCluster.call`` starts a fresh driver per call (~3 s); tests that poll a replica's
+    state many times (KV in use, draft state) use one of these instead (~10 ms per call).
+    """
+
+    _CODE = (
+        "import json, sys, ray\nfrom ray import serve\n"
+        "ray.init(address=sys.argv[1], logging_level='ERROR')\n"
+        "handles = {}\n"
+        "for line in sys.stdin:\n"
+        "    dep, method, args, timeout_s = json.loads(line)\n"
+        "    try:\n"
+        "        h = handles.get(dep) or handles.setdefault(dep, serve.get_deployment_handle(dep, app_name='specserve'))\n"
+        "        out = {'ok': getattr(h, method).remote(*args).result(timeout_s=timeout_s)}\n"
+        "    except Exception as e:\n"
+        "        out = {'error': repr(e)[-2000:]}\n"
+        "    print('@@' + json.dumps(out), flush=True)\n"
+    )
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", self._CODE, f"127.0.0.1:{cluster.gcs_port}"], cwd=ROOT,
+                                     env=cluster.env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL)
+
+    def call(self, deployment: str, method: str, *args: Any, timeout_s: float = 60) -> Any:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps([deployment, method, list(args), timeout_s]) + "\n")
+        self.proc.stdin.flush()
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError("probe process exited")
+            if line.startswith("@@"):
+                out = json.loads(line[2:])
+                if "error" in out:
+                    raise RuntimeError(out["error"])
+                return out["ok"]
+
+    def close(self) -> None:
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+            self.proc.wait(timeout=10)
+        except Exception:
+            self.proc.kill()
