@@ -44,6 +44,9 @@ from workers.decision import SpecCandidate
 from workers.stats import LoadSnapshot
 
 
+BASELINE_TRIES = 4  # plain steps a batch size may spend measuring its own cost before the line is trusted
+
+
 class GoodputConfig(PolicyConfigBase):
     """Choose K per proposer to maximize expected committed tokens per second (SmartSpec-style)."""
 
@@ -107,6 +110,7 @@ class GoodputPolicy(Policy[GoodputConfig]):
             decay=cfg.cost_decay,
         )
         self._owns_cost_model = True
+        self._baseline_tries: dict[int, int] = {}  # batch size -> plain steps spent measuring its cost
         self.current: dict[str, int] = {}  # proposer -> K chosen last (the hysteresis state)
         self._zero_run: dict[str, int] = {}  # proposer -> consecutive K = 0 decisions (probing)
         self.num_probes = 0
@@ -142,7 +146,12 @@ class GoodputPolicy(Policy[GoodputConfig]):
         if k_hi > 0 and cm.fitted and cm.bucket_min_samples and cm.measured(batch) is None:
             # The plain step's cost at this batch size is the baseline every K is compared with;
             # while it is unmeasured, spend a plain step measuring it rather than trusting the line.
-            return 0
+            # A step that also carries a prefill chunk measures a larger token count instead, so
+            # under steady arrivals this could repeat: a few tries per batch size, then the line.
+            tries = self._baseline_tries.get(batch, 0)
+            if tries < BASELINE_TRIES:
+                self._baseline_tries[batch] = tries + 1
+                return 0
         k = self._choose_by_goodput(proposer, acceptance, batch, k_hi)
         if k > 0 or k_hi <= 0:
             self._zero_run[proposer] = 0

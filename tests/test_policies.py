@@ -416,3 +416,20 @@ def test_goodput_shares_a_cost_model_across_policy_swaps() -> None:
     own = make_policy({"name": "goodput"})
     own.observe_step(3, 0.05)
     assert own.cost_model.num_samples == 1
+
+
+def test_goodput_baseline_measurement_is_bounded_when_prefill_rides_along() -> None:
+    """Under steady arrivals every plain step may carry a prefill chunk (a bigger token count), so
+    the plain cost at this batch size may never be measured: a few tries, then trust the line."""
+    from policies.goodput import BASELINE_TRIES
+
+    p = make_policy({"name": "goodput", "probe_interval_steps": 0})
+    for x in (64, 128, 256):
+        for _ in range(3):
+            p.observe_step(x, 0.03 + 0.0016 * x)
+    ks = []
+    for _ in range(20):
+        k = step(p, 8, {"ngram": 0.9})[0]
+        ks.append(k)
+        p.observe_step(8 * (k + 1) + 32, 0.05 + 0.002 * (8 * (k + 1) + 32))  # always with a 32-token chunk
+    assert ks[:BASELINE_TRIES] == [0] * BASELINE_TRIES and min(ks[BASELINE_TRIES:]) > 0
