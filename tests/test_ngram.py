@@ -196,8 +196,8 @@ def test_registry_builds_known_proposers() -> None:
 
 
 def test_registry_unknown_name_lists_known_ones() -> None:
-    with pytest.raises(ValueError, match="unknown proposer 'eagle'.*ngram.*suffix"):
-        make_proposer("eagle")
+    with pytest.raises(ValueError, match="unknown proposer 'medusa'.*ngram.*suffix"):
+        make_proposer("medusa")
 
 
 def test_register_proposer_adds_one_entry(monkeypatch: pytest.MonkeyPatch) -> None:
