@@ -1,6 +1,6 @@
 """Build the drafts' training set from the target itself: its own responses and hidden states.
 
-    nice -n 19 python -m training.datagen --minutes 18          # resumable: rerun to continue
+    nice -n 19 python -m training.datagen --max-shards 10 --threads 1 --minutes 60   # resumable: rerun to continue
 
 For each training prompt (training/prompts.py) the target answers through our own engine
 (LLMEngine, continuous batching, fp32), greedily for most prompts and sampled at T=0.7 for
@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--sampled-frac", type=float, default=0.25, help="share of prompts answered at T=0.7")
     ap.add_argument("--minutes", type=float, default=18.0, help="stop starting new shards after this long")
+    ap.add_argument("--max-shards", type=int, default=None, help="only the first N shards (the shipped drafts: 10)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     prompts = make_prompts(args.num_prompts, "train", seed=args.seed)
     (out / "meta.json").write_text(json.dumps({"args": vars(args), "num_prompts": len(prompts)}, indent=1))
-    shards = [prompts[i : i + args.shard] for i in range(0, len(prompts), args.shard)]
+    shards = [prompts[i : i + args.shard] for i in range(0, len(prompts), args.shard)][: args.max_shards]
     todo = [i for i in range(len(shards)) if not (out / f"shard_{i:05d}.pt").exists()]
     prog = Progress(len(shards), out / "datagen.log", "shards", every_s=0, done=len(shards) - len(todo))
     prog.write(f"datagen: {len(prompts)} prompts in {len(shards)} shards, {len(todo)} to do -> {out}")

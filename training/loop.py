@@ -135,6 +135,8 @@ def train(
             save()
             t_ckpt = time.time()
         if (time.time() - t0) / 60 > cfg.max_minutes:
+            if step % cfg.eval_every:  # evaluate the last weights too, so the best-kept choice sees them
+                record_eval()
             save()
             prog.write(f"stopping at step {step}/{total} after {cfg.max_minutes} min; rerun to resume")
             break

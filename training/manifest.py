@@ -9,15 +9,16 @@ learning curve, and the acceptance measured on held-out prompts (benchmarks/resu
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
-from training.common import DRAFT_DIR, EAGLE_DIR, REPO_ROOT, data_dir
+from training.common import DRAFT_DIR, EAGLE_DIR, REPO_ROOT, data_dir, work_dir
 
 EVAL_JSON = REPO_ROOT / "benchmarks" / "results" / "draft_eval.json"
 
 COMMON_CMDS = """```
-nice -n 19 python -m training.datagen --minutes 22 --threads 1   # the target's responses + hidden states (resumable)
+nice -n 19 python -m training.datagen --max-shards 10 --threads 1 --minutes 60  # 640 prompts: responses + hidden states
 {train}
 nice -n 19 python -m benchmarks.draft_eval                       # acceptance / speed / cost -> benchmarks/results/
 python -m training.manifest                                      # this file
@@ -111,6 +112,10 @@ def write(kind: str, d: Path, ev: dict[str, Any] | None) -> None:
              f"Per-token cost (one drafting step, batch 1, fp32, median): {c['eagle_step_ms']:.2f} ms vs target "
              f"{c['target_step_ms']:.1f} ms = {c['eagle_over_target']:.3f} of the target."),
         ]
+    log = work_dir(kind) / f"{kind}.log"
+    if log.exists():  # the run's own progress log (every invocation, resumes included)
+        shutil.copy(log, d / "training.log")
+        parts += ["", "The full progress log of the run, resumes included, is `training.log` next to this file."]
     (d / "MANIFEST.md").write_text("\n".join(parts) + "\n")
     print(f"wrote {d / 'MANIFEST.md'}")
 
