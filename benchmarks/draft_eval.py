@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--speed-prompts", type=int, default=4)
     ap.add_argument("--speed-tokens", type=int, default=96)
+    ap.add_argument("--speed-rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(RESULTS_DIR))
     args = ap.parse_args(argv)
@@ -163,12 +164,16 @@ def main(argv: list[str] | None = None) -> int:
                      "acceptance_rate": tot.acceptance_rate, "num_drafts": tot.num_drafts,
                      "accepted_per_pos": tot.accepted_per_pos, "output_tokens": r.output_tokens})
 
+    out_dir = Path(args.out)
+    name = "draft_eval_quick" if args.quick else "draft_eval"
+    write_json(out_dir / f"{name}.partial.json", {"acceptance": rows, "mismatches": mismatches, "chat_prompts": chat_msgs})
+
     # ---------------------------------------------------------------- B. speed at c=1
     speed_methods = [("draft_model", 4), ("eagle", 2), ("eagle", 4), ("eagle", 6), ("ngram", 4)]
     speed_prompts = sets["chat"][: args.speed_prompts if not args.quick else 1]
     labels = ["plain"] + [f"{m} K={k}" for m, k in speed_methods]
     best: dict[tuple[int, str], Any] = {}
-    jobs_b = [(rnd, i) for rnd in range(1 if args.quick else 2) for i in range(len(speed_prompts))]
+    jobs_b = [(rnd, i) for rnd in range(1 if args.quick else args.speed_rounds) for i in range(len(speed_prompts))]
     saved_tok = n_tok
     n_tok = 16 if args.quick else args.speed_tokens
     for rnd, i in progress(jobs_b, desc="B: c=1 speed", unit="prompt"):
@@ -214,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     tables.append(format_table(speed, [("method", "method", ""), ("tok_s", "tok/s", ".1f"), ("vs_plain", "vs plain", ".2f"),
                                        ("mean_acceptance_length", "acc len", ".2f"), ("same_output", "same out", "")],
                                title=f"Concurrency 1, held-out chat, greedy, {len(speed_prompts)} prompts x "
-                                     f"{args.speed_tokens} tokens (best of 2 rounds)"))
+                                     f"{args.speed_tokens} tokens (best of {args.speed_rounds} rounds)"))
     tables.append(format_table([cost], [("target_step_ms", "target ms", ".1f"), ("draft_step_ms", "draft ms", ".1f"),
                                         ("draft_over_target", "draft/target", ".3f"), ("eagle_step_ms", "eagle ms", ".2f"),
                                         ("eagle_over_target", "eagle/target", ".3f")],
@@ -224,8 +229,6 @@ def main(argv: list[str] | None = None) -> int:
     if mismatches:
         print("\nMISMATCHES:\n" + "\n".join(mismatches))
 
-    out_dir = Path(args.out)
-    name = "draft_eval_quick" if args.quick else "draft_eval"
     write_json(out_dir / f"{name}.json", {"benchmark": "draft_eval", "env": env, "ks": ks, "tokens": n_tok,
                                            "chat_prompts": chat_msgs, "acceptance": rows, "speed_c1": speed,
                                            "cost": cost, "mismatches": mismatches, "tables": tables,
