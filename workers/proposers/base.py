@@ -61,3 +61,19 @@ class Proposer(ABC):
 
     def finish(self, request_id: str, token_ids: Sequence[int]) -> None:
         """The request left the engine (finished or cancelled): free its state."""
+
+
+def stack_draft_probs(
+    requests: Sequence[ProposalRequest], q_rows: list[list[torch.Tensor]], vocab_size: int, device: torch.device
+) -> list[torch.Tensor | None]:
+    """Per request: None for greedy (one-hot q), else its q rows stacked ``[num_draft_i, vocab]``
+    (an empty ``[0, vocab]`` when it drafted nothing). Shared by the proposers that have a q."""
+    out: list[torch.Tensor | None] = []
+    for r, rows in zip(requests, q_rows):
+        if r.sampling.greedy:
+            out.append(None)
+        elif rows:
+            out.append(torch.stack(rows))  # [num_draft_i, V]
+        else:
+            out.append(torch.zeros(0, vocab_size, device=device))
+    return out

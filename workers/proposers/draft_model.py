@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from workers.proposers.base import Proposals, ProposalRequest, Proposer
+from workers.proposers.base import Proposals, ProposalRequest, Proposer, stack_draft_probs
 from workers.sampler import make_generator, process_logits, sample, sampling_tensors
 from workers.sampling_params import SamplingParams
 
@@ -239,15 +239,8 @@ class DraftModelProposer(Proposer):
             rows = still
             step += 1
 
-        draft_probs: list[torch.Tensor | None] = []
-        for i, r in enumerate(requests):
-            if r.sampling.greedy:
-                draft_probs.append(None)
-            elif q_rows[i]:
-                draft_probs.append(torch.stack(q_rows[i]))  # [num_draft_i, V]
-            else:
-                draft_probs.append(torch.zeros(0, self.vocab_size, device=self.runner.device))
-        return Proposals(draft_token_ids=drafts, draft_probs=draft_probs)
+        return Proposals(draft_token_ids=drafts,
+                         draft_probs=stack_draft_probs(requests, q_rows, self.vocab_size, self.runner.device))
 
     def _select(
         self,

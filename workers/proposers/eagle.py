@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.eagle_head import EagleHead, load_head
-from workers.proposers.base import Proposals, ProposalRequest, Proposer
+from workers.proposers.base import Proposals, ProposalRequest, Proposer, stack_draft_probs
 from workers.proposers.draft_model import DRAFT_SEED_SALT
 from workers.sampler import make_generator, process_logits, sample, sampling_tensors
 from workers.sampling_params import SamplingParams
@@ -222,15 +222,8 @@ class EagleProposer(Proposer):
             rows = still
             f_prev = f[keep] if keep else None
 
-        draft_probs: list[torch.Tensor | None] = []
-        for i, r in enumerate(requests):
-            if r.sampling.greedy:
-                draft_probs.append(None)
-            elif q_rows[i]:
-                draft_probs.append(torch.stack(q_rows[i]))  # [num_draft_i, V]
-            else:
-                draft_probs.append(torch.zeros(0, self.vocab_size, device=self.device))
-        return Proposals(draft_token_ids=drafts, draft_probs=draft_probs)
+        return Proposals(draft_token_ids=drafts,
+                         draft_probs=stack_draft_probs(requests, q_rows, self.vocab_size, self.device))
 
     def _select(
         self,
