@@ -60,7 +60,9 @@ class LLMEngine:
         self.vocab_size = hf_cfg.vocab_size
         self.max_model_len = min(config.max_model_len, getattr(hf_cfg, "max_position_embeddings", 1 << 30))
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
-        self.runner = ModelRunner(loaded.model, config.max_num_seqs, self.max_model_len, dtype, config.device)
+        self.runner = ModelRunner(
+            loaded.model, config.max_num_seqs, self.max_model_len, dtype, config.device, cpu_gemm=config.cpu_gemm
+        )
         eos = getattr(hf_cfg, "eos_token_id", None)
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:

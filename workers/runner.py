@@ -59,6 +59,28 @@ class _AttnGroup:
     qrow: torch.Tensor  # [T_g] query row of each within its request
 
 
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    """A ``[out, in]`` weight in oneDNN's blocked layout (an opaque mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w, None)
+
+
+def _packed_linear(x: torch.Tensor, w_packed: torch.Tensor) -> torch.Tensor:
+    # x: [T, in] contiguous -> [T, out]; the same op torch.compile's CPU backend emits for linears
+    return torch.ops.mkldnn._linear_pointwise(x, w_packed, None, "none", [], "")
+
+
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether this CPU and torch build run prepacked oneDNN linears in ``dtype``, checked by doing one."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.ones(8, 8, dtype=dtype)
+        y = _packed_linear(torch.ones(2, 8, dtype=dtype), _pack(w))
+        return bool(torch.allclose(y.float(), torch.full((2, 8), 8.0)))
+    except (RuntimeError, AttributeError):
+        return False
+
+
 def pick_device(device: str = "auto") -> torch.device:
     """CUDA when present (production), CPU otherwise."""
     if device == "auto":
@@ -76,7 +98,10 @@ class ModelRunner:
         max_model_len: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "auto",
+        cpu_gemm: str = "onednn",
     ) -> None:
+        if cpu_gemm not in ("onednn", "mkl"):
+            raise ValueError(f"cpu_gemm must be 'onednn' or 'mkl', got {cpu_gemm!r}")
         cfg = hf_model.config
         self.device = pick_device(device) if isinstance(device, str) else device
         self.dtype = dtype
@@ -116,16 +141,21 @@ class ModelRunner:
                     "down": w(mlp.down_proj.weight),  # [hidden, inter]
                 }
             )
-        # A one-token step on CPU in fp32 is a vector-matrix product; MKL streams a weight stored
-        # [in, out] about 2x faster than the [out, in] layout F.linear reads (measured: lm_head
-        # 5 ms vs 11 ms; a whole batch-1 decode step 43 ms vs 55 ms). Multi-token steps (verify,
-        # batches) are faster with F.linear, so fp32 CPU runners keep both layouts (2x weight memory).
-        self._vecmat = self.device.type == "cpu" and dtype == torch.float32
-        if self._vecmat:
+        # On CPU, every weight matmul runs through oneDNN with the weight prepacked once into its
+        # blocked layout (measured, fp32, 2 cores, all 30 layers' weights streamed: 20 ms at 1 row
+        # vs 36 ms for F.linear and 28 ms for a pre-transposed vector-matrix product; 40 vs 66 ms at
+        # 16 rows; 61 vs 96 ms at 32). F.linear repacks the weight on every call and runs small-M
+        # GEMMs on one thread. The packed copy replaces the plain one, so weight memory is unchanged
+        # (the LM head keeps its plain copy: it is the tied embedding table). Where oneDNN cannot
+        # pack (CUDA, or bf16 on a CPU without AVX-512/AVX-NE-CONVERT), or with cpu_gemm="mkl", the
+        # plain F.linear path runs: it is what HF's forward calls, so its fp32 logits are bit-identical
+        # to HF's; oneDNN sums in another order (max |logit diff| ~1.1e-4 on SmolLM2, see EngineConfig).
+        self._packed = self.device.type == "cpu" and cpu_gemm == "onednn" and _onednn_packs(dtype)
+        if self._packed:
             for L in self.layers:
                 for name in ("qkv", "o", "gate_up", "down"):
-                    L[name + "_t"] = L[name].t().contiguous()
-            self.lm_head_t = self.lm_head.t().contiguous()  # [hidden, vocab]
+                    L[name] = _pack(L[name])
+            self.lm_head_packed = _pack(self.lm_head)
         inv_freq = m.rotary_emb.inv_freq.detach().float().to(self.device)  # [D / 2]
         scale = float(getattr(m.rotary_emb, "attention_scaling", 1.0))
         pos = torch.arange(max_model_len, device=self.device, dtype=torch.float32)
@@ -150,8 +180,8 @@ class ModelRunner:
 
     def _linear(self, x: torch.Tensor, L: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         # x: [T, in] -> [T, out]
-        if self._vecmat and x.shape[0] == 1:
-            return x @ L[name + "_t"]
+        if self._packed:
+            return _packed_linear(x, L[name])
         return F.linear(x, L[name])
 
     @staticmethod
@@ -283,19 +313,14 @@ class ModelRunner:
         return groups
 
     def _lm_head(self, hs: torch.Tensor) -> torch.Tensor:
-        """``[M, hidden] -> [M, vocab]`` float32 logits, with the fastest CPU GEMM shape for ``M``.
+        """``[M, hidden] -> [M, vocab]`` float32 logits.
 
-        The LM head is the largest matrix (vocab 49152 x 576). With a few rows (a verify step, a
-        small batch), MKL runs ``F.linear``'s ``[M, 576] x [576, vocab]`` GEMM single-threaded and
-        slowly (measured, fp32, 2 cores: 20-28 ms for M = 2..16 vs 6 ms for one row), while the
-        transposed product ``W [vocab, 576] x hs^T [576, M]`` is a tall GEMM MKL splits across
-        threads: 6-11 ms for M = 2..8, 21 ms at 16, equal from M ~ 48 on.
+        The LM head is the largest matrix (vocab 49152 x 576, 113 MB in fp32). Packed for oneDNN it
+        takes 4.5 ms at 1 row, 7 ms at 4 and 10 ms at 16 (measured, fp32, 2 cores), against 10, 22
+        and 21 ms for ``F.linear``.
         """
-        m = hs.shape[0]
-        if self._vecmat and m == 1:
-            return (hs @ self.lm_head_t).float()  # [1, vocab]
-        if self._vecmat and m <= 32:
-            return torch.mm(self.lm_head, hs.t()).t().contiguous()  # [vocab, M]^T -> [M, vocab]
+        if self._packed:
+            return _packed_linear(hs.contiguous(), self.lm_head_packed).float()  # [M, vocab]
         return F.linear(hs, self.lm_head).float()  # [M, vocab]
 
     def forward_tokens(self, slot: int, start_pos: int, token_ids: Sequence[int]) -> torch.Tensor:
