@@ -30,8 +30,10 @@ class EngineConfig(BaseModel):
     served_model_name: str = Field("SmolLM2-135M-Instruct", description="Name reported by /v1/models.")
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
-        description="Weights and activations. fp32 is the default: on this CPU bf16 wins only at one token per "
-        "step, and multi-token verify steps are ~3x slower in bf16 (see README, Performance).",
+        description="Weights and activations. fp32 is the default: on a CPU without native bf16 matmuls (this "
+        "one: AVX2 only) bf16 wins only in one-row steps (20 vs 36 ms per token), multi-row steps then run "
+        "through fp32 copies of the bf16 weights, and bf16 rounding makes greedy output depend on batch "
+        "composition far more often than fp32 does (README, Performance).",
     )
     device: str = Field("auto", description="'auto' picks CUDA when present, else CPU.")
     cpu_gemm: Literal["onednn", "mkl"] = Field(
