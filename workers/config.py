@@ -50,11 +50,12 @@ class EngineConfig(BaseModel):
         256, ge=16, description="Token budget per engine step; long prompts are prefilled in chunks of what is left."
     )
     max_prefill_tokens_while_decoding: int = Field(
-        32,
+        16,
         ge=1,
         description="Most prompt tokens a step feeds while other requests are decoding, so one arrival's prefill "
         "cannot stall every running stream (on 2 CPU cores a 200-token chunk makes a 450 ms step next to an 80 ms "
-        "decode step). With nothing decoding, prefill takes the whole max_num_batched_tokens budget.",
+        "decode step; over HTTP at 4 chat clients, P99/P50 inter-chunk latency was 2.1 with 32 and 1.8 with 16). "
+        "With nothing decoding, prefill takes the whole max_num_batched_tokens budget.",
     )
     num_speculative_tokens: int = Field(
         4, ge=0, le=MAX_SPECULATIVE_TOKENS, description="K_max: most draft tokens verified per request per step."
