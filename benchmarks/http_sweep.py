@@ -131,13 +131,23 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--concurrency", help="comma-separated subset, e.g. 1,4,16 (default: the full 1..32)")
     ap.add_argument("--max-tokens", type=int, help="output tokens per request")
+    ap.add_argument("--requests-per-client", type=int,
+                    help="requests per client in each cell (default 2, at least 4 per cell); more = less noise")
+    ap.add_argument("--mixes", default="copy,chat", help="comma-separated prompt mixes to run (copy, chat)")
+    ap.add_argument("--tag", help="write http_sweep_<tag>.{json,png} (a partial rerun keeps the full sweep's files)")
     a = ap.parse_args()
     plan = dict(QUICK if a.quick else FULL)
     if a.concurrency:
         plan["concurrency"] = [int(c) for c in a.concurrency.split(",")]
     if a.max_tokens:
         plan["max_tokens"] = a.max_tokens
+    if a.requests_per_client:
+        n = a.requests_per_client
+        plan["requests"] = lambda c: max(4, n * c)
+        plan["requests_per_client"] = n
+    name = f"http_sweep_{a.tag}" if a.tag else "http_sweep"
     mixes = {"copy": [p for _, _, p in COPY_PROMPTS], "chat": [p for _, _, p in CHAT_PROMPTS]}
+    mixes = {m: mixes[m] for m in a.mixes.split(",")}
     info = env_info()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -162,7 +172,7 @@ def main() -> None:
                 res["view_age_max_ms"] = 1e3 * max(ages.ages) if ages.ages else None
                 rows.append({"mode": mode, "mix": mix, "concurrency": c, **res})
                 # written after every cell, so a run cut short still leaves its measurements
-                write_json(RESULTS_DIR / "http_sweep.partial.json", {"env": info, "rows": rows})
+                write_json(RESULTS_DIR / f"{name}.partial.json", {"env": info, "rows": rows})
         finally:
             cluster.stop()
     # the acceptance bar: default policy vs the better of never / always, same mix and concurrency
@@ -179,7 +189,7 @@ def main() -> None:
             ("steps", "spec/plain steps", "s"), ("view_age_max_ms", "view age max", ".0f"), ("errors", "errors", "d")]
     table = format_table(rows, cols, title="HTTP sweep (ms; vs best = goodput / max(never, always))")
     print(table)
-    write_json(RESULTS_DIR / "http_sweep.json", {"env": info, "plan": {k: v for k, v in plan.items()
+    write_json(RESULTS_DIR / f"{name}.json", {"env": info, "plan": {k: v for k, v in plan.items()
                                                                        if k != "requests"}, "rows": rows})
     fig, axes = figure(ncols=4, width=4.5)
     for j, mix in enumerate(mixes):
@@ -189,7 +199,7 @@ def main() -> None:
                    xlabel="concurrency", ylabel="output tok/s")
         line_panel(axes[2 * j + 1], xs, {m: pick(m, "itl_p99_ms") for m in MODES}, title=f"{mix}: P99 ITL",
                    xlabel="concurrency", ylabel="ms")
-    save_figure(fig, RESULTS_DIR / "http_sweep.png", suptitle=f"HTTP sweep, {info.get('cpu', '')}")
+    save_figure(fig, RESULTS_DIR / f"{name}.png", suptitle=f"HTTP sweep, {info.get('cpu', '')}")
 
 
 if __name__ == "__main__":
