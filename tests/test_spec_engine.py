@@ -456,3 +456,38 @@ def test_smollm2_speculative_identical_to_plain(smollm2_loaded):
         st = eng.stats[name]
         assert st.num_draft_tokens > 0 and st.num_accepted_tokens > 0, (name, st)  # some drafts pay
     assert eng.stats["draft_model"].acceptance_rate > 0.9  # the target drafting for itself
+
+
+COPY = [
+    "Copy this list exactly: apples, pears, plums, cherries, grapes, melons, lemons, limes.",
+    'Return this JSON with "city" set to "Oslo": {"name": "Ada", "city": "Paris", "age": 36}',
+]
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_identical_for_every_k_and_batch(smollm2_loaded):
+    """SmolLM2, greedy: n-gram, suffix and the target as its own draft, at K = 1, 2, 4, 8 and batch
+    1, 8 and 32 (chat and copy prompts mixed), write exactly what plain decoding writes in the same
+    batch. At batch 32 the 256-token step budget clips K (32 x 9 > 256), which must not matter either."""
+    loaded = smollm2_loaded
+    k_now = {"k": 0}
+    eng = LLMEngine(
+        EngineConfig(max_num_seqs=32, max_model_len=512, num_speculative_tokens=8),
+        loaded,
+        proposers={"ngram": NgramProposer(), "suffix": SuffixProposer(), "draft_model": DraftModelProposer(
+            model=loaded.model, num_slots=32, max_model_len=512, target_vocab_size=loaded.model.config.vocab_size)},
+        decide=lambda snap, cands: [0 if c.speculation == "off" else min(k_now["k"], c.k_max) for c in cands],
+    )
+    texts = CHAT + COPY
+    prompts = [eng.tokenize_chat([{"role": "user", "content": t}]) for t in texts]
+    params = {"max_tokens": 16}
+    for batch in (1, 8, 32):
+        ps = [prompts[i % len(prompts)] for i in range(batch)]
+        ref = eng.generate(ps, params, speculation="off")
+        for name in ("ngram", "suffix", "draft_model"):
+            for k in (1, 2, 4, 8):
+                eng.proposers["suffix"] = SuffixProposer()  # cold: earlier runs must not hand it the answer
+                k_now["k"] = k
+                assert eng.generate(ps, params, speculation="on", proposer=name) == ref, (batch, name, k)
+    for name in ("ngram", "suffix", "draft_model"):
+        assert eng.stats[name].num_accepted_tokens > 0, name

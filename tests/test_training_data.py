@@ -54,3 +54,12 @@ def test_shipped_drafts_have_a_manifest(name: str, files: list[str]) -> None:
     size = sum(p.stat().st_size for p in d.iterdir())
     assert size < 90e6  # the draft model carries the 49152 x 576 embedding (57 MB in bf16), f"{name} is {size / 1e6:.0f} MB"
     json.loads((d / "training.json").read_text())
+
+
+def test_agreement_counts_response_hits_and_consecutive_hits():
+    from training.agreement import agreement
+
+    ids = [1, 2, 3, 4, 5, 6]  # prompt [1, 2], response [3, 4, 5, 6]
+    guess = [9, 3, 4, 0, 6, 9]  # draft's guess for the next token at each position
+    # response positions t = 1..4 guess ids[2..5]: hits at t = 1, 2, 4; one hit followed by a hit
+    assert agreement(ids, guess, 2) == (3, 4, 1, 2)
