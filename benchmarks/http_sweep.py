@@ -173,7 +173,7 @@ def main() -> None:
             # by +-15% on 2 shared cores, far more than the 0.97x bar).
             modes = list(MODES)
             cells = [(mode, mix, c, rnd) for mix in mixes for c in plan["concurrency"] for rnd in range(a.rounds)
-                     for mode in modes[rnd % 3:] + modes[: rnd % 3]]
+                     for mode in modes[rnd % len(modes):] + modes[: rnd % len(modes)]]
             current = None
             for mode, mix, c, rnd in progress(cells, desc="http sweep", unit="cell"):
                 if mode != current:

@@ -234,13 +234,16 @@ class ModelRunner:
         # One request with several tokens: a causal mask offset by its start. Several requests: one
         # attention call per group of equal new-token counts (see _attention_groups).
         single = nreq == 1 and max_q == 1
+        offsets = [0]  # [num_requests] row of each request's first new token in the flat matrix
+        for n in num_new[:-1]:
+            offsets.append(offsets[-1] + n)
         mask = None
         groups: list[_AttnGroup] = []
         if nreq == 1 and not single:
             qpos = batch.start_pos[0] + torch.arange(max_q, device=dev)  # [max_q]
             mask = (torch.arange(max_kv, device=dev)[None, :] <= qpos[:, None])[None, None]  # [1, 1, max_q, max_kv]
         elif nreq > 1:
-            groups = self._attention_groups(batch, num_new)
+            groups = self._attention_groups(batch, num_new, offsets)
 
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1)
@@ -285,9 +288,6 @@ class ModelRunner:
             gate, up = gu.chunk(2, dim=-1)
             h = h + self._linear(F.silu(gate) * up, L, "down")
 
-        offsets = [0]
-        for n in num_new[:-1]:
-            offsets.append(offsets[-1] + n)
         rows = torch.tensor(
             [offsets[i] + r for i, rs in enumerate(batch.logits_rows) for r in rs], dtype=torch.long, device=dev
         )  # [M]
@@ -300,7 +300,7 @@ class ModelRunner:
             extra = self._rms_norm(h[hrows], self.final_norm)  # [M', hidden]
         return StepOutput(logits=self._lm_head(hs), hidden=hs, extra_hidden=extra)
 
-    def _attention_groups(self, batch: StepBatch, num_new: list[int]) -> list["_AttnGroup"]:
+    def _attention_groups(self, batch: StepBatch, num_new: list[int], offsets: list[int]) -> list["_AttnGroup"]:
         """One attention call per distinct new-token count, each over its own slot range.
 
         Why: one call padded to the longest query would make every decoding request (1 new token)
@@ -311,9 +311,6 @@ class ModelRunner:
         -inf, and their outputs are never read.
         """
         dev = self.device
-        offsets = [0]
-        for n in num_new[:-1]:
-            offsets.append(offsets[-1] + n)
         by_n: dict[int, list[int]] = {}
         for i, n in enumerate(num_new):
             by_n.setdefault(n, []).append(i)
