@@ -93,6 +93,7 @@ def usage(final: dict) -> dict:
         "prompt_tokens": final["num_prompt_tokens"],
         "completion_tokens": final["num_output_tokens"],
         "total_tokens": final["num_prompt_tokens"] + final["num_output_tokens"],
+        "prompt_tokens_details": {"cached_tokens": final.get("num_cached_tokens", 0)},
         "speculation": {
             "proposer": final["proposer"],
             "spec_steps": spec["spec_steps"],

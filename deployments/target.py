@@ -41,6 +41,7 @@ def output_dict(o: RequestOutput) -> dict[str, Any]:
         "finish_reason": o.finish_reason,
         "num_prompt_tokens": o.num_prompt_tokens,
         "num_output_tokens": o.num_output_tokens,
+        "num_cached_tokens": o.num_cached_tokens,
         "proposer": o.proposer,
         "spec": o.spec.as_dict(),
     }

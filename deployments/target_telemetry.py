@@ -62,6 +62,10 @@ class TargetTelemetry:
         counter("spec_decode_num_accepted_tokens_per_pos", self._per_pos, "Accepted draft tokens by draft position.")
         counter("specserve_step_decisions", self._decisions,
                 "Per-step policy decisions for decoding requests, by path and K.")
+        counter("specserve_prefix_cache_queries", lambda: [Observation(self._view.get("prefix", (0, 0))[0])],
+                "Prompt tokens admitted with prefix caching on (vLLM: prefix_cache_queries).")
+        counter("specserve_prefix_cache_hits", lambda: [Observation(self._view.get("prefix", (0, 0))[1])],
+                "Of those, tokens whose KV was reused instead of prefilled (vLLM: prefix_cache_hits).")
         self.requests = m.create_counter("specserve_requests", description="Requests finished, by finish reason.")
         for name, attr, desc in (
             ("specserve_num_requests_running", "running", "Requests holding a KV slot."),
@@ -115,6 +119,7 @@ class TargetTelemetry:
             "stats": {name: (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.accepted_per_pos))
                       for name, s in engine.stats.items()},
             "decisions": dict(self.decisions),
+            "prefix": (engine.prefix_cache_queries, engine.prefix_cache_hits),
         }
 
     # ------------------------------------------------------------------ scrape

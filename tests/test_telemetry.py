@@ -219,6 +219,7 @@ def test_target_samples_from_engine_view():
 
     class FakeEngine:
         stats = {"ngram": FakeStats()}
+        prefix_cache_queries, prefix_cache_hits = 50, 20
 
     tt = _target_telemetry("off")
     tt.count_decisions([0, 4, 4])
@@ -236,6 +237,8 @@ def test_target_samples_from_engine_view():
     assert val[("spec_decode_num_accepted_tokens_per_pos", (("position", "1"),) + lab)]["value"] == 2
     assert val[("specserve_step_decisions", (("k", "4"), ("path", "spec"), ("replica", "t1")))]["value"] == 2
     assert val[("specserve_num_requests_running", (("replica", "t1"),))]["value"] == 2
+    assert val[("specserve_prefix_cache_queries", (("replica", "t1"),))]["value"] == 50
+    assert val[("specserve_prefix_cache_hits", (("replica", "t1"),))]["value"] == 20
     step = val[("specserve_target_step_seconds", (("replica", "t1"), ("tokens_per_step", "9-16")))]
     assert step["count"] == 1
     acc = val[("spec_decode_acceptance_length", lab)]

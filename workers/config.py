@@ -57,6 +57,13 @@ class EngineConfig(BaseModel):
         "decode step; over HTTP at 4 chat clients, P99/P50 inter-chunk latency was 2.1 with 32 and 1.8 with 16). "
         "With nothing decoding, prefill takes the whole max_num_batched_tokens budget.",
     )
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Reuse the KV of a prompt prefix another request already computed (the chat template's system "
+        "prompt, a shared few-shot header, a repeated prompt) instead of prefilling it again: vLLM's automatic prefix "
+        "caching, over whole slots. Output is unchanged; the prefill work saved shows in usage.prompt_tokens_details."
+        "cached_tokens. Requests whose proposer reads the target's hidden states (eagle) always prefill in full.",
+    )
     num_speculative_tokens: int = Field(
         4, ge=0, le=MAX_SPECULATIVE_TOKENS, description="K_max: most draft tokens verified per request per step."
     )

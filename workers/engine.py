@@ -88,6 +88,11 @@ class LLMEngine:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.free_slots = list(range(config.max_num_seqs))
+        # per slot: the tokens whose KV a *free* slot still holds, from the request that last used it
+        # (a running request's valid KV is its own all_ids()[:num_computed]); read by _reuse_prefix
+        self._slot_tokens: list[list[int]] = [[] for _ in range(config.max_num_seqs)]
+        self.prefix_cache_queries = 0  # prompt tokens admitted with prefix caching on
+        self.prefix_cache_hits = 0  # of those, reused from cached KV instead of prefilled
         self.stats: dict[str, SpecDecodeStats] = collections.defaultdict(SpecDecodeStats)
         self.acceptance_ema: dict[str, Ema] = collections.defaultdict(Ema)
         self.step_time_ema = Ema(0.1)
@@ -272,7 +277,39 @@ class LLMEngine:
             self.free_slots.sort()
             r.slot = self.free_slots.pop(0)
             r.status = Status.RUNNING
+            if self.config.enable_prefix_caching and r.proposer not in self._hidden_proposers:
+                self._reuse_prefix(r)
             self.running.append(r)
+
+    def _reuse_prefix(self, r: Request) -> None:
+        """Start ``r`` after the longest prefix of its prompt whose KV some slot already holds.
+
+        Candidates: every free slot (the KV of the request that last used it stays until
+        overwritten) and every running request (its KV up to ``num_computed``). The request keeps
+        the lowest free slot it was given, which keeps the attention slot range tight; when the
+        best match lives elsewhere, that prefix's KV is copied in (``ModelRunner.copy_kv``). The
+        last prompt token is always fed, since its logits give the first output token. Why whole
+        slots and not vLLM's hashed blocks: our cache is slot-based, and a closed loop of chat
+        requests hands each arrival the slot just freed by a request with the same system prompt.
+        """
+        prompt = r.prompt_ids
+        limit = len(prompt) - 1
+        cands = [(s, self._slot_tokens[s]) for s in [r.slot, *self.free_slots]]
+        cands += [(o.slot, o.all_ids()[: o.num_computed]) for o in self.running]
+        best, src = 0, r.slot
+        for s, toks in cands:
+            n = 0
+            for a, b in zip(toks, prompt[:limit]):
+                if a != b:
+                    break
+                n += 1
+            if n > best:  # strict: on a tie the request's own slot (first) wins and nothing is copied
+                best, src = n, s
+        if best and src != r.slot:
+            self.runner.copy_kv(src, r.slot, best)
+        r.num_computed = r.num_cached_tokens = best
+        self.prefix_cache_queries += len(prompt)
+        self.prefix_cache_hits += best
 
     def _decide_k(self, decoding: list[Request], budget: int) -> list[int]:
         if not decoding:
@@ -381,6 +418,7 @@ class LLMEngine:
             finish_reason=r.finish_reason,
             num_prompt_tokens=len(r.prompt_ids),
             num_output_tokens=len(r.output_ids),
+            num_cached_tokens=r.num_cached_tokens,
             proposer=r.proposer,
             spec=r.spec,
             first_token_time=r.first_token_time,
@@ -393,6 +431,7 @@ class LLMEngine:
             return
         if r.status is Status.RUNNING:
             self.running.remove(r)
+            self._slot_tokens[r.slot] = r.all_ids()[: r.num_computed]
             self.free_slots.append(r.slot)
             r.slot = -1
             for p in self.proposers.values():

@@ -47,6 +47,7 @@ class RequestOutput:
     spec: SpecDecodeStats  # per-request totals so far (usage.speculation)
     first_token_time: float | None = None
     arrival_time: float = 0.0
+    num_cached_tokens: int = 0  # prompt tokens whose KV was reused from another request (prefix caching)
     events: list[StepEvent] | None = None  # on the final output of a request added with record_events
 
 
@@ -64,6 +65,7 @@ class Request:
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is valid in the slot (the rest of all_ids is pending)
+    num_cached_tokens: int = 0  # prompt tokens whose KV was reused at admission rather than computed
     slot: int = -1
     finish_reason: str | None = None
     first_token_time: float | None = None

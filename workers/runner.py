@@ -192,6 +192,17 @@ class ModelRunner:
     def kv_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache)
 
+    def copy_kv(self, src: int, dst: int, n: int) -> None:
+        """Copy the first ``n`` positions of slot ``src``'s keys and values into slot ``dst`` (prefix reuse).
+
+        KV at position i depends only on tokens 0..i, so a request whose prompt starts with the same
+        n tokens can start at position n. ~1 MB for a 22-token system prompt on SmolLM2: far cheaper
+        than the prefill it replaces.
+        """
+        for kc, vc in zip(self.k_cache, self.v_cache):
+            kc[dst, :, :n] = kc[src, :, :n]  # [Hkv, n, D]
+            vc[dst, :, :n] = vc[src, :, :n]
+
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]; computed in fp32 like HF's LlamaRMSNorm, then cast back
         xf = x.float()
