@@ -3,11 +3,24 @@
 SmartSpec (Liu et al. 2024, arXiv 2406.14066) chooses the speculation length each step
 to maximize *goodput*, the tokens the batch commits per second, from an estimate of the
 acceptance rate and a model of the step cost. Here, for a decode batch of B requests that
-all draft K tokens with per-token acceptance rate a:
+draft K tokens with per-token acceptance rate a:
 
     E[tokens](K, a) = (1 - a^(K+1)) / (1 - a)      # committed per verify (Leviathan et al.),
                                                     # K + 1 when a == 1, 1 when K == 0
     goodput(K)     = B * E[tokens](K, a) / time(B * (K + 1))
+
+Two measured refinements, both reducing to the formula above when the measurement agrees
+with its assumption:
+
+- *Acceptance per position* (``snapshot.acceptance_pos_ema``): the formula assumes every
+  draft position accepts independently at rate a. An n-gram draft is all-or-nothing (on open
+  chat, measured: position 1 accepts ~30%, later positions ~90% once it did), which the
+  formula undervalues by half; so E[tokens] = 1 + sum_{i<=K} prod_{j<=i} alpha_j over the
+  measured conditional rates alpha_j (the last one extends to unmeasured positions).
+- *Proposal rate* rho (``snapshot.proposal_rate_ema``, drafted / requested tokens): an n-gram
+  proposer finds no match on most open-chat steps, and a request with no draft runs a plain
+  step. Of B requests, j ~ Binomial(B, rho) draft, so tokens = B * (1 + rho * (E - 1)) and
+  time = E_j[time(B + j * K)] (for B > 64, time(B + rho * B * K): the binomial is narrow).
 
 with ``time`` the online linear step-cost model (policies/cost_model.py) that the engine
 loop feeds through :meth:`Policy.observe_step`. Every K in [0, k_max] is evaluated; K is
@@ -34,7 +47,8 @@ K = 0 decisions for a proposer, one step drafts ``probe_k`` tokens to refresh th
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Sequence
+import math
+from typing import Any, Literal, NamedTuple, Sequence
 
 from pydantic import Field
 
@@ -86,14 +100,35 @@ class GoodputConfig(PolicyConfigBase):
     )
 
 
-def expected_tokens(k: int, acceptance: float) -> float:
-    """Expected tokens committed by one verify of ``k`` drafts, i.i.d. acceptance ``acceptance``."""
+def expected_tokens(k: int, acceptance: float, positions: Sequence[float] = ()) -> float:
+    """Expected tokens committed by one verify of ``k`` drafts.
+
+    ``positions``: measured conditional acceptance per draft position (the last one stands for
+    later positions); without it, i.i.d. acceptance ``acceptance`` at every position.
+    """
     if k <= 0:
         return 1.0
+    if positions:
+        total, reach = 1.0, 1.0
+        for i in range(k):
+            reach *= min(max(positions[min(i, len(positions) - 1)], 0.0), 1.0)
+            total += reach
+        return total
     a = min(max(acceptance, 0.0), 1.0)
     if a >= 1.0:
         return float(k + 1)
     return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+BINOMIAL_MAX_BATCH = 64  # above this, the expected step cost uses the mean number of drafting requests
+
+
+class _Acceptance(NamedTuple):
+    """What the policy knows of one proposer's drafts (from the snapshot)."""
+
+    rate: float  # acceptance rate EMA (or the prior)
+    positions: tuple[float, ...]  # conditional acceptance per draft position, measured so far
+    proposal_rate: float  # drafted / requested tokens (1.0 until measured)
 
 
 class GoodputPolicy(Policy[GoodputConfig]):
@@ -134,14 +169,36 @@ class GoodputPolicy(Policy[GoodputConfig]):
         if self._owns_cost_model:  # a shared model is fed by its owner
             self.cost_model.observe(tokens, seconds)
 
-    def goodput(self, k: int, acceptance: float, batch: int) -> float:
-        """Expected committed tokens per second when all ``batch`` requests draft ``k`` tokens."""
-        return batch * expected_tokens(k, acceptance) / self.cost_model.predict(batch * (k + 1))
+    def goodput(
+        self, k: int, acceptance: float, batch: int, positions: Sequence[float] = (), proposal_rate: float = 1.0
+    ) -> float:
+        """Expected committed tokens per second when ``batch`` requests are asked for ``k`` drafts
+        and each drafts them with probability ``proposal_rate`` (else runs a plain step)."""
+        predict = self.cost_model.predict
+        if k <= 0:
+            return batch / predict(batch)
+        rho = min(max(proposal_rate, 0.0), 1.0)
+        tokens = batch * (1.0 + rho * (expected_tokens(k, acceptance, positions) - 1.0))
+        if rho >= 1.0:
+            cost = predict(batch * (k + 1))
+        elif batch > BINOMIAL_MAX_BATCH:
+            cost = predict(batch + rho * batch * k)
+        else:  # j of the batch draft, j ~ Binomial(batch, rho)
+            cost = sum(math.comb(batch, j) * rho**j * (1.0 - rho) ** (batch - j) * predict(batch + j * k)
+                       for j in range(batch + 1))
+        return tokens / cost
 
     def acceptance(self, snapshot: LoadSnapshot, proposer: str) -> float:
         return snapshot.acceptance_ema.get(proposer, self.config.prior_acceptance)
 
-    def _choose(self, proposer: str, acceptance: float, batch: int, k_hi: int) -> int:
+    def _acceptance(self, snapshot: LoadSnapshot, proposer: str) -> _Acceptance:
+        return _Acceptance(
+            rate=self.acceptance(snapshot, proposer),
+            positions=tuple(snapshot.acceptance_pos_ema.get(proposer, ())),
+            proposal_rate=snapshot.proposal_rate_ema.get(proposer, 1.0),
+        )
+
+    def _choose(self, proposer: str, acceptance: _Acceptance, batch: int, k_hi: int) -> int:
         cm, cfg = self.cost_model, self.config
         if k_hi > 0 and cm.fitted and cm.bucket_min_samples and cm.measured(batch) is None:
             # The plain step's cost at this batch size is the baseline every K is compared with;
@@ -164,21 +221,22 @@ class GoodputPolicy(Policy[GoodputConfig]):
         self._zero_run[proposer] = run
         return 0
 
-    def _choose_by_goodput(self, proposer: str, acceptance: float, batch: int, k_hi: int) -> int:
+    def _choose_by_goodput(self, proposer: str, acc: _Acceptance, batch: int, k_hi: int) -> int:
         cfg = self.config
-        if acceptance < cfg.min_acceptance:
+        if acc.rate < cfg.min_acceptance:
             self.current[proposer] = 0
             return 0
         if k_hi <= 0:  # no candidate can take a draft: nothing to decide, keep the held K
             return 0
-        g = [self.goodput(k, acceptance, batch) for k in range(k_hi + 1)]
+        g = [self.goodput(k, acc.rate, batch, acc.positions, acc.proposal_rate) for k in range(k_hi + 1)]
         best = max(range(k_hi + 1), key=g.__getitem__)  # first maximum: the smallest K on a tie
         cur = self.current.get(proposer)
         held = best if cur is None else min(cur, k_hi)  # a request near its end may cap K below cur
         k = best if g[best] > g[held] * (1.0 + cfg.switch_margin) else held
         if cur is None or k != held:
             self.current[proposer] = k  # otherwise keep cur, uncapped, for the next step
-        self._last[proposer] = {"k": k, "acceptance": acceptance, "goodput": g[k]}
+        self._last[proposer] = {"k": k, "acceptance": acc.rate, "proposal_rate": acc.proposal_rate,
+                                "expected_tokens": expected_tokens(k, acc.rate, acc.positions), "goodput": g[k]}
         return k
 
     def choose_k(self, snapshot: LoadSnapshot, candidates: Sequence[SpecCandidate]) -> list[int]:
@@ -187,7 +245,7 @@ class GoodputPolicy(Policy[GoodputConfig]):
         for c in candidates:
             if c.proposer is not None:
                 k_hi[c.proposer] = max(k_hi.get(c.proposer, 0), c.k_max)
-        chosen = {p: self._choose(p, self.acceptance(snapshot, p), batch, hi) for p, hi in k_hi.items()}
+        chosen = {p: self._choose(p, self._acceptance(snapshot, p), batch, hi) for p, hi in k_hi.items()}
         return [chosen[c.proposer] if c.proposer is not None else 0 for c in candidates]
 
     def state(self) -> dict[str, Any]:

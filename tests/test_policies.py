@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from policies.goodput import GoodputPolicy, expected_tokens
 from policies.k_table import KTablePolicy
 from policies.threshold import ThresholdPolicy
 from workers.decision import SpecCandidate
-from workers.stats import LoadSnapshot
+from workers.stats import LoadSnapshot, PositionalAcceptance
 
 
 class FakeClock:
@@ -259,6 +260,57 @@ def test_expected_tokens() -> None:
     assert expected_tokens(4, 1.0) == 5.0
     assert expected_tokens(3, 0.5) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     assert expected_tokens(3, 0.0) == 1.0
+    # per-position conditional acceptance; the last measured position stands for the later ones
+    assert expected_tokens(3, 0.5, [0.5]) == pytest.approx(expected_tokens(3, 0.5))
+    assert expected_tokens(4, 0.1, [0.3, 0.9]) == pytest.approx(1 + 0.3 + 0.27 + 0.243 + 0.2187)
+
+
+def test_positional_acceptance_counts_reached_positions_only() -> None:
+    pa = PositionalAcceptance(alpha=1.0)  # alpha 1: each value is the last sample
+    pa.update(4, 0)  # position 1 rejected; 2..4 never reached
+    assert pa.values() == [0.0]
+    pa.update(4, 2)  # 1, 2 accepted, 3 rejected, 4 not reached
+    assert pa.values() == [1.0, 1.0, 0.0]
+    pa.update(2, 2)  # all drafted accepted: nothing rejected, position 3 not drafted
+    assert pa.values() == [1.0, 1.0, 0.0]
+    pa.update(4, 4)
+    assert pa.values() == [1.0, 1.0, 1.0, 1.0]
+
+
+def _chat_costs(x: float) -> float:
+    # CPU-like: a 2-token step costs 1.25x a 1-token one, then ~3 ms per extra token
+    return 0.040 if x <= 1 else 0.050 + 0.003 * (x - 2)
+
+
+def test_goodput_values_all_or_nothing_drafts_by_position() -> None:
+    """n-gram on open chat: position 1 accepts 25%, later positions 95% once it did (measured
+    shape). The overall rate is 0.23, and the i.i.d. formula at 0.23 says every K loses; the
+    per-position rates say K=4 wins by ~30%."""
+    alphas = [0.25, 0.95]
+    rate = sum(math.prod(alphas[min(j, 1)] for j in range(i + 1)) for i in range(4)) / 4  # accepted / drafted at K=4
+    iid = make_policy({"name": "goodput", "probe_interval_steps": 0})
+    feed(iid, _chat_costs)
+    assert iid.decide(snap(1, {"ngram": rate}), cands(1, k_max=4)) == [0]
+    pos = make_policy({"name": "goodput", "probe_interval_steps": 0})
+    feed(pos, _chat_costs)
+    s = LoadSnapshot(running=1, decoding=1, acceptance_ema={"ngram": rate}, acceptance_pos_ema={"ngram": alphas})
+    assert pos.decide(s, cands(1, k_max=4)) == [4]
+    assert pos.goodput(4, rate, 1, alphas) > 1.2 * pos.goodput(0, rate, 1)
+
+
+def test_goodput_prices_undrafted_requests_as_plain_steps() -> None:
+    p = make_policy({"name": "goodput"})
+    feed(p, _chat_costs)
+    t = p.cost_model.predict
+    e4 = expected_tokens(4, 0.6)
+    assert p.goodput(4, 0.6, 1, proposal_rate=0.0) == pytest.approx(p.goodput(0, 0.6, 1))  # nothing drafted: plain
+    assert p.goodput(4, 0.6, 1, proposal_rate=0.5) == pytest.approx((1 + 0.5 * (e4 - 1)) / (0.5 * t(1) + 0.5 * t(5)))
+    # batch 2: none, one or both requests draft (binomial), each drafting one adds 4 tokens to the step
+    want = 2 * (1 + 0.5 * (e4 - 1)) / (0.25 * t(2) + 0.5 * t(6) + 0.25 * t(10))
+    assert p.goodput(4, 0.6, 2, proposal_rate=0.5) == pytest.approx(want)
+    s = LoadSnapshot(running=1, decoding=1, acceptance_ema={"ngram": 0.6}, proposal_rate_ema={"ngram": 0.5})
+    p.decide(s, cands(1, k_max=4))
+    assert p.state()["last"]["ngram"]["proposal_rate"] == 0.5
 
 
 def test_goodput_speculates_when_cost_is_flat() -> None:

@@ -226,6 +226,8 @@ def test_draft_equals_target_accepts_everything(tiny_loaded, draft_loaded):
     assert st.acceptance_rate == 1.0
     assert st.mean_acceptance_length == k + 1
     assert st.accepted_per_pos == [6 * len(prompts)] * k
+    snap = eng.snapshot()  # what the goodput policy reads: every position accepts, every request drafts
+    assert snap.acceptance_pos_ema[name] == [1.0] * k and snap.proposal_rate_ema[name] == 1.0
     assert [r["tokens"] for r in res.values()] == plain(tiny_loaded, prompts, params)
     for r in res.values():
         assert r["spec"].acceptance_rate == 1.0 and r["spec"].mean_acceptance_length == k + 1
@@ -310,6 +312,10 @@ def test_zero_drafts_stats_do_not_divide_by_zero(tiny_loaded, draft_loaded):
     st = eng.stats[name]
     assert st.num_draft_tokens == 0 and st.acceptance_rate == 0.0 and st.mean_acceptance_length == 1.0
     check_usage(res, st)
+    assert name not in eng.snapshot().proposal_rate_ema  # never asked: no rate yet (the policy assumes 1)
+    # asked to draft on prompts with no repeats: n-gram finds nothing on most steps, and the rate says so
+    run(eng, rand_prompts(3, seed=26), {"max_tokens": 8, "ignore_eos": True}, speculation="on", proposer=name)
+    assert eng.snapshot().proposal_rate_ema[name] < 0.5
 
 
 # ------------------------------------------------------------------ limits never overshot

@@ -35,7 +35,7 @@ from workers.request import Request, RequestOutput, Status, StepEvent
 from workers.runner import ModelRunner, StepBatch
 from workers.sampler import make_generator
 from workers.sampling_params import SamplingParams
-from workers.stats import Ema, LoadSnapshot, SpecDecodeStats
+from workers.stats import Ema, LoadSnapshot, PositionalAcceptance, SpecDecodeStats
 
 _ROLES = ("system", "user", "assistant")
 
@@ -95,6 +95,8 @@ class LLMEngine:
         self.prefix_cache_hits = 0  # of those, reused from cached KV instead of prefilled
         self.stats: dict[str, SpecDecodeStats] = collections.defaultdict(SpecDecodeStats)
         self.acceptance_ema: dict[str, Ema] = collections.defaultdict(Ema)
+        self.acceptance_pos: dict[str, PositionalAcceptance] = collections.defaultdict(PositionalAcceptance)
+        self.proposal_rate_ema: dict[str, Ema] = collections.defaultdict(Ema)
         self.step_time_ema = Ema(0.1)
         self.tokens_per_step_ema = Ema(0.1)
         self.step_costs: collections.deque[tuple[int, float]] = collections.deque(maxlen=512)  # (tokens, seconds)
@@ -355,9 +357,11 @@ class LLMEngine:
                 for i in idxs
             ]
             props = self.proposers[name].propose(reqs)
+            rate = self.proposal_rate_ema[name]
             for j, i in enumerate(idxs):
                 d = list(props.draft_token_ids[j])[: ks[i]]
                 drafts[i] = d
+                rate.update(len(d) / ks[i])
                 p = props.draft_probs[j]
                 probs[i] = p[: len(d)] if (p is not None and d) else None
         return drafts, probs
@@ -385,6 +389,7 @@ class LLMEngine:
         if r.proposer and n_draft:
             self.stats[r.proposer].record_verify(n_draft, n_acc)
             self.acceptance_ema[r.proposer].update(n_acc / n_draft)
+            self.acceptance_pos[r.proposer].update(n_draft, n_acc)
             self.proposers[r.proposer].observe(r.request_id, n_draft, n_acc)
             if self.on_verify is not None:
                 self.on_verify(r.proposer, n_draft, n_acc)
@@ -455,6 +460,8 @@ class LLMEngine:
             step_time_ema_s=self.step_time_ema.value or 0.0,
             tokens_per_step_ema=self.tokens_per_step_ema.value or 0.0,
             acceptance_ema={k: v.value or 0.0 for k, v in self.acceptance_ema.items()},
+            acceptance_pos_ema={k: v.values() for k, v in self.acceptance_pos.items()},
+            proposal_rate_ema={k: v.value for k, v in self.proposal_rate_ema.items() if v.value is not None},
             num_steps=self.num_steps,
             timestamp=time.time(),
         )

@@ -54,6 +54,36 @@ class SpecDecodeStats:
         }
 
 
+class PositionalAcceptance:
+    """Conditional acceptance per draft position: ``[i]`` estimates P(draft i+1 accepted | 1..i accepted).
+
+    Why not one rate: (1 - a^(K+1)) / (1 - a) assumes every position accepts independently at
+    rate a. An n-gram draft is all-or-nothing (the copied span continues or it does not: measured
+    on open chat, position 1 accepts ~30% and later positions ~90% once it did), and the i.i.d.
+    formula then undervalues it by half. With per-position rates the expected tokens of K drafts
+    are 1 + sum_{i<=K} prod_{j<=i} alpha_j, which is the formula again when all alpha_j = a.
+    """
+
+    def __init__(self, alpha: float = 0.1) -> None:
+        self.alpha = alpha
+        self.emas: list[Ema] = []
+
+    def update(self, num_draft: int, num_accepted: int) -> None:
+        # positions 1..num_accepted were reached and accepted; position num_accepted + 1 (if drafted) reached and rejected
+        for i in range(min(num_accepted + 1, num_draft)):
+            while len(self.emas) <= i:
+                self.emas.append(Ema(self.alpha))
+            self.emas[i].update(1.0 if i < num_accepted else 0.0)
+
+    def values(self) -> list[float]:
+        out = []
+        for e in self.emas:
+            if e.value is None:
+                break
+            out.append(e.value)
+        return out
+
+
 class Ema:
     """Exponential moving average that starts at its first sample (no warm-up bias)."""
 
@@ -79,6 +109,10 @@ class LoadSnapshot:
     step_time_ema_s: float = 0.0
     tokens_per_step_ema: float = 0.0
     acceptance_ema: dict[str, float] = field(default_factory=dict)  # per proposer, acceptance rate EMA
+    # per proposer: [i] = EMA of P(draft i+1 accepted | drafts 1..i accepted), for the positions seen so far
+    acceptance_pos_ema: dict[str, list[float]] = field(default_factory=dict)
+    # per proposer: EMA of drafted / requested tokens (n-gram finds no match on most open-chat steps)
+    proposal_rate_ema: dict[str, float] = field(default_factory=dict)
     num_steps: int = 0
     timestamp: float = 0.0  # time.time() when taken
 
