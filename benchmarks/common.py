@@ -146,6 +146,11 @@ class RunResult:
     concurrency: int
     wall_s: float
     records: list[RequestRecord]
+    # Closed loop only: the steps that began with all ``concurrency`` clients' requests in the engine.
+    # A finite closed loop ends in a ramp-down tail (clients run out of work one by one) that runs
+    # below its concurrency; these give the rate *at* the concurrency, beside the whole run's rate.
+    steady_tokens: int = 0
+    steady_s: float = 0.0
 
     @property
     def output_tokens(self) -> int:
@@ -154,6 +159,10 @@ class RunResult:
     @property
     def tok_s(self) -> float:
         return ratio(self.output_tokens, self.wall_s)
+
+    @property
+    def steady_tok_s(self) -> float:
+        return ratio(self.steady_tokens, self.steady_s)
 
     def spec_totals(self) -> SpecTotals:
         tot = SpecTotals()
@@ -171,6 +180,7 @@ class RunResult:
             "output_tokens": self.output_tokens,
             "wall_s": self.wall_s,
             "tok_s": self.tok_s,
+            "steady_tok_s": self.steady_tok_s,
             "tpot_p50_ms": 1e3 * percentile(tpots, 50),
             "tpot_p99_ms": 1e3 * percentile(tpots, 99),
             "ttft_p50_ms": 1e3 * percentile(ttfts, 50),
@@ -233,11 +243,17 @@ def run_closed_loop(
 
     while next_i < len(work) and len(inflight) < concurrency:
         submit(t0)
+    steady_tokens, steady_s, prev = 0, 0.0, t0
     while inflight:
+        full = len(inflight) == concurrency
         outs = engine.step()
         now = time.perf_counter()
         if not outs and not engine.has_work():
             raise RuntimeError(f"engine idle with {len(inflight)} requests in flight")
+        if full:
+            steady_s += now - prev
+            steady_tokens += sum(len(o.token_ids) for o in outs if o.request_id in inflight)
+        prev = now
         for o in outs:
             rec = inflight.get(o.request_id)
             if rec is None:
@@ -257,7 +273,7 @@ def run_closed_loop(
                     submit(now)
     wall = time.perf_counter() - t0
     bar.close()
-    return RunResult(name, concurrency, wall, done)
+    return RunResult(name, concurrency, wall, done, steady_tokens, steady_s)
 
 
 def warmup_engine(engine: Any, prompt: list[int], n_tokens: int = 8, **kwargs: Any) -> None:
