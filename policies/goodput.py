@@ -209,8 +209,10 @@ class GoodputPolicy(Policy[GoodputConfig]):
             if tries < BASELINE_TRIES:
                 self._baseline_tries[batch] = tries + 1
                 return 0
+        if k_hi <= 0:  # every request is at its last token: nothing to decide, and no step to count
+            return 0
         k = self._choose_by_goodput(proposer, acceptance, batch, k_hi)
-        if k > 0 or k_hi <= 0:
+        if k > 0:
             self._zero_run[proposer] = 0
             return k
         run = self._zero_run.get(proposer, 0) + 1
@@ -225,8 +227,6 @@ class GoodputPolicy(Policy[GoodputConfig]):
         cfg = self.config
         if acc.rate < cfg.min_acceptance:
             self.current[proposer] = 0
-            return 0
-        if k_hi <= 0:  # no candidate can take a draft: nothing to decide, keep the held K
             return 0
         g = [self.goodput(k, acc.rate, batch, acc.positions, acc.proposal_rate) for k in range(k_hi + 1)]
         best = max(range(k_hi + 1), key=g.__getitem__)  # first maximum: the smallest K on a tie

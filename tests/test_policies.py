@@ -15,7 +15,7 @@ from policies.goodput import GoodputPolicy, expected_tokens
 from policies.k_table import KTablePolicy
 from policies.threshold import ThresholdPolicy
 from workers.decision import SpecCandidate
-from workers.stats import LoadSnapshot, PositionalAcceptance
+from workers.stats import LoadSnapshot, PositionalAcceptance, RateEma
 
 
 class FakeClock:
@@ -265,16 +265,37 @@ def test_expected_tokens() -> None:
     assert expected_tokens(4, 0.1, [0.3, 0.9]) == pytest.approx(1 + 0.3 + 0.27 + 0.243 + 0.2187)
 
 
+def test_rate_ema_prior_fades_and_one_rejection_is_not_zero() -> None:
+    r = RateEma(prior=0.5, prior_weight=2.0, decay=0.9)
+    assert r.value == 0.5
+    r.update(0, 4)  # one verify, 4 drafts, none accepted
+    assert r.value == pytest.approx(0.9 / 5.8)  # (0.5*2*0.9 + 0) / (2*0.9 + 4): low, not 0
+    for _ in range(60):
+        r.update(3, 4)
+    assert r.value == pytest.approx(0.75, abs=0.01)  # the evidence wins, old samples forgotten
+
+
 def test_positional_acceptance_counts_reached_positions_only() -> None:
-    pa = PositionalAcceptance(alpha=1.0)  # alpha 1: each value is the last sample
-    pa.update(4, 0)  # position 1 rejected; 2..4 never reached
-    assert pa.values() == [0.0]
+    pa = PositionalAcceptance()
+    pa.update(4, 0)  # position 1 reached and rejected; 2..4 never reached
+    assert [r.num_samples for r in pa.rates] == [1]
     pa.update(4, 2)  # 1, 2 accepted, 3 rejected, 4 not reached
-    assert pa.values() == [1.0, 1.0, 0.0]
-    pa.update(2, 2)  # all drafted accepted: nothing rejected, position 3 not drafted
-    assert pa.values() == [1.0, 1.0, 0.0]
-    pa.update(4, 4)
-    assert pa.values() == [1.0, 1.0, 1.0, 1.0]
+    assert [r.num_samples for r in pa.rates] == [2, 1, 1]
+    pa.update(2, 2)  # both drafts accepted; position 3 was not drafted
+    assert [r.num_samples for r in pa.rates] == [3, 2, 1]
+    v = pa.values()
+    assert v[1] > 0.5 > v[2]  # position 2 accepted twice; position 3 rejected once
+    assert v[0] == pytest.approx((0.5 * 2 * 0.9**3 + 0.9 + 1) / (2 * 0.9**3 + 0.81 + 0.9 + 1))
+
+
+def test_goodput_keeps_probing_when_requests_end() -> None:
+    """At c=1 every request's last step has k_max = 0; that must not restart the count to the next probe."""
+    p = make_policy({"name": "goodput", "probe_interval_steps": 10, "probe_k": 2})
+    ks = []
+    for i in range(60):
+        k_max = 0 if i % 7 == 6 else 8  # a request ends every 7 steps
+        ks.append(p.decide(snap(1, {"ngram": 0.01}), cands(1, k_max=k_max))[0])
+    assert p.num_probes >= 4 and ks.count(2) == p.num_probes
 
 
 def _chat_costs(x: float) -> float:

@@ -227,7 +227,8 @@ def test_draft_equals_target_accepts_everything(tiny_loaded, draft_loaded):
     assert st.mean_acceptance_length == k + 1
     assert st.accepted_per_pos == [6 * len(prompts)] * k
     snap = eng.snapshot()  # what the goodput policy reads: every position accepts, every request drafts
-    assert snap.acceptance_pos_ema[name] == [1.0] * k and snap.proposal_rate_ema[name] == 1.0
+    assert len(snap.acceptance_pos_ema[name]) == k and min(snap.acceptance_pos_ema[name]) > 0.95
+    assert snap.proposal_rate_ema[name] == 1.0 and snap.acceptance_ema[name] > 0.95
     assert [r["tokens"] for r in res.values()] == plain(tiny_loaded, prompts, params)
     for r in res.values():
         assert r["spec"].acceptance_rate == 1.0 and r["spec"].mean_acceptance_length == k + 1

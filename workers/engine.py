@@ -35,7 +35,7 @@ from workers.request import Request, RequestOutput, Status, StepEvent
 from workers.runner import ModelRunner, StepBatch
 from workers.sampler import make_generator
 from workers.sampling_params import SamplingParams
-from workers.stats import Ema, LoadSnapshot, PositionalAcceptance, SpecDecodeStats
+from workers.stats import Ema, LoadSnapshot, PositionalAcceptance, RateEma, SpecDecodeStats
 
 _ROLES = ("system", "user", "assistant")
 
@@ -94,9 +94,10 @@ class LLMEngine:
         self.prefix_cache_queries = 0  # prompt tokens admitted with prefix caching on
         self.prefix_cache_hits = 0  # of those, reused from cached KV instead of prefilled
         self.stats: dict[str, SpecDecodeStats] = collections.defaultdict(SpecDecodeStats)
-        self.acceptance_ema: dict[str, Ema] = collections.defaultdict(Ema)
+        # per proposer, what the goodput policy reads (workers/stats.py says why these estimators)
+        self.acceptance_ema: dict[str, RateEma] = collections.defaultdict(RateEma)  # accepted / drafted tokens
         self.acceptance_pos: dict[str, PositionalAcceptance] = collections.defaultdict(PositionalAcceptance)
-        self.proposal_rate_ema: dict[str, Ema] = collections.defaultdict(Ema)
+        self.proposal_rate_ema: dict[str, RateEma] = collections.defaultdict(lambda: RateEma(prior=1.0))
         self.step_time_ema = Ema(0.1)
         self.tokens_per_step_ema = Ema(0.1)
         self.step_costs: collections.deque[tuple[int, float]] = collections.deque(maxlen=512)  # (tokens, seconds)
@@ -361,7 +362,7 @@ class LLMEngine:
             for j, i in enumerate(idxs):
                 d = list(props.draft_token_ids[j])[: ks[i]]
                 drafts[i] = d
-                rate.update(len(d) / ks[i])
+                rate.update(len(d), ks[i])
                 p = props.draft_probs[j]
                 probs[i] = p[: len(d)] if (p is not None and d) else None
         return drafts, probs
@@ -388,7 +389,7 @@ class LLMEngine:
         r.spec.record_verify(n_draft, n_acc)
         if r.proposer and n_draft:
             self.stats[r.proposer].record_verify(n_draft, n_acc)
-            self.acceptance_ema[r.proposer].update(n_acc / n_draft)
+            self.acceptance_ema[r.proposer].update(n_acc, n_draft)
             self.acceptance_pos[r.proposer].update(n_draft, n_acc)
             self.proposers[r.proposer].observe(r.request_id, n_draft, n_acc)
             if self.on_verify is not None:
@@ -459,9 +460,9 @@ class LLMEngine:
             kv_tokens_capacity=self.config.max_num_seqs * self.max_model_len,
             step_time_ema_s=self.step_time_ema.value or 0.0,
             tokens_per_step_ema=self.tokens_per_step_ema.value or 0.0,
-            acceptance_ema={k: v.value or 0.0 for k, v in self.acceptance_ema.items()},
+            acceptance_ema={k: v.value for k, v in self.acceptance_ema.items()},
             acceptance_pos_ema={k: v.values() for k, v in self.acceptance_pos.items()},
-            proposal_rate_ema={k: v.value for k, v in self.proposal_rate_ema.items() if v.value is not None},
+            proposal_rate_ema={k: v.value for k, v in self.proposal_rate_ema.items()},
             num_steps=self.num_steps,
             timestamp=time.time(),
         )
