@@ -59,6 +59,9 @@ def test_greedy_speculation_on_equals_off(client, proposer):
         assert s_on["proposer"] == proposer
         assert 0 <= s_on["accepted_tokens"] <= s_on["draft_tokens"]
         assert on.usage.completion_tokens == off.usage.completion_tokens
+        # prefix caching: every chat prompt starts with the template's system prompt, which the
+        # target replica (one in this cluster) has computed before
+        assert 0 < on.usage.prompt_tokens_details.cached_tokens < on.usage.prompt_tokens
     if proposer != "suffix":  # n-gram on a verbatim repeat, and the target as its own draft, must draft
         assert chat(client, COPY, speculation="on", proposer=proposer).usage.model_extra["speculation"]["draft_tokens"] > 0
 
