@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         loaded,
         proposers={
             "draft_model": DraftModelProposer(draft.model, num_slots=batch, max_model_len=MAX_MODEL_LEN,
-                                              dtype="float32", target_vocab_size=loaded.model.config.vocab_size),
+                                              dtype="float32", target_vocab_size=loaded.model.config.vocab_size,
+                                              vocab_ids=draft.draft_vocab),
             "eagle": EagleProposer(args.eagle, loaded.model, num_slots=batch, max_model_len=MAX_MODEL_LEN),
             "ngram": NgramProposer(),
             "suffix": SuffixProposer(),
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---------------------------------------------------------------- C. per-token cost
     tgt_runner = ModelRunner(loaded.model, 1, 256, torch.float32, "cpu")
-    dr_runner = ModelRunner(draft.model, 1, 256, torch.float32, "cpu")
+    dr_runner = ModelRunner(draft.model, 1, 256, torch.float32, "cpu", head_rows=draft.draft_vocab)  # as the proposer runs it
     t_ms, d_ms = step_cost_ms(tgt_runner), step_cost_ms(dr_runner)
     e_prop = EagleProposer(args.eagle, loaded.model, num_slots=1, max_model_len=256)
     e_ms = eagle_step_cost_ms(e_prop, loaded.model.config.hidden_size)

@@ -47,6 +47,7 @@ class DraftWorker:
             dtype=d.dtype,
             device=d.device,
             target_vocab_size=target.model.config.vocab_size,
+            vocab_ids=loaded.draft_vocab,
         )
         # the EAGLE head (optional) drafts from the target's hidden states, which each call carries
         self.eagle: EagleProposer | None = None

@@ -246,3 +246,41 @@ def test_registry_builds_draft_model(model: LlamaForCausalLM) -> None:
     assert isinstance(prop, DraftModelProposer)
     p = prompt(5, 15)
     assert prop.propose([req(p, 2)]).draft_token_ids == [greedy_reference(model, p, 2)]
+
+
+def test_draft_vocabulary_restricts_drafts_and_q(model: LlamaForCausalLM) -> None:
+    """With ``vocab_ids`` the draft is the argmax (or sample) over those ids only, and a sampled
+    ``q`` is a full-width distribution that is 0 outside them (what the rejection sampler needs)."""
+    ids = list(range(0, VOCAB, 3))  # every third token
+    p = prompt(9, 7)
+    restricted = DraftModelProposer(model, num_slots=2, max_model_len=MAX_LEN, device="cpu", vocab_ids=ids)
+    got = restricted.propose([req(p, 4)]).draft_token_ids[0]
+    seq, want = list(p), []  # the slow obvious way: HF logits, argmax among ids
+    for _ in range(4):
+        lg = hf_logits(model, seq)
+        want.append(ids[int(lg[ids].argmax())])
+        seq.append(want[-1])
+    assert got == want and all(t in ids for t in got)
+    assert want != greedy_reference(model, p, 4)  # the restriction did change something here
+
+    sp = SamplingParams(temperature=0.8, seed=1)
+    out = DraftModelProposer(model, num_slots=2, max_model_len=MAX_LEN, device="cpu", vocab_ids=ids).propose(
+        [req(p, 3, sampling=sp)])
+    q = out.draft_probs[0]  # [3, V]
+    assert q.shape == (3, VOCAB)
+    mask = torch.ones(VOCAB, dtype=torch.bool)
+    mask[ids] = False
+    assert float(q[:, mask].abs().max()) == 0.0 and torch.allclose(q.sum(-1), torch.ones(3))
+    assert all(t in ids for t in out.draft_token_ids[0])
+
+
+def test_draft_vocab_file_is_validated(tmp_path) -> None:
+    from workers.model_loader import read_draft_vocab
+
+    assert read_draft_vocab(tmp_path, VOCAB) is None  # no file: the whole vocabulary
+    (tmp_path / "draft_vocab.json").write_text('{"token_ids": [5, 3, 9]}')
+    assert read_draft_vocab(tmp_path, VOCAB) == [3, 5, 9]
+    for bad in ("[5, 5]", "[300]", "[-1]", "[]", '["a"]'):
+        (tmp_path / "draft_vocab.json").write_text(f'{{"token_ids": {bad}}}')
+        with pytest.raises(ValueError, match="token_ids"):
+            read_draft_vocab(tmp_path, VOCAB)

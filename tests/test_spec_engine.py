@@ -234,6 +234,22 @@ def test_draft_equals_target_accepts_everything(tiny_loaded, draft_loaded):
         assert r["spec"].acceptance_rate == 1.0 and r["spec"].mean_acceptance_length == k + 1
 
 
+def test_draft_with_restricted_vocabulary_keeps_greedy_output(tiny_loaded):
+    """The target as its own draft, drafting among half the vocabulary (a trained draft's
+    draft_vocab.json): drafts that would leave it are replaced, and output is still plain's."""
+    prompts = rand_prompts(4, seed=27)
+    params = {"max_tokens": 16, "ignore_eos": True}
+    V = tiny_loaded.model.config.vocab_size
+    prop = DraftModelProposer(model=tiny_loaded.model, num_slots=4, max_model_len=MAX_LEN, target_vocab_size=V,
+                              vocab_ids=list(range(0, V, 2)))
+    eng = LLMEngine(EngineConfig(max_num_seqs=4, max_model_len=MAX_LEN, num_speculative_tokens=4,
+                                 proposers=[{"name": "draft_model"}]), tiny_loaded, proposers={"draft_model": prop})
+    res = run(eng, prompts, params, speculation="on", proposer="draft_model")
+    assert [r["tokens"] for r in res.values()] == plain(tiny_loaded, prompts, params)
+    st = eng.stats["draft_model"]
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens  # even-id target tokens accepted, odd ones not
+
+
 def test_random_draft_rejects_but_output_identical(tiny_loaded, draft_loaded):
     prompts = rand_prompts(6, seed=22)
     params = {"max_tokens": 32, "ignore_eos": True}

@@ -21,13 +21,15 @@ pytestmark = pytest.mark.skipif(not (DRAFT_DIR / "config.json").exists() or not 
 
 def test_trained_drafts_greedy_identical_to_plain_and_accepting(smollm2_loaded) -> None:
     draft = load_model("models/smollm2-draft")  # relative to the repo root, as ray_config.yaml names it
+    assert draft.draft_vocab is not None and 1000 < len(draft.draft_vocab) < 49152  # shipped with the weights
     n = 3
     eng = LLMEngine(
         EngineConfig(max_num_seqs=n, max_model_len=512, num_speculative_tokens=4),
         smollm2_loaded,
         proposers={
             "draft_model": DraftModelProposer(draft.model, num_slots=n, max_model_len=512,
-                                              target_vocab_size=smollm2_loaded.model.config.vocab_size),
+                                              target_vocab_size=smollm2_loaded.model.config.vocab_size,
+                                              vocab_ids=draft.draft_vocab),
             "eagle": EagleProposer("models/smollm2-eagle", smollm2_loaded.model, num_slots=n, max_model_len=512),
         },
     )

@@ -58,7 +58,8 @@ def write(kind: str, d: Path, ev: dict[str, Any] | None) -> None:
         title = "smollm2-draft: a 3-layer draft model distilled from SmolLM2-135M-Instruct"
         what = (f"A Hugging Face Llama directory (bf16 safetensors + the target's tokenizer files): the target's "
                 f"embedding / tied LM head (frozen) and {len(tr['init_layers'])} decoder layers initialised from "
-                f"the target's layers {tr['init_layers']}, then distilled. Loads with "
+                f"the target's layers {tr['init_layers']}, then distilled, and `draft_vocab.json`, the token ids the "
+                f"distillation covered, among which the proposer drafts (its LM head has only those rows). Loads with "
                 f"`workers.model_loader.load_model('models/smollm2-draft')`; used by the `draft_model` proposer "
                 f"(ray_config.yaml `draft.model`).")
         train_cmd = ("nice -n 19 python -m training.train_draft --layers {layers} --epochs {epochs} --max-minutes "

@@ -33,7 +33,7 @@ from transformers import LlamaForCausalLM
 from training.common import DRAFT_DIR, set_threads, work_dir
 from training.data import coverage, draft_vocab, load_shards, split
 from training.loop import LoopConfig, train
-from workers.model_loader import load_model
+from workers.model_loader import DRAFT_VOCAB_FILE, load_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
@@ -117,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     draft.to(torch.bfloat16).save_pretrained(str(out))  # bf16 on disk (load_model reads it back as fp32)
+    # the vocabulary the loss covered: the proposer drafts only among these ids (workers/proposers/draft_model.py)
+    (out / DRAFT_VOCAB_FILE).write_text(json.dumps({
+        "why": f"the {len(d2t)} most frequent tokens of the target's training responses (at most --draft-vocab, "
+               "+ EOS): the rows of the tied LM head the distillation trained; drafting outside them loses agreement",
+        "token_ids": d2t.tolist()}) + "\n")
     src = Path(target.path)
     for f in TOKENIZER_FILES:
         if (src / f).exists():

@@ -15,6 +15,7 @@ pulls in an unrelated CLI.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -37,6 +38,9 @@ class LoadedModel:
     model: PreTrainedModel  # HF causal LM in fp32 on CPU; the runner copies what it needs
     tokenizer: PreTrainedTokenizerBase
     path: str  # directory the weights came from
+    # a trained draft's vocabulary (``draft_vocab.json`` next to its weights): the token ids its
+    # distillation covered; the draft-model proposer drafts only among them. None: the whole vocabulary
+    draft_vocab: list[int] | None = None
 
 
 def cache_dir() -> Path:
@@ -113,4 +117,18 @@ def load_model(model: str) -> LoadedModel:
     if hf.config.model_type not in ("llama", "mistral", "qwen2"):
         raise ValueError(f"model {model!r}: unsupported architecture {hf.config.model_type!r} (Llama family only)")
     tok = AutoTokenizer.from_pretrained(path)
-    return LoadedModel(model=hf, tokenizer=tok, path=path)
+    return LoadedModel(model=hf, tokenizer=tok, path=path, draft_vocab=read_draft_vocab(path, hf.config.vocab_size))
+
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+def read_draft_vocab(path: str | Path, vocab_size: int) -> list[int] | None:
+    """The ``token_ids`` of ``<path>/draft_vocab.json``, validated, or None when there is no such file."""
+    f = Path(path) / DRAFT_VOCAB_FILE
+    if not f.exists():
+        return None
+    ids = json.loads(f.read_text())["token_ids"]
+    if not ids or len(set(ids)) != len(ids) or not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"{f}: token_ids must be distinct ints in [0, {vocab_size})")
+    return sorted(ids)

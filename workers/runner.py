@@ -104,7 +104,10 @@ class ModelRunner:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "auto",
         cpu_gemm: str = "onednn",
+        head_rows: Sequence[int] | None = None,
     ) -> None:
+        """``head_rows``: compute logits only for these vocabulary rows (a draft model's trained
+        vocabulary); ``StepOutput.logits`` then has ``len(head_rows)`` columns, in that order."""
         if cpu_gemm not in ("onednn", "mkl"):
             raise ValueError(f"cpu_gemm must be 'onednn' or 'mkl', got {cpu_gemm!r}")
         cfg = hf_model.config
@@ -132,6 +135,8 @@ class ModelRunner:
         self.embed = w(m.embed_tokens.weight)  # [vocab, hidden]
         self.final_norm = w(m.norm.weight)  # [hidden]
         self.lm_head = w(hf_model.lm_head.weight)  # [vocab, hidden]; shares storage semantics with embed when tied
+        if head_rows is not None:
+            self.lm_head = self.lm_head[torch.as_tensor(list(head_rows), device=self.device)].contiguous()  # [V_head, hidden]
         self.layers: list[dict[str, torch.Tensor]] = []
         for layer in m.layers:
             a, mlp = layer.self_attn, layer.mlp

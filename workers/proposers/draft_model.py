@@ -95,6 +95,14 @@ class DraftModelProposer(Proposer):
         target_vocab_size: when given, must equal the draft's vocabulary size:
             draft token ids are target token ids, and ``q`` must have the same
             width as the target's ``p``.
+        vocab_ids: draft only among these token ids (``LoadedModel.draft_vocab``: the
+            vocabulary a trained draft was distilled on). Why: rows of the tied LM head
+            that the distillation never trained can win the argmax (measured on
+            models/smollm2-draft, held-out chat, teacher-forced: top-1 agreement with
+            the target 0.201 over the whole vocabulary, 0.242 over its 6733-token
+            draft vocabulary), and the head over 6733 rows instead of 49152 is most of
+            the draft's per-token cost. ``q`` stays full-width, 0 outside ``vocab_ids``,
+            so the rejection sampler's guarantee is untouched.
     """
 
     name = "draft_model"
@@ -107,6 +115,7 @@ class DraftModelProposer(Proposer):
         dtype: torch.dtype | str = torch.float32,
         device: torch.device | str = "auto",
         target_vocab_size: int | None = None,
+        vocab_ids: Sequence[int] | None = None,
     ) -> None:
         from workers.runner import ModelRunner
 
@@ -125,8 +134,11 @@ class DraftModelProposer(Proposer):
             if not isinstance(resolved, torch.dtype):
                 raise ValueError(f"unknown dtype {dtype!r}")
             dtype = resolved
-        self.runner: ModelRunner = ModelRunner(model, num_slots, max_model_len, dtype=dtype, device=device)
+        self.runner: ModelRunner = ModelRunner(model, num_slots, max_model_len, dtype=dtype, device=device,
+                                               head_rows=vocab_ids)
         self.vocab_size = draft_vocab
+        # [V_draft] the full-vocabulary id of each logit column, or None when the head is whole
+        self._vocab_ids = None if vocab_ids is None else torch.as_tensor(list(vocab_ids), device=self.runner.device)
         self.num_slots = num_slots
         self.max_model_len = max_model_len
         self._free_slots: list[int] = list(range(num_slots))  # min-heap: lowest free slot first
@@ -225,7 +237,7 @@ class DraftModelProposer(Proposer):
                 )
                 for i in rows:  # the previous draft is now in the cache
                     states[i].cached.append(drafts[i][-1])  # type: ignore[union-attr]
-            logits = self.runner.forward(batch).logits  # [len(rows), V] at each request's last fed token
+            logits = self._full_width(self.runner.forward(batch).logits)  # [len(rows), V] at each request's last fed token
             tokens, q = self._select(logits, [requests[i].sampling for i in rows], [states[i] for i in rows])
             still = []
             for j, i in enumerate(rows):
@@ -241,6 +253,14 @@ class DraftModelProposer(Proposer):
 
         return Proposals(draft_token_ids=drafts,
                          draft_probs=stack_draft_probs(requests, q_rows, self.vocab_size, self.runner.device))
+
+    def _full_width(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[n, V_draft] -> [n, V]``: logits over the draft vocabulary placed at their token ids, -inf elsewhere."""
+        if self._vocab_ids is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))  # [n, V]
+        full[:, self._vocab_ids] = logits
+        return full
 
     def _select(
         self,
