@@ -36,6 +36,10 @@ Exploring: a K whose step cost is unmeasured is predicted by the line and tried 
 best, which fills the cost table where it matters; the plain step's cost at the current batch
 size, the baseline of every comparison, is measured first (a plain step or two per new batch
 size) so that a line pulled up by costly verify steps cannot make plain look worse than it is.
+Only when the call is close, though: where the line says speculation wins by more than
+``BASELINE_MARGIN``, no plausible error in the plain estimate flips the decision, and the plain
+steps would be pure loss (measured, copy mix, closed loop at c=16: every ramp of the batch size
+through new values cost 12 of 56 decisions as plain steps, ~5% of throughput).
 
 Probing: acceptance is only observed on steps that speculate, so once a proposer is held at
 K = 0 its acceptance EMA would freeze at the value that made it lose, and a workload that
@@ -59,6 +63,7 @@ from workers.stats import LoadSnapshot
 
 
 BASELINE_TRIES = 4  # plain steps a batch size may spend measuring its own cost before the line is trusted
+BASELINE_MARGIN = 1.5  # ... spent only when the line's best K is predicted to beat plain by less than this
 
 
 class GoodputConfig(PolicyConfigBase):
@@ -200,7 +205,8 @@ class GoodputPolicy(Policy[GoodputConfig]):
 
     def _choose(self, proposer: str, acceptance: _Acceptance, batch: int, k_hi: int) -> int:
         cm, cfg = self.cost_model, self.config
-        if k_hi > 0 and cm.fitted and cm.bucket_min_samples and cm.measured(batch) is None:
+        if k_hi > 0 and cm.fitted and cm.bucket_min_samples and cm.measured(batch) is None and self._close_call(
+                acceptance, batch, k_hi):
             # The plain step's cost at this batch size is the baseline every K is compared with;
             # while it is unmeasured, spend a plain step measuring it rather than trusting the line.
             # A step that also carries a prefill chunk measures a larger token count instead, so
@@ -222,6 +228,14 @@ class GoodputPolicy(Policy[GoodputConfig]):
             return min(cfg.probe_k, k_hi)
         self._zero_run[proposer] = run
         return 0
+
+    def _close_call(self, acc: _Acceptance, batch: int, k_hi: int) -> bool:
+        """Whether plain vs the best K is within BASELINE_MARGIN by the current (unmeasured) estimates."""
+        if acc.rate < self.config.min_acceptance:
+            return False  # plain anyway: measuring its cost cannot change anything
+        g0 = self.goodput(0, acc.rate, batch)
+        best = max(self.goodput(k, acc.rate, batch, acc.positions, acc.proposal_rate) for k in range(1, k_hi + 1))
+        return best < g0 * BASELINE_MARGIN
 
     def _choose_by_goodput(self, proposer: str, acc: _Acceptance, batch: int, k_hi: int) -> int:
         cfg = self.config
