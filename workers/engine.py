@@ -30,6 +30,7 @@ from workers.detokenizer import IncrementalDetokenizer
 from workers.errors import InvalidRequestError
 from workers.model_loader import LoadedModel
 from workers.proposers.base import ProposalRequest, Proposer
+from workers.proposers.draft_model import common_prefix_len
 from workers.rejection_sampler import verify
 from workers.request import Request, RequestOutput, Status, StepEvent
 from workers.runner import ModelRunner, StepBatch
@@ -295,23 +296,18 @@ class LLMEngine:
         slots and not vLLM's hashed blocks: our cache is slot-based, and a closed loop of chat
         requests hands each arrival the slot just freed by a request with the same system prompt.
         """
-        prompt = r.prompt_ids
-        limit = len(prompt) - 1
+        prompt = r.prompt_ids[:-1]
         cands = [(s, self._slot_tokens[s]) for s in [r.slot, *self.free_slots]]
         cands += [(o.slot, o.all_ids()[: o.num_computed]) for o in self.running]
         best, src = 0, r.slot
         for s, toks in cands:
-            n = 0
-            for a, b in zip(toks, prompt[:limit]):
-                if a != b:
-                    break
-                n += 1
+            n = common_prefix_len(toks, prompt)
             if n > best:  # strict: on a tie the request's own slot (first) wins and nothing is copied
                 best, src = n, s
         if best and src != r.slot:
             self.runner.copy_kv(src, r.slot, best)
         r.num_computed = r.num_cached_tokens = best
-        self.prefix_cache_queries += len(prompt)
+        self.prefix_cache_queries += len(r.prompt_ids)
         self.prefix_cache_hits += best
 
     def _decide_k(self, decoding: list[Request], budget: int) -> list[int]:
