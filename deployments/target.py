@@ -52,7 +52,6 @@ class TargetWorker:
     def __init__(self, app_config: dict, router: DeploymentHandle, draft: DeploymentHandle | None) -> None:
         cfg = AppConfig.model_validate(app_config)
         self.cfg = cfg
-        loaded = load_model(cfg.engine.model)
         proposers: dict[str, Proposer] = {}
         for p in cfg.engine.proposers:
             if p.name in DRAFT_WORKER_PROPOSERS:
@@ -76,11 +75,10 @@ class TargetWorker:
         )
         if isinstance(draft_proxy, RemoteDraftProposer):
             draft_proxy.on_call = self.telemetry.on_draft_call
-        engine = LLMEngine(
-            cfg.engine, loaded, proposers=proposers, decide=self._decide,
+        self.engine = AsyncEngine(lambda: LLMEngine(  # built in the engine thread: see AsyncEngine
+            cfg.engine, load_model(cfg.engine.model), proposers=proposers, decide=self._decide,
             on_step=self._on_step, on_verify=self.telemetry.on_verify,
-        )
-        self.engine = AsyncEngine(engine)
+        ))
         self.router = router
         self._reporter = asyncio.get_event_loop().create_task(self._report_loop())
 

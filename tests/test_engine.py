@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import random
+import threading
 
 import pytest
 import torch
@@ -311,3 +312,32 @@ def test_slow_stream_consumer_gets_the_backlog_as_one_chunk(tiny_loaded):
     assert [t for c in chunks for t in c.token_ids] == want
     assert len(chunks) < len(want)  # merged: fewer messages than tokens
     assert chunks[-1].finished and chunks[-1].num_output_tokens == 24
+
+
+def test_async_engine_builds_from_a_factory_in_its_loop_thread(tiny_loaded):
+    """The Serve replica hands AsyncEngine a factory so that model load, weight packing and every
+    step run in one thread (one OpenMP pool: see AsyncEngine); a factory error reaches the caller."""
+    built_in: list[str] = []
+
+    def build() -> LLMEngine:
+        built_in.append(threading.current_thread().name)
+        return LLMEngine(EngineConfig(max_num_seqs=2, max_model_len=128), tiny_loaded)
+
+    ae = AsyncEngine(build)
+    try:
+        prompt = rand_prompts(1, 5)[0]
+
+        async def run() -> list[int]:
+            return [t async for o in ae.generate("f", prompt, params={"max_tokens": 6, "ignore_eos": True})
+                    for t in o.token_ids]
+
+        assert asyncio.run(run()) == hf_greedy(tiny_loaded.model, prompt, 6)
+        assert built_in == ["engine-loop"] and ae.snapshot().running == 0
+    finally:
+        ae.shutdown()
+
+    def broken() -> LLMEngine:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine(broken)

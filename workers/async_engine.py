@@ -42,17 +42,31 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
+        """``engine``: a built engine, or a factory that the loop thread calls to build one.
+
+        Pass a factory wherever the step speed matters (the Serve replica). libgomp gives every
+        thread that opens an OpenMP region its own worker pool, and once the process holds more
+        OpenMP threads than CPUs it stops spinning between regions (100 spins, then a futex
+        sleep), so each of the ~400 parallel ops of a step pays a wake-up. Building the engine
+        (model load, weight packing) in the loop thread keeps that thread the only one that
+        opens regions. Measured, fp32 SmolLM2, 2 cores: 36 ms per token in the main thread,
+        47 in a second thread after the first had run torch, 41 with everything in one thread.
+        """
         self._cmds: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stop = False
         self.dead: BaseException | None = None
         self.last_progress = time.monotonic()  # last loop iteration; a wedged loop stops moving it
-        self._snapshot = engine.snapshot()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(engine,), name="engine-loop", daemon=True)
+        self._ready = threading.Event()
+        self._build_error: BaseException | None = None
         self._thread.start()
+        self._ready.wait()
+        if self._build_error is not None:
+            raise self._build_error
+        self._snapshot = self.engine.snapshot()
 
     # ------------------------------------------------------------------ public, any thread / event loop
 
@@ -124,7 +138,14 @@ class AsyncEngine:
             except RuntimeError:  # the consumer's loop is closed
                 pass
 
-    def _run(self) -> None:
+    def _run(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
+        try:
+            self.engine = engine if isinstance(engine, LLMEngine) else engine()
+        except BaseException as e:
+            self._build_error = e
+            return
+        finally:
+            self._ready.set()
         eng = self.engine
         while not self._stop:
             self.last_progress = time.monotonic()
