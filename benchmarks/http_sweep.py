@@ -2,8 +2,9 @@
 
     python -m benchmarks.http_sweep [--quick]
 
-Starts a local two-node Ray cluster (cluster/local_cluster.py), deploys the app with each policy in
-turn through `serve deploy` (the live reconfigure path), and drives it over real HTTP with a
+Starts a local two-node Ray cluster (cluster/local_cluster.py), switches the routing policy for each
+mode by calling the Router's ``reconfigure`` through a Serve handle (what `serve deploy` with a new
+user_config does, without the CLI's ~5 s per switch), and drives it over real HTTP with a
 closed-loop load generator: N concurrent streaming clients, a bounded number of requests per
 cell, loopback only. For copy-heavy and chat prompt mixes at concurrency 1..32 it reports
 aggregate output tok/s, P50/P99 time per output token (TPOT), P50/P99 inter-chunk latency
@@ -11,7 +12,8 @@ aggregate output tok/s, P50/P99 time per output token (TPOT), P50/P99 inter-chun
 benchmarks/results/http_sweep.json and a PNG (throughput and P99 ITL vs concurrency).
 
 One short cell per mode swings by +-15% on 2 shared cores; ``--rounds N`` repeats every cell N
-times with the mode order rotated per round and reports the median round (the 0.97x bar needs it).
+times with the mode order rotated per round and reports the median round, and ``--min-requests``
+lengthens the short low-concurrency cells (the 0.97x bar needs both).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import httpx
 
 from benchmarks.common import RESULTS_DIR, env_info, figure, format_table, line_panel, percentile, progress, save_figure, write_json
 from benchmarks.spec_bench import CHAT_PROMPTS, COPY_PROMPTS
-from cluster.local_cluster import LocalCluster
+from cluster.local_cluster import LocalCluster, Probe
 
 MODEL = "SmolLM2-135M-Instruct"
 MODES = {
@@ -141,7 +143,8 @@ def main() -> None:
     ap.add_argument("--concurrency", help="comma-separated subset, e.g. 1,4,16 (default: the full 1..32)")
     ap.add_argument("--max-tokens", type=int, help="output tokens per request")
     ap.add_argument("--requests-per-client", type=int,
-                    help="requests per client in each cell (default 2, at least 4 per cell); more = less noise")
+                    help="requests per client in each cell (default 2); more = less noise")
+    ap.add_argument("--min-requests", type=int, default=4, help="at least this many requests in every cell")
     ap.add_argument("--mixes", default="copy,chat", help="comma-separated prompt mixes to run (copy, chat)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat every cell this many times, the mode order rotated each round; report the median round")
@@ -152,10 +155,10 @@ def main() -> None:
         plan["concurrency"] = [int(c) for c in a.concurrency.split(",")]
     if a.max_tokens:
         plan["max_tokens"] = a.max_tokens
-    if a.requests_per_client:
-        n = a.requests_per_client
-        plan["requests"] = lambda c: max(4, n * c)
-        plan["requests_per_client"] = n
+    if a.requests_per_client or a.min_requests != 4:
+        n, lo = a.requests_per_client or 2, a.min_requests
+        plan["requests"] = lambda c: max(lo, n * c)
+        plan["requests_per_client"], plan["min_requests"] = n, lo
     name = f"http_sweep_{a.tag}" if a.tag else "http_sweep"
     mixes = {"copy": [p for _, _, p in COPY_PROMPTS], "chat": [p for _, _, p in CHAT_PROMPTS]}
     mixes = {m: mixes[m] for m in a.mixes.split(",")}
@@ -166,8 +169,10 @@ def main() -> None:
             "engine": {"max_num_seqs": 32, "max_model_len": 1024, "num_threads": 2},
             "draft": {"enabled": False},
         })
+        probe = None
         try:
             cluster.start()
+            probe = Probe(cluster)
             # Each round runs the three modes back to back, in an order rotated per round, so that
             # drift and the position after a redeploy favour no mode (one short cell each swings
             # by +-15% on 2 shared cores, far more than the 0.97x bar).
@@ -177,7 +182,7 @@ def main() -> None:
             current = None
             for mode, mix, c, rnd in progress(cells, desc="http sweep", unit="cell"):
                 if mode != current:
-                    cluster.deploy(MODES[mode])
+                    probe.call("Router", "reconfigure", {"policy": MODES[mode]})
                     wait_policy(cluster, MODES[mode]["name"])
                     asyncio.run(closed_loop(cluster.base_url, mixes[mix], 2, 4, 8))  # warm-up (cost model)
                     current = mode
@@ -190,6 +195,8 @@ def main() -> None:
                 # written after every cell, so a run cut short still leaves its measurements
                 write_json(RESULTS_DIR / f"{name}.partial.json", {"env": info, "rounds": rounds})
         finally:
+            if probe is not None:
+                probe.close()
             cluster.stop()
     rows = [median_round([r for r in rounds if (r["mode"], r["mix"], r["concurrency"]) == key])
             for key in dict.fromkeys((r["mode"], r["mix"], r["concurrency"]) for r in rounds)]
