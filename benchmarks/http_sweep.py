@@ -122,10 +122,16 @@ class ViewAgeSampler:
         self._thread.join(timeout=5)
 
 
-def median_round(rs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The round with the median throughput (the lower middle one for an even count), with every round's tok/s."""
+def pool_rounds(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell over all its rounds: throughput = all tokens / all wall time (every request counts;
+    the mean, which is a tighter estimate than the median round when rounds are few), step counts
+    summed; latency percentiles from the median-throughput round (rounds keep no raw samples)."""
     mid = sorted(rs, key=lambda r: r["tok_s"])[(len(rs) - 1) // 2]
-    return {**mid, "tok_s_rounds": [r["tok_s"] for r in rs]}
+    wall = sum(r["wall_s"] for r in rs)
+    summed = {k: sum(r[k] for r in rs) for k in ("requests", "errors", "spec_steps", "plain_steps")}
+    ages = [r["view_age_max_ms"] for r in rs if r.get("view_age_max_ms") is not None]
+    return {**mid, **summed, "wall_s": wall, "tok_s": sum(r["tok_s"] * r["wall_s"] for r in rs) / wall,
+            "tok_s_rounds": [r["tok_s"] for r in rs], "view_age_max_ms": max(ages) if ages else None}
 
 
 def wait_policy(cluster: LocalCluster, name: str) -> None:
@@ -135,6 +141,39 @@ def wait_policy(cluster: LocalCluster, name: str) -> None:
             return
         time.sleep(0.3)
     raise TimeoutError(name)
+
+
+def render(rounds: list[dict[str, Any]], plan: dict[str, Any], info: dict[str, Any], name: str,
+           mixes: list[str], num_rounds: int) -> None:
+    """Table, JSON and PNG from the per-round cells (also rebuilds them from a partial run: --render)."""
+    rows = [pool_rounds([r for r in rounds if (r["mode"], r["mix"], r["concurrency"]) == key])
+            for key in dict.fromkeys((r["mode"], r["mix"], r["concurrency"]) for r in rounds)]
+    # the acceptance bar: default policy vs the better of never / always, same mix and concurrency
+    for r in rows:
+        if r["mode"] == "goodput":
+            peers = [x["tok_s"] for x in rows if x["mix"] == r["mix"] and x["concurrency"] == r["concurrency"]
+                     and x["mode"] in ("never", "always")]
+            r["vs_best"] = r["tok_s"] / max(peers) if peers else None
+    for r in rows:
+        r["steps"] = f"{r['spec_steps']}/{r['plain_steps']}"
+        r["per_round"] = "/".join(f"{x:.1f}" for x in r["tok_s_rounds"])
+    cols = [("mix", "mix", "s"), ("concurrency", "c", "d"), ("mode", "mode", "s"), ("tok_s", "tok/s", ".1f"),
+            ("per_round", "tok/s per round", "s"), ("vs_best", "vs best", ".2f"), ("tpot_p50_ms", "TPOT p50", ".0f"), ("tpot_p99_ms", "TPOT p99", ".0f"),
+            ("itl_p50_ms", "ITL p50", ".0f"), ("itl_p99_ms", "ITL p99", ".0f"), ("ttft_p50_ms", "TTFT p50", ".0f"),
+            ("steps", "spec/plain steps", "s"), ("view_age_max_ms", "view age max", ".0f"), ("errors", "errors", "d")]
+    table = format_table(rows, cols, title="HTTP sweep (tok/s over all rounds; ms; vs best = goodput / max(never, always))")
+    print(table)
+    write_json(RESULTS_DIR / f"{name}.json", {"env": info, "plan": {**{k: v for k, v in plan.items() if k != "requests"},
+                                                                      "rounds": num_rounds}, "rows": rows, "rounds": rounds})
+    fig, axes = figure(ncols=4, width=4.5)
+    for j, mix in enumerate(mixes):
+        xs = sorted({r["concurrency"] for r in rows if r["mix"] == mix})
+        pick = lambda m, key: [next(r[key] for r in rows if r["mode"] == m and r["mix"] == mix and r["concurrency"] == c) for c in xs]
+        line_panel(axes[2 * j], xs, {m: pick(m, "tok_s") for m in MODES}, title=f"{mix}: throughput",
+                   xlabel="concurrency", ylabel="output tok/s")
+        line_panel(axes[2 * j + 1], xs, {m: pick(m, "itl_p99_ms") for m in MODES}, title=f"{mix}: P99 ITL",
+                   xlabel="concurrency", ylabel="ms")
+    save_figure(fig, RESULTS_DIR / f"{name}.png", suptitle=f"HTTP sweep, {info.get('cpu', '')}")
 
 
 def main() -> None:
@@ -149,6 +188,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat every cell this many times, the mode order rotated each round; report the median round")
     ap.add_argument("--tag", help="write http_sweep_<tag>.{json,png} (a partial rerun keeps the full sweep's files)")
+    ap.add_argument("--render", metavar="JSON", help="only rebuild the table / JSON / PNG from a (partial) run's file")
     a = ap.parse_args()
     plan = dict(QUICK if a.quick else FULL)
     if a.concurrency:
@@ -160,6 +200,15 @@ def main() -> None:
         plan["requests"] = lambda c: max(lo, n * c)
         plan["requests_per_client"], plan["min_requests"] = n, lo
     name = f"http_sweep_{a.tag}" if a.tag else "http_sweep"
+    if a.render:
+        saved = json.loads(Path(a.render).read_text())
+        done = saved["rounds"]
+        keys = {(r["mix"], r["concurrency"]) for r in done}
+        full = [k for k in keys if {r["mode"] for r in done if (r["mix"], r["concurrency"]) == k} == set(MODES)]
+        done = [r for r in done if (r["mix"], r["concurrency"]) in full]  # cells every mode finished
+        render(done, plan, saved["env"], name, list(dict.fromkeys(r["mix"] for r in done)),
+               max(r["round"] for r in done) + 1)
+        return
     mixes = {"copy": [p for _, _, p in COPY_PROMPTS], "chat": [p for _, _, p in CHAT_PROMPTS]}
     mixes = {m: mixes[m] for m in a.mixes.split(",")}
     info = env_info()
@@ -198,34 +247,7 @@ def main() -> None:
             if probe is not None:
                 probe.close()
             cluster.stop()
-    rows = [median_round([r for r in rounds if (r["mode"], r["mix"], r["concurrency"]) == key])
-            for key in dict.fromkeys((r["mode"], r["mix"], r["concurrency"]) for r in rounds)]
-    # the acceptance bar: default policy vs the better of never / always, same mix and concurrency
-    for r in rows:
-        if r["mode"] == "goodput":
-            peers = [x["tok_s"] for x in rows if x["mix"] == r["mix"] and x["concurrency"] == r["concurrency"]
-                     and x["mode"] in ("never", "always")]
-            r["vs_best"] = r["tok_s"] / max(peers) if peers else None
-    for r in rows:
-        r["steps"] = f"{r['spec_steps']}/{r['plain_steps']}"
-        r["per_round"] = "/".join(f"{x:.1f}" for x in r["tok_s_rounds"])
-    cols = [("mix", "mix", "s"), ("concurrency", "c", "d"), ("mode", "mode", "s"), ("tok_s", "tok/s", ".1f"),
-            ("per_round", "tok/s per round", "s"), ("vs_best", "vs best", ".2f"), ("tpot_p50_ms", "TPOT p50", ".0f"), ("tpot_p99_ms", "TPOT p99", ".0f"),
-            ("itl_p50_ms", "ITL p50", ".0f"), ("itl_p99_ms", "ITL p99", ".0f"), ("ttft_p50_ms", "TTFT p50", ".0f"),
-            ("steps", "spec/plain steps", "s"), ("view_age_max_ms", "view age max", ".0f"), ("errors", "errors", "d")]
-    table = format_table(rows, cols, title="HTTP sweep (ms; vs best = goodput / max(never, always))")
-    print(table)
-    write_json(RESULTS_DIR / f"{name}.json", {"env": info, "plan": {**{k: v for k, v in plan.items() if k != "requests"},
-                                                                      "rounds": a.rounds}, "rows": rows, "rounds": rounds})
-    fig, axes = figure(ncols=4, width=4.5)
-    for j, mix in enumerate(mixes):
-        xs = plan["concurrency"]
-        pick = lambda m, key: [next(r[key] for r in rows if r["mode"] == m and r["mix"] == mix and r["concurrency"] == c) for c in xs]
-        line_panel(axes[2 * j], xs, {m: pick(m, "tok_s") for m in MODES}, title=f"{mix}: throughput",
-                   xlabel="concurrency", ylabel="output tok/s")
-        line_panel(axes[2 * j + 1], xs, {m: pick(m, "itl_p99_ms") for m in MODES}, title=f"{mix}: P99 ITL",
-                   xlabel="concurrency", ylabel="ms")
-    save_figure(fig, RESULTS_DIR / f"{name}.png", suptitle=f"HTTP sweep, {info.get('cpu', '')}")
+    render(rounds, plan, info, name, list(mixes), a.rounds)
 
 
 if __name__ == "__main__":
