@@ -94,9 +94,9 @@ class TargetWorker:
         self.telemetry.count_decisions(ks)  # cumulative across policy swaps (a policy's own count resets)
         return ks
 
-    def _on_step(self, tokens: int, seconds: float) -> None:  # engine thread, after every step
-        self.step_costs.observe(tokens, seconds)
-        self.policy.observe_step(tokens, seconds)
+    def _on_step(self, tokens: int, seconds: float, requests: int | None = None) -> None:  # engine thread
+        self.step_costs.observe(tokens, seconds, requests)
+        self.policy.observe_step(tokens, seconds, requests)
         self.telemetry.on_step(tokens, seconds)
 
     async def _report_loop(self) -> None:

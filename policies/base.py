@@ -83,8 +83,9 @@ class Policy(ABC, Generic[C]):
     def choose_k(self, snapshot: LoadSnapshot, candidates: Sequence[SpecCandidate]) -> list[int]:
         """The policy's own K per candidate (before overrides and the k_max clip)."""
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        """Feedback from the engine loop after each step: tokens fed and wall time. No-op by default."""
+    def observe_step(self, tokens: int, seconds: float, requests: int | None = None) -> None:
+        """Feedback from the engine loop after each step: tokens fed, wall time, and the decoding
+        requests when the step carried no prefill chunk (else None). No-op by default."""
 
     def state(self) -> dict[str, Any]:
         """Internal state worth showing on a stats endpoint (e.g. hysteresis state). Empty by default."""

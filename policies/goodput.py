@@ -170,16 +170,18 @@ class GoodputPolicy(Policy[GoodputConfig]):
         self.cost_model = model
         self._owns_cost_model = False
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
+    def observe_step(self, tokens: int, seconds: float, requests: int | None = None) -> None:
         if self._owns_cost_model:  # a shared model is fed by its owner
-            self.cost_model.observe(tokens, seconds)
+            self.cost_model.observe(tokens, seconds, requests)
 
     def goodput(
         self, k: int, acceptance: float, batch: int, positions: Sequence[float] = (), proposal_rate: float = 1.0
     ) -> float:
         """Expected committed tokens per second when ``batch`` requests are asked for ``k`` drafts
         and each drafts them with probability ``proposal_rate`` (else runs a plain step)."""
-        predict = self.cost_model.predict
+        def predict(tokens: float) -> float:  # a decode step of this batch: its own measurements
+            return self.cost_model.predict(tokens, requests=batch)
+
         if k <= 0:
             return batch / predict(batch)
         rho = min(max(proposal_rate, 0.0), 1.0)
@@ -205,7 +207,7 @@ class GoodputPolicy(Policy[GoodputConfig]):
 
     def _choose(self, proposer: str, acceptance: _Acceptance, batch: int, k_hi: int) -> int:
         cm, cfg = self.cost_model, self.config
-        if k_hi > 0 and cm.fitted and cm.bucket_min_samples and cm.measured(batch) is None and self._close_call(
+        if k_hi > 0 and cm.fitted and cm.bucket_min_samples and cm.measured(batch, requests=batch) is None and self._close_call(
                 acceptance, batch, k_hi):
             # The plain step's cost at this batch size is the baseline every K is compared with;
             # while it is unmeasured, spend a plain step measuring it rather than trusting the line.

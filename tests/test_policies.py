@@ -190,69 +190,17 @@ def test_k_table_validation() -> None:
         make_policy({"name": "k_table", "table": [{"max_batch_size": 8, "kk": 1}]})
 
 
-# ----------------------------------------------------------------------------- cost model
-
-
-def test_cost_model_priors_then_fit() -> None:
-    m = StepCostModel(prior_base_s=0.05, prior_per_token_s=0.003, min_samples=4, decay=1.0)
-    assert m.predict(10) == pytest.approx(0.08)
-    for x in (1, 8, 16, 32, 64):
-        m.observe(x, 0.01 + 0.002 * x)
-    c0, c1 = m.coefficients()
-    assert c0 == pytest.approx(0.01, rel=1e-2) and c1 == pytest.approx(0.002, rel=1e-2)
-
-
-def test_cost_model_forgets_and_handles_one_token_count() -> None:
-    m = StepCostModel(min_samples=4, decay=0.5)
-    for _ in range(10):
-        for x in (1, 32):
-            m.observe(x, 0.05)  # flat
-    for _ in range(20):
-        for x in (1, 32):
-            m.observe(x, 0.01 * x)  # steep: the old regime must fade
-    assert m.coefficients()[1] == pytest.approx(0.01, rel=1e-2)  # the flat fit had slope 0
-    same = StepCostModel(prior_per_token_s=0.004, min_samples=2)
-    for _ in range(10):
-        same.observe(8, 0.1)  # slope unidentifiable: the prior slope is used, the level is fitted
-    c0, c1 = same.coefficients()
-    assert c1 == pytest.approx(0.004) and c0 + 8 * c1 == pytest.approx(0.1)
-
-
-def test_cost_model_table_overrides_the_line_where_measured() -> None:
-    m = StepCostModel(min_samples=2, decay=1.0, bucket_min_samples=2)
-    for _ in range(5):  # a CPU whose 2-token step costs 1.4x its 1-token step, then linear
-        m.observe(1, 0.043)
-        m.observe(2, 0.061)
-        for x in (64, 128, 256):
-            m.observe(x, 0.03 + 0.0016 * x)
-    assert m.predict(1) == pytest.approx(0.043) and m.predict(2) == pytest.approx(0.061)
-    c0, c1 = m.coefficients()
-    assert m.predict(3) == pytest.approx(c0 + 3 * c1)  # unmeasured: the line
-    assert m.predict(40) == pytest.approx(c0 + 40 * c1)
-    assert m.predict(128) == pytest.approx(0.03 + 0.0016 * 128)  # its bucket
-    assert m.as_dict()["measured_s_by_bucket"]["2"] == pytest.approx(0.061)
-    line_only = StepCostModel(min_samples=2, decay=1.0, bucket_min_samples=0)
-    for _ in range(5):
-        line_only.observe(1, 0.043)
-        line_only.observe(2, 0.061)
-    assert line_only.measured(2) is None
-
-
-def test_cost_model_buckets() -> None:
-    from policies.cost_model import bucket
-
-    assert [bucket(t) for t in (1, 2, 31, 32)] == [1, 2, 31, 32]
-    assert bucket(33) == bucket(38) != bucket(39)  # quarter octaves above 32
-    assert bucket(256) > bucket(128) > bucket(64) > bucket(33)
-
-
 # ----------------------------------------------------------------------------- goodput
 
 
-def feed(policy, fn, xs=(1, 2, 4, 8, 16, 32, 64, 128, 256)) -> None:
+def feed(policy, fn, xs=(1, 2, 4, 8, 16, 32, 64, 128, 256), batches=(None, 1, 2, 8, 32)) -> None:
+    """Steps whose cost is ``fn(tokens)`` whatever their composition: prefill-carrying steps (None)
+    and decode-only steps of each batch size in ``batches`` (at least one token per request)."""
     for _ in range(3):
-        for x in xs:
-            policy.observe_step(x, fn(x))
+        for b in batches:
+            for x in xs:
+                if b is None or x >= b:
+                    policy.observe_step(x, fn(x), b)
 
 
 def test_expected_tokens() -> None:
@@ -322,12 +270,12 @@ def test_goodput_values_all_or_nothing_drafts_by_position() -> None:
 def test_goodput_prices_undrafted_requests_as_plain_steps() -> None:
     p = make_policy({"name": "goodput"})
     feed(p, _chat_costs)
-    t = p.cost_model.predict
+    t1, t2 = (lambda x: p.cost_model.predict(x, requests=1)), (lambda x: p.cost_model.predict(x, requests=2))
     e4 = expected_tokens(4, 0.6)
     assert p.goodput(4, 0.6, 1, proposal_rate=0.0) == pytest.approx(p.goodput(0, 0.6, 1))  # nothing drafted: plain
-    assert p.goodput(4, 0.6, 1, proposal_rate=0.5) == pytest.approx((1 + 0.5 * (e4 - 1)) / (0.5 * t(1) + 0.5 * t(5)))
+    assert p.goodput(4, 0.6, 1, proposal_rate=0.5) == pytest.approx((1 + 0.5 * (e4 - 1)) / (0.5 * t1(1) + 0.5 * t1(5)))
     # batch 2: none, one or both requests draft (binomial), each drafting one adds 4 tokens to the step
-    want = 2 * (1 + 0.5 * (e4 - 1)) / (0.25 * t(2) + 0.5 * t(6) + 0.25 * t(10))
+    want = 2 * (1 + 0.5 * (e4 - 1)) / (0.25 * t2(2) + 0.5 * t2(6) + 0.25 * t2(10))
     assert p.goodput(4, 0.6, 2, proposal_rate=0.5) == pytest.approx(want)
     s = LoadSnapshot(running=1, decoding=1, acceptance_ema={"ngram": 0.6}, proposal_rate_ema={"ngram": 0.5})
     p.decide(s, cands(1, k_max=4))
@@ -394,7 +342,7 @@ def test_goodput_learns_a_costly_small_verify_and_goes_plain() -> None:
     for _ in range(80):  # the engine loop: decide, run the step, feed its measured cost back
         k = step(p, 1, {"ngram": 0.2})[0]
         ks.append(k)
-        p.observe_step(k + 1, costs[k + 1])
+        p.observe_step(k + 1, costs[k + 1], 1)
     assert ks[:2] == [0, 0]  # first the plain baseline at this batch size is measured
     assert ks[2] > 0  # then the line alone thinks a verify is nearly free and tries one
     assert ks[-40:] == [0] * 40  # measured: speculation loses at 20% acceptance
@@ -406,7 +354,7 @@ def test_goodput_learns_a_costly_small_verify_and_goes_plain() -> None:
     ks = []
     for _ in range(80):  # same costs, copy-heavy acceptance: speculation wins and stays
         ks.append(step(q, 1, {"ngram": 0.9})[0])
-        q.observe_step(ks[-1] + 1, costs[ks[-1] + 1])
+        q.observe_step(ks[-1] + 1, costs[ks[-1] + 1], 1)
     assert min(ks[-40:]) > 0
 
 

@@ -50,7 +50,7 @@ class LLMEngine:
         loaded: LoadedModel,
         proposers: dict[str, Proposer] | None = None,
         decide: DecideFn | None = None,
-        on_step: Callable[[int, float], None] | None = None,
+        on_step: Callable[[int, float, int | None], None] | None = None,
         on_verify: Callable[[str, int, int], None] | None = None,
     ) -> None:
         self.config = config
@@ -82,7 +82,9 @@ class LLMEngine:
         if self.default_proposer not in self.proposers:
             self.default_proposer = next(iter(self.proposers), None)
         self.decide: DecideFn = decide or fixed_k(config.num_speculative_tokens)
-        self.on_step = on_step  # (tokens in the step, seconds): feeds the policy's online step-cost model
+        # (tokens in the step, seconds, decoding requests if no prefill rode along else None):
+        # feeds the policy's online step-cost model
+        self.on_step = on_step
         self.on_verify = on_verify  # (proposer, num_draft, num_accepted) per speculative verify: metrics
 
         self.waiting: collections.deque[Request] = collections.deque()
@@ -272,7 +274,7 @@ class LLMEngine:
         self.tokens_per_step_ema.update(self._tokens_last_step)
         self.step_costs.append((self._tokens_last_step, dt))
         if self.on_step is not None:
-            self.on_step(self._tokens_last_step, dt)
+            self.on_step(self._tokens_last_step, dt, len(decoding) if len(sched) == len(decoding) else None)
         return outputs
 
     def _admit(self) -> None:
