@@ -84,7 +84,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cluster = LocalCluster(Path(tmp), policy={"name": "always", "num_speculative_tokens": 4}, args_patch={
             "engine": {"max_num_seqs": 4, "max_model_len": 1024, "num_threads": 2},
-            "draft": {"num_threads": 2}})
+            "draft": {"num_threads": 2, "model": "target"}})  # the in-process proposer drafts with the target too
         try:
             cluster.start()
             for kw in ({"speculation": "off"}, {"speculation": "on", "proposer": "draft_model"}):  # warm-up
