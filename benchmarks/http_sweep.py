@@ -12,8 +12,8 @@ aggregate output tok/s, P50/P99 time per output token (TPOT), P50/P99 inter-chun
 benchmarks/results/http_sweep.json and a PNG (throughput and P99 ITL vs concurrency).
 
 One short cell per mode swings by +-15% on 2 shared cores; ``--rounds N`` repeats every cell N
-times with the mode order rotated per round and reports the median round, and ``--min-requests``
-lengthens the short low-concurrency cells (the 0.97x bar needs both).
+times with the mode order rotated per round and reports each cell over all its rounds, and
+``--min-requests`` lengthens the short low-concurrency cells (the 0.97x bar needs both).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ MODES = {
     "always": {"name": "always", "num_speculative_tokens": 4},
     "goodput": {"name": "goodput"},
 }
-FULL = dict(concurrency=[1, 2, 4, 8, 16, 32], max_tokens=48, requests=lambda c: max(4, 2 * c))
+MIN_REQUESTS = 4  # per cell, by default
+FULL = dict(concurrency=[1, 2, 4, 8, 16, 32], max_tokens=48, requests=lambda c: max(MIN_REQUESTS, 2 * c))
 QUICK = dict(concurrency=[1, 4], max_tokens=12, requests=lambda c: c)
 
 
@@ -183,10 +184,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, help="output tokens per request")
     ap.add_argument("--requests-per-client", type=int,
                     help="requests per client in each cell (default 2); more = less noise")
-    ap.add_argument("--min-requests", type=int, default=4, help="at least this many requests in every cell")
+    ap.add_argument("--min-requests", type=int, default=MIN_REQUESTS, help="at least this many requests in every cell")
     ap.add_argument("--mixes", default="copy,chat", help="comma-separated prompt mixes to run (copy, chat)")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="repeat every cell this many times, the mode order rotated each round; report the median round")
+                    help="repeat every cell this many times, the mode order rotated each round; report all rounds pooled")
     ap.add_argument("--tag", help="write http_sweep_<tag>.{json,png} (a partial rerun keeps the full sweep's files)")
     ap.add_argument("--render", metavar="JSON", help="only rebuild the table / JSON / PNG from a (partial) run's file")
     a = ap.parse_args()
@@ -195,13 +196,14 @@ def main() -> None:
         plan["concurrency"] = [int(c) for c in a.concurrency.split(",")]
     if a.max_tokens:
         plan["max_tokens"] = a.max_tokens
-    if a.requests_per_client or a.min_requests != 4:
+    if a.requests_per_client or a.min_requests != MIN_REQUESTS:
         n, lo = a.requests_per_client or 2, a.min_requests
         plan["requests"] = lambda c: max(lo, n * c)
         plan["requests_per_client"], plan["min_requests"] = n, lo
     name = f"http_sweep_{a.tag}" if a.tag else "http_sweep"
     if a.render:
         saved = json.loads(Path(a.render).read_text())
+        plan.update(saved.get("plan", {}))  # a finished run's file records its plan; a partial one does not
         done = saved["rounds"]
         keys = {(r["mix"], r["concurrency"]) for r in done}
         full = [k for k in keys if {r["mode"] for r in done if (r["mix"], r["concurrency"]) == k} == set(MODES)]

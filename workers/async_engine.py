@@ -66,7 +66,6 @@ class AsyncEngine:
         self._ready.wait()
         if self._build_error is not None:
             raise self._build_error
-        self._snapshot = self.engine.snapshot()
 
     # ------------------------------------------------------------------ public, any thread / event loop
 
@@ -141,6 +140,7 @@ class AsyncEngine:
     def _run(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
         try:
             self.engine = engine if isinstance(engine, LLMEngine) else engine()
+            self._snapshot = self.engine.snapshot()  # here: only this thread touches the engine
         except BaseException as e:
             self._build_error = e
             return
