@@ -9,6 +9,7 @@ run here; the draft model is a batched RPC to the draft worker (deployments/draf
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import time
@@ -31,6 +32,8 @@ from workers.proposers.registry import make_proposer
 from workers.request import RequestOutput
 
 log = logging.getLogger("ray.serve")
+
+TRACE_STEPS = 4096  # engine steps policy_trace keeps
 
 
 def output_dict(o: RequestOutput) -> dict[str, Any]:
@@ -67,6 +70,9 @@ class TargetWorker:
         # handed to each policy that predicts from it (goodput), so a live swap keeps what was learned.
         self.step_costs = StepCostModel()
         self.policy = self._make_policy({"name": "goodput"})
+        # The last steps' decisions and costs, for `policy_trace` (debugging a policy on live load).
+        self._trace: collections.deque[dict[str, Any]] = collections.deque(maxlen=TRACE_STEPS)
+        self._pending_ks: list[int] = []
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id if ctx is not None else f"local-{os.getpid()}"
         draft_proxy = proposers.get("draft_model")
@@ -92,12 +98,15 @@ class TargetWorker:
     def _decide(self, snapshot, candidates):
         ks = self.policy.decide(snapshot, candidates)
         self.telemetry.count_decisions(ks)  # cumulative across policy swaps (a policy's own count resets)
+        self._pending_ks = list(ks)
         return ks
 
     def _on_step(self, tokens: int, seconds: float, requests: int | None = None) -> None:  # engine thread
         self.step_costs.observe(tokens, seconds, requests)
         self.policy.observe_step(tokens, seconds, requests)
         self.telemetry.on_step(tokens, seconds)
+        self._trace.append({"ks": self._pending_ks, "tokens": tokens, "seconds": seconds, "requests": requests})
+        self._pending_ks = []
 
     async def _report_loop(self) -> None:
         interval = self.cfg.router.report_interval_s
@@ -169,6 +178,16 @@ class TargetWorker:
             return {name: s.as_dict() for name, s in e.stats.items()}
 
         return {"replica_id": self.replica_id, "proposers": await self.engine.call(collect), "load": self.load()}
+
+    async def policy_trace(self, replica_id: str | None = None) -> dict[str, Any]:
+        """The active policy's state (its cost model, last decisions) and the last ``TRACE_STEPS``
+        engine steps: the K asked of each decoding request (``ks``, empty on a step with none),
+        the tokens fed, the seconds taken and the decoding requests of a prefill-free step."""
+        def collect(e: LLMEngine) -> dict[str, Any]:  # in the engine thread, which owns both
+            return {"policy": self.policy.state(),
+                    "steps": list(self._trace)}
+
+        return {"replica_id": self.replica_id, **await self.engine.call(collect)}
 
     async def metrics_samples(self, replica_id: str | None = None) -> list[dict[str, Any]]:
         """This replica's metric samples (plain dicts, labelled ``replica``) for the ingress's ``/metrics``.

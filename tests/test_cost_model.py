@@ -92,3 +92,72 @@ def test_cost_model_prices_equal_token_counts_per_batch_size() -> None:
     batch = [SpecCandidate(f"r{i}", "ngram", "auto", 4) for i in range(7)]
     assert p.decide(s, batch) == [4] * 7  # by the token-keyed table it would be 3 (0.104 s vs 0.2 s)
     assert 7 * 4.9 / 0.124 > 7 * 3.94 / 0.104 > 7 * 4.9 / 0.2  # why: K=4 wins only at its own batch size's cost
+
+
+def test_cost_model_curve_per_batch_is_monotone_and_interpolates() -> None:
+    """At a fixed batch size a token more never costs less: gaps between measured counts are
+    interpolated, counts beyond them extrapolated from the last one with the line's slope."""
+    m = StepCostModel(min_samples=4, decay=1.0)
+    for _ in range(3):
+        for x in (64, 128, 256):
+            m.observe(x, 0.05 + 0.001 * x)  # prefill chunks: a line far below this batch's steps
+        for t, s in ((8, 0.150), (10, 0.190), (12, 0.170)):  # 12 measured below 10: noise
+            m.observe(t, s, requests=8)
+    c0, c1 = m.coefficients()
+    curve = [m.predict(t, requests=8) for t in range(8, 41)]
+    assert all(b >= a for a, b in zip(curve, curve[1:]))
+    assert m.predict(8, requests=8) == pytest.approx(0.150)
+    assert m.predict(9, requests=8) == pytest.approx(0.170)  # between 8 and 10
+    assert m.predict(12, requests=8) == pytest.approx(0.190)  # never below 10's cost
+    slope = m.draft_token_s  # verify steps over the plain step: (0.19 - 0.15) / 2 and (0.17 - 0.15) / 4
+    assert 0.005 < slope < 0.02 and slope > c1
+    assert m.predict(20, requests=8) == pytest.approx(0.190 + 8 * slope)  # beyond: from the last count's cost
+    assert c0 + 20 * c1 < 0.170  # which the line alone prices below the measured 9-12 token steps
+    assert m.predict(4, requests=2) == pytest.approx(c0 + 4 * c1)  # nothing measured at this batch: the line
+    m.observe(9, 0.3, requests=8)
+    m.observe(9, 0.3, requests=8)
+    assert m.predict(9, requests=8) == pytest.approx(0.3)  # a new observation rebuilds the cached curve
+
+
+def test_goodput_does_not_price_unmeasured_verifies_below_the_batchs_plain_step() -> None:
+    """Measured over HTTP, chat mix, c=8: plain B=8 steps cost ~157 ms and verifies with 1-5
+    drafted tokens 173-232 ms, while the line, fitted over prefill chunks too, said ~186 ms for
+    14 tokens. Pricing the unmeasured counts by the line made K=4 look best at 32% n-gram
+    acceptance, and every such step lost. From the batch's own curve, plain wins."""
+    m = StepCostModel(min_samples=4, decay=1.0)
+    for _ in range(3):
+        for x in (64, 128, 256):
+            m.observe(x, 0.09 + 0.0024 * x)
+        for t, s in ((8, 0.157), (9, 0.187), (10, 0.194), (12, 0.173), (13, 0.232)):
+            m.observe(t, s, requests=8)
+    p = make_policy({"name": "goodput", "probe_interval_steps": 0})
+    p.use_cost_model(m)
+    s = LoadSnapshot(running=8, decoding=8, acceptance_ema={"ngram": 0.325}, proposal_rate_ema={"ngram": 0.32},
+                     acceptance_pos_ema={"ngram": [0.325, 0.6, 0.8, 0.8]})
+    batch = [SpecCandidate(f"r{i}", "ngram", "auto", 4) for i in range(8)]
+    assert p.decide(s, batch) == [0] * 8  # by the line for 14+ tokens it was [4] * 8
+    c0, c1 = m.coefficients()
+    assert c0 + c1 * 16 < 0.2  # the line's price of 16 tokens, below the measured 13-token step
+
+
+def test_a_batch_size_seen_only_in_plain_steps_is_priced_with_the_draft_token_slope() -> None:
+    """The line over prefill chunks is nearly flat, so by the line drafted tokens would be free and
+    every new batch size would explore speculation. The slope measured on verify steps of other
+    batch sizes prices them at once: at 30% acceptance goodput stays plain without trying."""
+    m = StepCostModel(min_samples=4, decay=1.0)
+    for _ in range(3):
+        for x in (64, 128, 256):
+            m.observe(x, 0.15 + 0.0001 * x)  # prefill chunks: flat
+        m.observe(6, 0.120, requests=6)
+        m.observe(10, 0.140, requests=6)  # 4 drafted tokens: +5 ms each
+        m.observe(9, 0.140, requests=9)  # batch 9: plain steps only
+    assert m.draft_token_s == pytest.approx(0.005)
+    assert m.predict(13, requests=9) == pytest.approx(0.140 + 4 * 0.005)
+    c0, c1 = m.coefficients()
+    assert c1 < 0.001 and c0 + c1 * 13 < 0.16  # the line: 4 more tokens nearly free
+    p = make_policy({"name": "goodput", "probe_interval_steps": 0})
+    p.use_cost_model(m)
+    s = LoadSnapshot(running=9, decoding=9, acceptance_ema={"ngram": 0.3})
+    assert p.decide(s, [SpecCandidate(f"r{i}", "ngram", "auto", 4) for i in range(9)]) == [0] * 9
+    s = LoadSnapshot(running=9, decoding=9, acceptance_ema={"ngram": 0.95})
+    assert p.decide(s, [SpecCandidate(f"r{i}", "ngram", "auto", 4) for i in range(9)]) == [4] * 9  # and still wins
