@@ -98,18 +98,23 @@ async def closed_loop(url: str, prompts: list[str], concurrency: int, total: int
 
 
 class ViewAgeSampler:
-    """Polls the Router's view (``/v1/speculation/stats``) every ``period_s`` during a cell and keeps
-    the age of each replica's last load report as the Router saw it (issue 5: never older than ~100 ms)."""
+    """Polls the Router's view every ``period_s`` during a cell and keeps the age of each replica's last
+    load report as the Router saw it (issue 5: never older than ~100 ms).
 
-    def __init__(self, cluster: LocalCluster, period_s: float = 0.5) -> None:
-        self.cluster, self.period_s, self.ages = cluster, period_s, []
+    It asks the Router directly through the sweep's :class:`Probe` (a Serve handle call), not
+    ``/v1/speculation/stats``: that endpoint also gathers every replica's metric samples, which runs
+    in the target's engine thread between steps, so polling it would load the system being measured.
+    """
+
+    def __init__(self, probe: Probe, period_s: float = 0.5) -> None:
+        self.probe, self.period_s, self.ages = probe, period_s, []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
             try:
-                reps = self.cluster.stats().get("replicas", {})
+                reps = self.probe.call("Router", "stats", timeout_s=5).get("replicas", {})
                 self.ages.extend(float(r["age_s"]) for r in reps.values() if "age_s" in r)
             except Exception:
                 pass
@@ -237,7 +242,7 @@ def main() -> None:
                     wait_policy(cluster, MODES[mode]["name"])
                     asyncio.run(closed_loop(cluster.base_url, mixes[mix], 2, 4, 8))  # warm-up (cost model)
                     current = mode
-                with ViewAgeSampler(cluster) as ages:
+                with ViewAgeSampler(probe) as ages:
                     res = asyncio.run(closed_loop(cluster.base_url, mixes[mix], c, plan["requests"](c),
                                                   plan["max_tokens"]))
                 res["view_age_p50_ms"] = 1e3 * percentile(ages.ages, 50) if ages.ages else None
