@@ -112,6 +112,11 @@ class SpecTotals(SpecDecodeStats):
             self.num_drafts += spec.get("num_drafts", 0)
             self.num_draft_tokens += spec.get("num_draft_tokens", 0)
             self.num_accepted_tokens += spec.get("num_accepted_tokens", 0)
+            per_pos = spec.get("accepted_per_pos") or []
+            if len(self.accepted_per_pos) < len(per_pos):
+                self.accepted_per_pos.extend([0] * (len(per_pos) - len(self.accepted_per_pos)))
+            for i, n in enumerate(per_pos):
+                self.accepted_per_pos[i] += n
 
 
 @dataclass

@@ -206,3 +206,27 @@ def test_ray_config_offers_eagle_and_config_validates_it() -> None:
     args["draft"].pop("eagle")
     with pytest.raises(ValueError, match="draft.eagle"):
         AppConfig.model_validate(args)
+
+
+def test_training_time_test_unroll_matches_the_proposers_drafting_chain(tiny_loaded) -> None:
+    """forward_ttt's step-s prediction for the chain anchored at j is what the proposer computes at
+    draft s after committing t_0 .. t_{j+1} (earlier drafts accepted, so they are the true tokens)."""
+    target = tiny_loaded.model
+    head = tiny_head(target, seed=3, draft_vocab=2048)
+    H = target.config.hidden_size
+    torch.manual_seed(0)
+    T = 14
+    toks = torch.randint(0, target.config.vocab_size, (T + 1,))  # t_0 .. t_T
+    feats = torch.randn(T, H)  # f_0 .. f_{T-1}
+    embed = target.model.embed_tokens.weight.detach()
+    with torch.no_grad():
+        preds = head.forward_ttt(feats[None], embed[toks[1:]][None], steps=3)
+        torch.testing.assert_close(preds[0], head.forward_train(feats[None], embed[toks[1:]][None]))
+    for j in (0, 5, 10):
+        prop = EagleProposer(head, target, num_slots=1, max_model_len=64, device="cpu")
+        f = prop._forward([0], [0], feats[: j + 1], toks[1 : j + 2], [j + 1])  # true pairs 0 .. j
+        for s in range(1, 4):
+            if j + s >= T:
+                break
+            torch.testing.assert_close(f[0], preds[s - 1][0, j], atol=1e-4, rtol=1e-4)
+            f = prop._forward([0], [j + s], f, toks[j + s + 1 : j + s + 2], [1])  # [f^_{j+s} ; embed(t_{j+s+1})]

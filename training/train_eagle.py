@@ -9,8 +9,14 @@ target's (both through the target's frozen LM head, restricted to the draft voca
 get uniform noise of ``--noise`` x the feature RMS, as EAGLE does, so the head tolerates its own
 slightly wrong features when it drafts several tokens in a row.
 
+Training-time test (``--ttt-steps S``, EAGLE-3): the loss also covers drafts 2 .. S of the chain,
+where the head reads its own predicted feature (EagleHead.forward_ttt), weighted ``--ttt-decay``
+per step; the validation score that picks the kept checkpoint is then the expected acceptance
+length over S drafts from the per-step top-1 agreement, 1 + a1 + a1 a2 + ... .
+
 Initialisation: the decoder layer starts as a copy of the target's last layer, and ``fc`` as
-``[I | I]`` (feature + embedding), which trains faster than random on this budget.
+``[I | I]`` (feature + embedding), which trains faster than random on this budget; or, with
+``--init DIR``, from a trained head (fine-tuning a step-1 head with the unrolled loss).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import torch.nn.functional as F
 from training.common import EAGLE_DIR, set_threads, work_dir
 from training.data import coverage, draft_vocab, load_shards, split
 from training.loop import LoopConfig, train
-from workers.eagle_head import EagleHead, head_config_for, save_head
+from workers.eagle_head import EagleHead, head_config_for, load_head, save_head
 from workers.model_loader import load_model
 
 
@@ -60,11 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-minutes", type=float, default=45.0)
+    ap.add_argument("--ttt-steps", type=int, default=1, help="drafting steps unrolled in the loss (1 = EAGLE-1)")
+    ap.add_argument("--ttt-decay", type=float, default=0.8, help="loss weight of step s: decay ** (s - 1)")
+    ap.add_argument("--init", help="start from this trained head directory instead of the target's last layer")
     ap.add_argument("--out", default=str(EAGLE_DIR))
     args = ap.parse_args(argv)
     set_threads(args.threads)
     torch.manual_seed(args.seed)
-    work = work_dir("eagle")
+    work = work_dir("eagle" if args.ttt_steps == 1 and not args.init else f"eagle-ttt{args.ttt_steps}")
     t_start = time.time()
 
     target = load_model("smollm2")
@@ -75,8 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     d2t = draft_vocab(train_seqs, args.draft_vocab, always=eos)  # [V_draft]
     cov = coverage(val_seqs, d2t)
     head = EagleHead(head_config_for(tcfg, len(d2t)))
-    init_from_target(head, target.model)
-    head.d2t.copy_(d2t)
+    if args.init:
+        head = load_head(args.init)
+        if not torch.equal(head.d2t, d2t):
+            raise SystemExit(f"--init {args.init}: its draft vocabulary differs from this data's top {args.draft_vocab}")
+    else:
+        init_from_target(head, target.model)
+        head.d2t.copy_(d2t)
     embed = target.model.model.embed_tokens.weight.detach()  # [V, hidden] frozen
     w_draft = embed[d2t].clone()  # [V_draft, hidden]: the tied LM head's rows for the draft vocabulary
     full_to_draft = torch.full((tcfg.vocab_size,), -100, dtype=torch.long)
@@ -84,14 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     feat_rms = float(torch.cat([s.hidden[:64].float() for s in train_seqs[:200]]).pow(2).mean().sqrt())
     del target
 
-    def loss_fn(b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        feats = b["feats"]  # [B, T, hidden]
-        x_feats = feats[:, :-1]  # f_j
-        if head.training and args.noise > 0:
-            x_feats = x_feats + (torch.rand_like(x_feats) * 2 - 1) * (args.noise * feat_rms)
-        pred = head.forward_train(x_feats, embed[b["next_ids"][:, :-1]])  # [B, T-1, hidden] f^_{j+1}
-        tgt = feats[:, 1:]  # f_{j+1}
-        m = b["loss_mask"][:, 1:]  # [B, T-1]
+    def step_loss(pred: torch.Tensor, tgt: torch.Tensor, m: torch.Tensor, hard_ids: torch.Tensor):
+        """One drafting step: pred/tgt [B, T', hidden], m [B, T'] -> (loss, top-1 vs the target, hit on its token)."""
         pred_m, tgt_m = pred[m], tgt[m]  # [N, hidden]
         vloss = F.smooth_l1_loss(pred_m, tgt_m)
         s_logits = pred_m @ w_draft.t()  # [N, V_draft]
@@ -101,23 +109,51 @@ def main(argv: list[str] | None = None) -> int:
         ploss = -(t_prob * s_logits.log_softmax(-1)).sum(-1).mean()
         with torch.no_grad():
             top1 = (s_logits.argmax(-1) == t_logits.argmax(-1)).float().mean()
-            hard = full_to_draft[b["next_ids"][:, 1:][m]]  # the token the target actually wrote next
+            hard = full_to_draft[hard_ids[m]]  # the token the target actually wrote next
             hit = ((s_logits.argmax(-1) == hard) & (hard >= 0)).float().mean()
-        loss = vloss + args.p_weight * ploss
-        return loss, {"loss": float(loss), "vloss": float(vloss), "ploss": float(ploss), "top1": float(top1),
-                      "acc_next": float(hit)}
+        return vloss, ploss, float(top1), float(hit)
+
+    def loss_fn(b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        feats = b["feats"]  # [B, T, hidden]
+        T = feats.shape[1]
+        x_feats = feats[:, :-1]  # f_j
+        if head.training and args.noise > 0:
+            x_feats = x_feats + (torch.rand_like(x_feats) * 2 - 1) * (args.noise * feat_rms)
+        next_emb = embed[b["next_ids"][:, :-1]]  # [B, T-1, hidden] embed(t_{j+1})
+        steps = min(args.ttt_steps, T - 1)
+        preds = head.forward_ttt(x_feats, next_emb, steps) if steps > 1 else [head.forward_train(x_feats, next_emb)]
+        loss = feats.new_zeros(())
+        metrics: dict[str, float] = {}
+        accept_len, reach = 1.0, 1.0
+        for s, pred in enumerate(preds, start=1):  # pred[:, j] = f^_{j+s}, j < T-1; valid for j + s <= T-1
+            n = T - s  # anchors with a target feature
+            vloss, ploss, top1, hit = step_loss(pred[:, :n], feats[:, s:], b["loss_mask"][:, s:], b["next_ids"][:, s:])
+            loss = loss + args.ttt_decay ** (s - 1) * (vloss + args.p_weight * ploss)
+            sfx = "" if s == 1 else f"_{s}"
+            metrics.update({f"vloss{sfx}": float(vloss), f"ploss{sfx}": float(ploss), f"top1{sfx}": top1,
+                            f"acc_next{sfx}": hit})
+            reach *= top1
+            accept_len += reach
+        metrics["loss"] = float(loss)
+        metrics["accept_len"] = accept_len
+        return loss, metrics
 
     cfg = LoopConfig(epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr, warmup_steps=30,
                      weight_decay=0.0, seed=args.seed, ckpt_minutes=4.0, eval_every=100, max_minutes=args.max_minutes)
     params = [p for p in head.parameters() if p.requires_grad]
     head.train()
-    curve = train(params, head, lambda b: _train_or_eval(head, loss_fn, b), train_seqs, val_seqs, cfg, work, "eagle")
+    curve = train(params, head, lambda b: _train_or_eval(head, loss_fn, b), train_seqs, val_seqs, cfg, work, "eagle",
+                  best_key="accept_len" if args.ttt_steps > 1 else "top1")
     head.eval()
     from pathlib import Path
 
     out = Path(args.out)
+    init_record = None  # the run that made the --init head (read before --out, possibly the same dir, is written)
+    if args.init and (Path(args.init) / "training.json").exists():
+        init_record = json.loads((Path(args.init) / "training.json").read_text())
     save_head(head, out)
     (out / "training.json").write_text(json.dumps({
+        "init_training": init_record,
         "args": vars(args), "num_train_sequences": len(train_seqs), "num_val_sequences": len(val_seqs),
         "train_response_tokens": sum(s.n - s.num_prompt_tokens + 1 for s in train_seqs),
         "draft_vocab_coverage_val": round(cov, 4), "feature_rms": feat_rms, "curve": curve,

@@ -122,6 +122,50 @@ class EagleHead(nn.Module):
         )  # [B, nq, T, D]
         return self.finish(x, a.transpose(1, 2).flatten(-2))
 
+    def forward_ttt(
+        self,
+        feats: torch.Tensor,  # [B, T, hidden] target features f_0 .. f_{T-1}
+        next_emb: torch.Tensor,  # [B, T, hidden] embeddings of t_1 .. t_T
+        steps: int,
+    ) -> list[torch.Tensor]:  # steps x [B, T, hidden]; [s-1][:, j] = f^_{j+s} (valid while j + s < T)
+        """Training-time test (EAGLE-3, arXiv 2503.01840): unroll the drafting chain ``steps`` times.
+
+        Why: drafting feeds the head its own predicted feature from the second draft on, and a head
+        trained only on true features (plus small noise) meets inputs there it has never seen.
+        Measured on models/smollm2-eagle trained that way (held-out chat, greedy): K = 2, 4 and 6
+        all gave a mean acceptance length of 1.27, i.e. not one second draft accepted.
+
+        Step 1 is :meth:`forward_train`. At step ``s >= 2`` the chain anchored at true pair ``j``
+        feeds ``[f^_{j+s-1} ; embed(t_{j+s})]`` at position ``j + s - 1``, and its query attends to
+        the true pairs ``0 .. j`` and to the chain's own earlier pairs: exactly what the proposer's
+        cache holds at that draft, given the earlier drafts were accepted (so the tokens are the
+        true ones).
+        """
+        B, T, _ = feats.shape
+        pos = torch.arange(T, device=feats.device)
+        x = self.fc(torch.cat([feats, next_emb], -1))  # [B, T, hidden]
+        cos, sin = self.rope(pos, x.dtype)
+        q, k, v = self.qkv_proj(x, cos, sin)  # [B, T, n, D]
+        keys, vals = [k.transpose(1, 2)], [v.transpose(1, 2)]  # [B, nkv, T, D] per step
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), keys[0], vals[0], is_causal=True, enable_gqa=True)
+        preds = [self.finish(x, a.transpose(1, 2).flatten(-2))]
+        causal = pos[None, :] <= pos[:, None]  # [T, T]: true pair i is visible to the chain anchored at j >= i
+        diag = torch.eye(T, dtype=torch.bool, device=feats.device)  # a chain's own pairs: only its anchor's
+        for s in range(2, steps + 1):
+            emb = torch.zeros_like(next_emb)  # [B, T, hidden]: embed(t_{j+s}) at j
+            emb[:, : T - (s - 1)] = next_emb[:, s - 1 :]
+            x = self.fc(torch.cat([preds[-1], emb], -1))
+            cos, sin = self.rope(pos + (s - 1), x.dtype)
+            q, k, v = self.qkv_proj(x, cos, sin)
+            keys.append(k.transpose(1, 2))
+            vals.append(v.transpose(1, 2))
+            mask = torch.cat([causal] + [diag] * (s - 1), 1)  # [T, s * T] over the true pairs, then each step's
+            a = F.scaled_dot_product_attention(
+                q.transpose(1, 2), torch.cat(keys, 2), torch.cat(vals, 2), attn_mask=mask, enable_gqa=True
+            )  # [B, nq, T, D]
+            preds.append(self.finish(x, a.transpose(1, 2).flatten(-2)))
+        return preds
+
 
 def save_head(head: EagleHead, out_dir: Path, dtype: torch.dtype = torch.float16) -> None:
     from safetensors.torch import save_file
