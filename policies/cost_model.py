@@ -34,7 +34,7 @@ fixed batch size, so it asks for ``(requests, tokens)``: measured there, or the 
 another composition's cost. Calls without ``requests`` keep the token-keyed table.
 
 At a fixed batch size the prediction is also *monotone in tokens*: a step never costs less than
-a measured step of the same batch with fewer tokens (plus the line's slope per extra token).
+a measured step of the same batch with fewer tokens.
 Why: the line is fitted over every step, prefill chunks included, so at a given batch it can sit
 far below that batch's measured costs. Measured over HTTP on the chat mix at c=8: plain B=8
 steps cost 157 ms (table) while the line said 155 ms for 11 tokens; goodput priced the
@@ -93,7 +93,7 @@ class StepCostModel:
         self._table: dict[int, list[float]] = {}  # bucket -> [EMA seconds, samples], every step
         self._by_batch: dict[tuple[int, int], list[float]] = {}  # (requests, bucket) -> the same, decode-only steps
         self._curves: dict[int, list[float]] = {}  # requests -> monotone predictions by tokens (see _curve)
-        self._curves_key: tuple = ()  # the settings the cached curves were built with
+        self._curves_key: tuple = ()  # num_samples and the settings the cached curves were built with
         self.draft_token_s: float | None = None  # EMA: seconds per drafted token over the batch's plain step
         # exponentially weighted sums: weight, x, y, x^2, x*y (x = tokens, y = seconds)
         self._w = self._sx = self._sy = self._sxx = self._sxy = 0.0
@@ -111,7 +111,6 @@ class StepCostModel:
         self._sxx = d * self._sxx + x * x
         self._sxy = d * self._sxy + x * y
         self.num_samples += 1
-        self._curves.clear()
         tables = [(self._table, bucket(tokens))]
         if requests is not None and requests > 0:
             tables.append((self._by_batch, (requests, bucket(tokens))))
@@ -175,10 +174,10 @@ class StepCostModel:
         Over the token counts of this batch size: measured entries as measured, gaps between them
         interpolated, counts below the first measured one the line, and a running maximum over all of
         it, so that a token more never costs less; counts beyond the last measured one are extrapolated
-        from it with the draft-token slope (or are the line, where that is higher). Cached per batch size until the
-        next observation.
+        from it with the draft-token slope (or are the line, where that is higher). Cached per batch
+        size until the next observation (which changes ``num_samples``) or a change of settings.
         """
-        key = (self.num_samples, self.draft_token_s, self.prior_base_s, self.prior_per_token_s, self.min_samples, self.decay,
+        key = (self.num_samples, self.prior_base_s, self.prior_per_token_s, self.min_samples, self.decay,
                self.bucket_min_samples)
         if key != self._curves_key:
             self._curves.clear()

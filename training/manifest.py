@@ -107,25 +107,29 @@ def write(kind: str, d: Path, ev: dict[str, Any] | None) -> None:
         "## Data",
         f"Prompts: template-generated (training/prompts.py: explanations, comparisons, how-tos, lists, stories, "
         f"emails, code, math word problems, summaries, rewriting / copying), {used} training prompts (the first "
-        f"{n_shards} shards of the {meta.get('num_prompts', '?')} the generator lists); responses: the target's own outputs from our engine (fp32; greedy, and "
+        f"{n_shards} shards of the {meta.get('num_prompts', '?')} the generator lists); responses: the target's "
+        f"own outputs from our engine (fp32; greedy, and "
         f"{meta.get('args', {}).get('sampled_frac', '?')} of prompts sampled at T=0.7; max "
         f"{meta.get('args', {}).get('max_tokens', '?')} tokens) with its final-norm hidden states. "
         f"{tr['num_train_sequences']} training sequences ({tr['train_response_tokens']} response tokens), "
         f"{tr['num_val_sequences']} validation sequences. Evaluation uses held-out prompts whose subjects never "
         f"occur in training (tests/test_training_data.py checks disjointness).", "",
         "## How", COMMON_CMDS.format(train=train_cmd), "", loss, "",
-        f"Training time: {curve.get('train_minutes', ['?'])[0]} min on the 2-core dev CPU (shared); "
-        f"finished all steps: {curve.get('finished', ['?'])[0]}; kept the best validation checkpoint "
-        f"(step {curve.get('best_step', ['?'])[0]}).", "",
-        "## Learning curve (validation, training prompts' held-back responses)", _curve_table(curve, keys), "",
     ]
-    if kind == "eagle" and tr.get("init_training"):  # two stages: say both, and show both curves
-        first = tr["init_training"]["curve"]
-        parts[-5] = (f"Training time: {first.get('train_minutes', ['?'])[0]} min (first stage, kept step "
-                     f"{first.get('best_step', ['?'])[0]}), then {curve.get('train_minutes', ['?'])[0]} min of "
-                     f"training-time-test fine-tuning (finished all steps: {curve.get('finished', ['?'])[0]}; kept "
-                     f"step {curve.get('best_step', ['?'])[0]}), on the 2-core dev CPU.")
-        parts[-3:] = [
+    first = tr["init_training"]["curve"] if kind == "eagle" and tr.get("init_training") else None
+    if first is None:
+        parts += [
+            f"Training time: {curve.get('train_minutes', ['?'])[0]} min on the 2-core dev CPU (shared); "
+            f"finished all steps: {curve.get('finished', ['?'])[0]}; kept the best validation checkpoint "
+            f"(step {curve.get('best_step', ['?'])[0]}).", "",
+            "## Learning curve (validation, training prompts' held-back responses)", _curve_table(curve, keys), "",
+        ]
+    else:  # two stages: say both, and show both curves
+        parts += [
+            f"Training time: {first.get('train_minutes', ['?'])[0]} min (first stage, kept step "
+            f"{first.get('best_step', ['?'])[0]}), then {curve.get('train_minutes', ['?'])[0]} min of "
+            f"training-time-test fine-tuning (finished all steps: {curve.get('finished', ['?'])[0]}; kept "
+            f"step {curve.get('best_step', ['?'])[0]}), on the 2-core dev CPU.", "",
             "## Learning curve, first stage (validation, training prompts' held-back responses)",
             _curve_table(first, ["top1", "acc_next", "vloss"]), "",
             "## Learning curve, training-time-test fine-tuning (same validation set; top1_s: draft s)",
@@ -145,7 +149,7 @@ def write(kind: str, d: Path, ev: dict[str, Any] | None) -> None:
              f"{c['target_step_ms']:.1f} ms = {c['eagle_over_target']:.3f} of the target."),
         ]
     runs = [kind]  # work directories of the runs that made these weights, in order (as train_eagle names them)
-    if kind == "eagle" and tr.get("init_training"):
+    if first is not None:
         runs.append(f"eagle-ttt{a['ttt_steps']}")
     logs = [work_dir(r) / f"{kind}.log" for r in runs]
     if all(log.exists() for log in logs):  # the runs' own progress logs (every invocation, resumes included)

@@ -83,12 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     eos = [int(tcfg.eos_token_id)] if tcfg.eos_token_id is not None else []
     d2t = draft_vocab(train_seqs, args.draft_vocab, always=eos)  # [V_draft]
     cov = coverage(val_seqs, d2t)
-    head = EagleHead(head_config_for(tcfg, len(d2t)))
     if args.init:
         head = load_head(args.init)
         if not torch.equal(head.d2t, d2t):
             raise SystemExit(f"--init {args.init}: its draft vocabulary differs from this data's top {args.draft_vocab}")
     else:
+        head = EagleHead(head_config_for(tcfg, len(d2t)))
         init_from_target(head, target.model)
         head.d2t.copy_(d2t)
     embed = target.model.model.embed_tokens.weight.detach()  # [V, hidden] frozen
@@ -120,8 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         if head.training and args.noise > 0:
             x_feats = x_feats + (torch.rand_like(x_feats) * 2 - 1) * (args.noise * feat_rms)
         next_emb = embed[b["next_ids"][:, :-1]]  # [B, T-1, hidden] embed(t_{j+1})
-        steps = min(args.ttt_steps, T - 1)
-        preds = head.forward_ttt(x_feats, next_emb, steps) if steps > 1 else [head.forward_train(x_feats, next_emb)]
+        preds = head.forward_ttt(x_feats, next_emb, min(args.ttt_steps, T - 1))
         loss = feats.new_zeros(())
         metrics: dict[str, float] = {}
         accept_len, reach = 1.0, 1.0

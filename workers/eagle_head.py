@@ -113,14 +113,8 @@ class EagleHead(nn.Module):
         feats: torch.Tensor,  # [B, T, hidden] target features f_0 .. f_{T-1}
         next_emb: torch.Tensor,  # [B, T, hidden] embeddings of t_1 .. t_T
     ) -> torch.Tensor:  # [B, T, hidden] predicted f_1 .. f_T
-        B, T, _ = feats.shape
-        x = self.fc(torch.cat([feats, next_emb], -1))  # [B, T, hidden]
-        cos, sin = self.rope(torch.arange(T, device=x.device), x.dtype)
-        q, k, v = self.qkv_proj(x, cos, sin)  # [B, T, n, D]
-        a = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-        )  # [B, nq, T, D]
-        return self.finish(x, a.transpose(1, 2).flatten(-2))
+        """EAGLE-1's training forward: every pair from the target's true features (causal attention)."""
+        return self.forward_ttt(feats, next_emb, steps=1)[0]
 
     def forward_ttt(
         self,
@@ -141,7 +135,7 @@ class EagleHead(nn.Module):
         cache holds at that draft, given the earlier drafts were accepted (so the tokens are the
         true ones).
         """
-        B, T, _ = feats.shape
+        T = feats.shape[1]
         pos = torch.arange(T, device=feats.device)
         x = self.fc(torch.cat([feats, next_emb], -1))  # [B, T, hidden]
         cos, sin = self.rope(pos, x.dtype)
