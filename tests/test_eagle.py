@@ -230,3 +230,46 @@ def test_training_time_test_unroll_matches_the_proposers_drafting_chain(tiny_loa
                 break
             torch.testing.assert_close(f[0], preds[s - 1][0, j], atol=1e-4, rtol=1e-4)
             f = prop._forward([0], [j + s], f, toks[j + s + 1 : j + s + 2], [1])  # [f^_{j+s} ; embed(t_{j+s+1})]
+
+
+def test_scaling_heldout_acceptance_counts_what_the_proposer_would_have_accepted(tiny_loaded) -> None:
+    """training/scaling.py's teacher-forced acceptance equals, anchor by anchor, the leading drafts
+    the real EagleProposer proposes that match the sequence. The sequence is built from the proposer's
+    own drafts at some anchors (all K, or the first two then a wrong token), so hits do occur."""
+    from training.data import Seq
+    from training.scaling import heldout_acceptance
+
+    target = tiny_loaded.model
+    head = tiny_head(target, seed=5, draft_vocab=2048)
+    H, V, K, P, T = target.config.hidden_size, target.config.vocab_size, 3, 5, 30
+    torch.manual_seed(1)
+    toks = torch.randint(0, V, (T + 1,))  # t_0 .. t_T; the prompt is t_0 .. t_{P-1}
+    feats = torch.randn(T, H).half()  # f_0 .. f_{T-1}, stored in fp16 as the data set is
+    greedy = {"temperature": 0.0}
+
+    def drafts(j: int) -> list[int]:  # what the proposer drafts having committed t_0 .. t_{j+1}
+        from workers.sampling_params import SamplingParams
+
+        prop = EagleProposer(head, target, num_slots=1, max_model_len=64, device="cpu")
+        req = ProposalRequest(request_id="r", token_ids=toks[: j + 2].tolist(), num_prompt_tokens=P, k=K,
+                              eos_token_ids=frozenset(), sampling=SamplingParams(**greedy),
+                              hidden_states=feats[: j + 1].float())
+        return prop.propose([req]).draft_token_ids[0]
+
+    for j0, keep in ((P - 1, K), (P + 5, 2), (P + 12, K)):  # plant hits; each anchor reads only earlier tokens
+        d = drafts(j0)
+        toks[j0 + 2 : j0 + 2 + keep] = torch.tensor(d[:keep])
+        if keep < K:
+            toks[j0 + 2 + keep] = (d[keep] + 1) % V
+    ref = []
+    for j in range(P - 1, T - K):  # anchors whose K drafts all have a token in the sequence
+        d = drafts(j)
+        n = 0
+        while n < K and d[n] == int(toks[j + 2 + n]):
+            n += 1
+        ref.append(n)
+    assert ref.count(K) >= 2 and 2 in ref  # the planted anchors hit, so the comparison can fail
+    embed, lm_head = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()
+    got = heldout_acceptance(head, embed, lm_head, [Seq(toks, feats, P)], K)
+    assert got["anchors"] == len(ref)
+    assert abs(got["mean_acceptance_length"] - (1 + sum(ref) / len(ref))) < 1e-9

@@ -69,17 +69,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttt-steps", type=int, default=1, help="drafting steps unrolled in the loss (1 = EAGLE-1)")
     ap.add_argument("--ttt-decay", type=float, default=0.8, help="loss weight of step s: decay ** (s - 1)")
     ap.add_argument("--init", help="start from this trained head directory instead of the target's last layer")
+    ap.add_argument("--train-frac", type=float, default=1.0,
+                    help="train on this share of the training sequences (the data-scaling curve, training/scaling.py)")
     ap.add_argument("--out", default=str(EAGLE_DIR))
     args = ap.parse_args(argv)
     set_threads(args.threads)
+    if not 0.0 < args.train_frac <= 1.0:
+        raise SystemExit(f"--train-frac must be in (0, 1], got {args.train_frac}")
     torch.manual_seed(args.seed)
-    work = work_dir("eagle" if args.ttt_steps == 1 and not args.init else f"eagle-ttt{args.ttt_steps}")
+    name = "eagle" if args.ttt_steps == 1 and not args.init else f"eagle-ttt{args.ttt_steps}"
+    work = work_dir(name if args.train_frac == 1.0 else f"{name}-frac{args.train_frac:g}")  # never resumes another
     t_start = time.time()
 
     target = load_model("smollm2")
     tcfg = target.model.config
     seqs = load_shards()
     train_seqs, val_seqs = split(seqs, seed=args.seed)
+    train_seqs = train_seqs[: max(1, round(len(train_seqs) * args.train_frac))]  # split shuffled: a random subset
     eos = [int(tcfg.eos_token_id)] if tcfg.eos_token_id is not None else []
     d2t = draft_vocab(train_seqs, args.draft_vocab, always=eos)  # [V_draft]
     cov = coverage(val_seqs, d2t)
