@@ -44,8 +44,11 @@ through new values cost 12 of 56 decisions as plain steps, ~5% of throughput).
 Probing: acceptance is only observed on steps that speculate, so once a proposer is held at
 K = 0 its acceptance EMA would freeze at the value that made it lose, and a workload that
 turns copy-heavy later would never be noticed. After ``probe_interval_steps`` consecutive
-K = 0 decisions for a proposer, one step drafts ``probe_k`` tokens to refresh the estimate
-(about 1% of steps at the default, each costing one slightly longer step).
+K = 0 decisions for a proposer, *one request* of that step drafts ``probe_k`` tokens to refresh
+the estimate. One request, not the batch: acceptance is a per-request sample either way, and a
+whole-batch probe at B = 32 feeds 3x the step's tokens for one step in a hundred (~1% of
+throughput, where the HTTP sweep's chat cells sat 3-5% below ``never`` with goodput deciding
+K = 0 on all but its probe steps); one request's probe adds ``probe_k`` tokens to one step.
 """
 
 from __future__ import annotations
@@ -93,8 +96,8 @@ class GoodputConfig(PolicyConfigBase):
     probe_interval_steps: int = Field(
         100,
         ge=0,
-        description="After this many consecutive K = 0 steps for a proposer, one step drafts probe_k tokens to "
-        "re-measure its acceptance (0 = never probe).",
+        description="After this many consecutive K = 0 steps for a proposer, one request of one step drafts "
+        "probe_k tokens to re-measure its acceptance (0 = never probe).",
     )
     probe_k: int = Field(2, ge=1, description="Drafts per request on a probing step (clipped to k_max).")
     cost_decay: float = Field(
@@ -155,6 +158,7 @@ class GoodputPolicy(Policy[GoodputConfig]):
         self._zero_run: dict[str, int] = {}  # proposer -> consecutive K = 0 decisions (probing)
         self.num_probes = 0
         self._last: dict[str, dict[str, float]] = {}
+        self._probing: set[str] = set()  # proposers whose decision this step is a probe
 
     def use_cost_model(self, model: StepCostModel) -> None:
         """Predict from (and let its owner feed) ``model`` instead of a private one.
@@ -227,6 +231,7 @@ class GoodputPolicy(Policy[GoodputConfig]):
         if cfg.probe_interval_steps and run >= cfg.probe_interval_steps:
             self._zero_run[proposer] = 0
             self.num_probes += 1
+            self._probing.add(proposer)
             return min(cfg.probe_k, k_hi)
         self._zero_run[proposer] = run
         return 0
@@ -261,8 +266,16 @@ class GoodputPolicy(Policy[GoodputConfig]):
         for c in candidates:
             if c.proposer is not None:
                 k_hi[c.proposer] = max(k_hi.get(c.proposer, 0), c.k_max)
+        self._probing.clear()
         chosen = {p: self._choose(p, self._acceptance(snapshot, p), batch, hi) for p, hi in k_hi.items()}
-        return [chosen[c.proposer] if c.proposer is not None else 0 for c in candidates]
+        ks = [chosen[c.proposer] if c.proposer is not None else 0 for c in candidates]
+        for p in self._probing:  # a probe is one request's drafts: the first that can draft
+            probe = next((i for i, c in enumerate(candidates)
+                          if c.proposer == p and c.k_max > 0 and c.speculation != "off"), None)
+            for i, c in enumerate(candidates):
+                if c.proposer == p and i != probe:
+                    ks[i] = 0
+        return ks
 
     def state(self) -> dict[str, Any]:
         return {

@@ -367,6 +367,20 @@ def test_goodput_probes_a_held_proposer() -> None:
     assert [step(off, 1, {"ngram": 0.01})[0] for _ in range(30)] == [0] * 30
 
 
+def test_goodput_probes_with_one_request_not_the_whole_batch() -> None:
+    """A probe refreshes one proposer's acceptance: one request's drafts do that, and a whole batch of
+    32 drafting would triple that step's tokens. The probed request is the first that can draft."""
+    p = make_policy({"name": "goodput", "probe_interval_steps": 10, "probe_k": 2})
+    steps = [step(p, 32, {"ngram": 0.01}) for _ in range(30)]
+    probes = [ks for ks in steps if any(ks)]
+    assert len(probes) == 3 == p.num_probes
+    assert all(ks == [2] + [0] * 31 for ks in probes)
+    batch = cands(4, k_max=0)[:2] + cands(2, speculation="off") + cands(3)  # ended, opted out, can draft
+    for _ in range(9):
+        p.decide(snap(7, {"ngram": 0.01}), batch)
+    assert p.decide(snap(7, {"ngram": 0.01}), batch) == [0, 0, 0, 0, 2, 0, 0]
+
+
 def test_goodput_state_and_describe() -> None:
     p = make_policy({"name": "goodput", "switch_margin": 0.1})
     step(p, 1, {"ngram": 0.7})
