@@ -140,6 +140,25 @@ def pool_rounds(rs: list[dict[str, Any]]) -> dict[str, Any]:
             "tok_s_rounds": [r["tok_s"] for r in rs], "view_age_max_ms": max(ages) if ages else None}
 
 
+def paired_ratio(rounds: list[dict[str, Any]], mix: str, c: int) -> float | None:
+    """Median over rounds of goodput / max(never, always) *within* each round.
+
+    Each round runs the three modes back to back, so a ratio inside one round shares that minute's
+    machine state; the pooled ``vs_best`` mixes minutes. Measured here: two back-to-back rounds of
+    one mode at copy c=8 gave 52 and 70 tok/s, while policy traces showed goodput making always's
+    K = 4 decisions on every step. Both statistics are reported; neither is chosen after the fact."""
+    by_round: dict[int, dict[str, float]] = {}
+    for r in rounds:
+        if r["mix"] == mix and r["concurrency"] == c:
+            by_round.setdefault(r["round"], {})[r["mode"]] = r["tok_s"]
+    ratios = sorted(m["goodput"] / max(m["never"], m["always"]) for m in by_round.values()
+                    if {"goodput", "never", "always"} <= m.keys())
+    if not ratios:
+        return None
+    n = len(ratios)
+    return ratios[n // 2] if n % 2 else (ratios[n // 2 - 1] + ratios[n // 2]) / 2
+
+
 def wait_policy(cluster: LocalCluster, name: str) -> None:
     for _ in range(200):
         if cluster.stats()["policy"]["name"] == name:
@@ -160,14 +179,15 @@ def render(rounds: list[dict[str, Any]], plan: dict[str, Any], info: dict[str, A
             peers = [x["tok_s"] for x in rows if x["mix"] == r["mix"] and x["concurrency"] == r["concurrency"]
                      and x["mode"] in ("never", "always")]
             r["vs_best"] = r["tok_s"] / max(peers) if peers else None
+            r["vs_best_paired"] = paired_ratio(rounds, r["mix"], r["concurrency"])
     for r in rows:
         r["steps"] = f"{r['spec_steps']}/{r['plain_steps']}"
         r["per_round"] = "/".join(f"{x:.1f}" for x in r["tok_s_rounds"])
     cols = [("mix", "mix", "s"), ("concurrency", "c", "d"), ("mode", "mode", "s"), ("tok_s", "tok/s", ".1f"),
-            ("per_round", "tok/s per round", "s"), ("vs_best", "vs best", ".2f"), ("tpot_p50_ms", "TPOT p50", ".0f"), ("tpot_p99_ms", "TPOT p99", ".0f"),
+            ("per_round", "tok/s per round", "s"), ("vs_best", "vs best", ".2f"), ("vs_best_paired", "paired", ".2f"), ("tpot_p50_ms", "TPOT p50", ".0f"), ("tpot_p99_ms", "TPOT p99", ".0f"),
             ("itl_p50_ms", "ITL p50", ".0f"), ("itl_p99_ms", "ITL p99", ".0f"), ("ttft_p50_ms", "TTFT p50", ".0f"),
             ("steps", "spec/plain steps", "s"), ("view_age_max_ms", "view age max", ".0f"), ("errors", "errors", "d")]
-    table = format_table(rows, cols, title="HTTP sweep (tok/s over all rounds; ms; vs best = goodput / max(never, always))")
+    table = format_table(rows, cols, title="HTTP sweep (tok/s over all rounds; ms; vs best = goodput / max(never, always) pooled; paired = median over rounds of the same ratio within a round)")
     print(table)
     write_json(RESULTS_DIR / f"{name}.json", {"env": info, "plan": {**{k: v for k, v in plan.items() if k != "requests"},
                                                                       "rounds": num_rounds}, "rows": rows, "rounds": rounds})
