@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from training.common import EAGLE_DIR, REPO_ROOT, atomic_save, set_threads, work_dir
+from training.common import EAGLE_DIR, REPO_ROOT, atomic_save, data_dir, set_threads, work_dir
 from training.data import Seq, collate, make_batches
 from workers.eagle_head import EagleHead, load_head
 from workers.model_loader import cache_dir, load_model
@@ -121,11 +121,18 @@ def head_from_checkpoint(best_pt: Path, like: EagleHead) -> EagleHead:
     return head.eval()
 
 
+SCALING_DIR = cache_dir() / "draft-training" / "scaling"
+
+
 def train_subset(frac: float, args: argparse.Namespace) -> Path:
-    out = cache_dir() / "draft-training" / "scaling" / f"eagle-frac{frac:g}"
+    """Train (or find trained) the first stage on ``frac`` of the training sequences of the shards
+    present now; named by the shard count too, so points survive adding data (training/datagen.py)."""
+    tag = f"s{len(list(data_dir().glob('shard_*.pt')))}-frac{frac:g}"
+    out = SCALING_DIR / f"eagle-{tag}"
     if not (out / "training.json").exists():
         cmd = [sys.executable, "-m", "training.train_eagle", "--train-frac", str(frac), "--epochs", str(args.epochs),
-               "--threads", str(args.threads), "--max-minutes", str(args.max_minutes), "--out", str(out)]
+               "--threads", str(args.threads), "--max-minutes", str(args.max_minutes), "--out", str(out),
+               "--work-name", f"scaling-{tag}"]
         print(f"[scaling] {' '.join(cmd[1:])}", flush=True)
         subprocess.run(cmd, cwd=REPO_ROOT, check=True)
     return out
@@ -144,7 +151,8 @@ def fit_log_linear(points: list[tuple[float, float]]) -> tuple[float, float] | N
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--fracs", default="0.125,0.25,0.5", help="training-data shares to train (1 = the full set)")
+    ap.add_argument("--fracs", default="0.125,0.25,0.5",
+                    help="training-data shares to train now (1 = every shard present; '' = only evaluate)")
     ap.add_argument("--epochs", type=float, default=12.0, help="as the shipped head's first stage")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-minutes", type=float, default=30.0, help="per training run")
@@ -153,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=4)
     args = ap.parse_args(argv)
     t0 = time.time()
-    fracs = sorted({float(f) for f in args.fracs.split(",")})
+    fracs = sorted({float(f) for f in args.fracs.split(",") if f.strip()})
     heldout = heldout_sequences(args.heldout_prompts, args.heldout_tokens, args.threads)
     set_threads(args.threads)
     target = load_model("smollm2").model
@@ -163,26 +171,27 @@ def main(argv: list[str] | None = None) -> int:
     shipped_record = json.loads((EAGLE_DIR / "training.json").read_text())
     full_record = shipped_record.get("init_training") or {}
 
-    rows: list[dict[str, Any]] = []
-    stage1_best = work_dir("eagle") / "best.pt"
-    if 1.0 not in fracs and stage1_best.exists() and full_record:
-        rows.append({"frac": 1.0, "source": str(stage1_best), "head": head_from_checkpoint(stage1_best, shipped),
-                     "record": full_record})
-    elif 1.0 not in fracs:
-        fracs.append(1.0)
     for f in fracs:
-        out = train_subset(f, args)
-        rows.append({"frac": f, "source": str(out), "head": load_head(out),
-                     "record": json.loads((out / "training.json").read_text())})
-    rows.sort(key=lambda r: r["frac"])
+        train_subset(f, args)
+    rows: list[dict[str, Any]] = []  # every point trained so far, on whatever data existed then
+    for out in sorted(SCALING_DIR.glob("eagle-s*-frac*")):
+        if (out / "training.json").exists():
+            rec = json.loads((out / "training.json").read_text())
+            rows.append({"frac": rec["args"]["train_frac"], "label": out.name.removeprefix("eagle-"), "source": str(out),
+                         "head": load_head(out), "record": rec})
+    stage1_best = work_dir("eagle") / "best.pt"
+    if stage1_best.exists() and full_record:  # the shipped head's own first stage: the same recipe, all 10 shards
+        rows.append({"frac": 1.0, "label": "s10-frac1 (shipped's stage 1)", "source": str(stage1_best),
+                     "head": head_from_checkpoint(stage1_best, shipped), "record": full_record})
+    rows.sort(key=lambda r: r["record"].get("train_response_tokens") or 0)
     results = []
-    for r in rows + [{"frac": None, "source": str(EAGLE_DIR), "head": shipped, "record": shipped_record}]:
+    for r in rows + [{"frac": None, "label": "shipped (+ training-time test)", "source": str(EAGLE_DIR), "head": shipped,
+                      "record": shipped_record}]:
         m = heldout_acceptance(r["head"], embed, lm_head, heldout, args.k)
         curve = r["record"].get("curve", {})
         val_top1 = max(curve.get("val_top1", [float("nan")]))
         results.append({"frac": r["frac"], "train_response_tokens": r["record"].get("train_response_tokens"),
-                        "val_top1_best": val_top1, "source": r["source"],
-                        "stage": "first stage" if r["frac"] is not None else "shipped (+ training-time test)", **m})
+                        "val_top1_best": val_top1, "source": r["source"], "label": r["label"], **m})
     first = [x for x in results if x["frac"] is not None]
     fit = fit_log_linear([(x["train_response_tokens"], x["mean_acceptance_length"] - 1.0) for x in first])
     need = None
@@ -190,15 +199,15 @@ def main(argv: list[str] | None = None) -> int:
         need = 2 ** ((TARGET_LEN - 1.0 - fit[0]) / fit[1])
     print(f"\nEAGLE head, held-out chat ({args.heldout_prompts} prompts x {args.heldout_tokens} tokens, greedy, "
           f"K={args.k}, teacher-forced):")
-    print(f"{'stage':32s} {'train tokens':>12s} {'val top1':>8s} {'held-out len':>12s}  conditional per draft")
+    print(f"{'first stage on (shards, share)':32s} {'train tokens':>12s} {'val top1':>8s} {'held-out len':>12s}  "
+          "conditional per draft")
     for x in results:
-        label = x["stage"] + (f" {x['frac']:g}" if x["frac"] else "")
-        print(f"{label:32s} {x['train_response_tokens']:>12} "
+        print(f"{x['label']:32s} {x['train_response_tokens']:>12} "
               f"{x['val_top1_best']:8.3f} {x['mean_acceptance_length']:12.3f}  {x['conditional_per_pos']}")
     if fit is not None:
         print(f"fit: accepted drafts per step = {fit[0]:.3f} + {fit[1]:.3f} * log2(train tokens)"
               + (f"; reaching {TARGET_LEN} by this trend needs ~{need:.3g} response tokens "
-                 f"({need / first[-1]['train_response_tokens']:.0f}x the full set): an extrapolation" if need else ""))
+                 f"({need / first[-1]['train_response_tokens']:.0f}x the largest set): an extrapolation" if need else ""))
     out = {"benchmark": "eagle_scaling", "args": vars(args), "results": results,
            "fit": {"intercept": fit[0], "per_doubling": fit[1]} if fit else None,
            "tokens_for_target": need, "target_len": TARGET_LEN, "wall_s": time.time() - t0}

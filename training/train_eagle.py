@@ -72,13 +72,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-frac", type=float, default=1.0,
                     help="train on this share of the training sequences (the data-scaling curve, training/scaling.py)")
     ap.add_argument("--out", default=str(EAGLE_DIR))
+    ap.add_argument("--work-name", help="checkpoint / log directory name in the training cache (default: from the stage)")
     args = ap.parse_args(argv)
     set_threads(args.threads)
     if not 0.0 < args.train_frac <= 1.0:
         raise SystemExit(f"--train-frac must be in (0, 1], got {args.train_frac}")
     torch.manual_seed(args.seed)
     name = "eagle" if args.ttt_steps == 1 and not args.init else f"eagle-ttt{args.ttt_steps}"
-    work = work_dir(name if args.train_frac == 1.0 else f"{name}-frac{args.train_frac:g}")  # never resumes another
+    if args.work_name is None:  # a subset never resumes the full set's run
+        args.work_name = name if args.train_frac == 1.0 else f"{name}-frac{args.train_frac:g}"
+    work = work_dir(args.work_name)
     t_start = time.time()
 
     target = load_model("smollm2")
