@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import tempfile
 import threading
 import time
@@ -151,12 +152,9 @@ def paired_ratio(rounds: list[dict[str, Any]], mix: str, c: int) -> float | None
     for r in rounds:
         if r["mix"] == mix and r["concurrency"] == c:
             by_round.setdefault(r["round"], {})[r["mode"]] = r["tok_s"]
-    ratios = sorted(m["goodput"] / max(m["never"], m["always"]) for m in by_round.values()
-                    if {"goodput", "never", "always"} <= m.keys())
-    if not ratios:
-        return None
-    n = len(ratios)
-    return ratios[n // 2] if n % 2 else (ratios[n // 2 - 1] + ratios[n // 2]) / 2
+    ratios = [m["goodput"] / max(m["never"], m["always"]) for m in by_round.values()
+              if {"goodput", "never", "always"} <= m.keys()]
+    return statistics.median(ratios) if ratios else None
 
 
 def wait_policy(cluster: LocalCluster, name: str) -> None:

@@ -58,6 +58,33 @@ class HiddenRecorder(Proposer):
         self.done[request_id] = (list(token_ids[: n + 1]), h.to(torch.float16).clone())
 
 
+def recording_engine(max_num_seqs: int = 32) -> tuple[LLMEngine, HiddenRecorder]:
+    """The target in our engine (fp32) with a :class:`HiddenRecorder` as its only proposer."""
+    rec = HiddenRecorder()
+    cfg = EngineConfig(model="smollm2", dtype="float32", max_num_seqs=max_num_seqs, max_model_len=1024,
+                       max_num_batched_tokens=512, num_speculative_tokens=1)
+    return LLMEngine(cfg, load_model("smollm2"), proposers={"recorder": rec}), rec
+
+
+def answer(engine: LLMEngine, rec: HiddenRecorder, prompts: Sequence[str], params: Sequence[dict],
+           prefix: str) -> list[dict]:
+    """The target's answer to each chat prompt, run to completion as one continuous batch: one record
+    ``{"token_ids", "hidden", "num_prompt_tokens"}`` per prompt, in order (what training/data.py loads)."""
+    rids, lens = [], []
+    for j, (text, sp) in enumerate(zip(prompts, params)):
+        ids = engine.tokenize_chat([{"role": "user", "content": text}])
+        rids.append(f"{prefix}-{j}")
+        lens.append(len(ids))
+        engine.add_request(rids[-1], ids, sp, proposer="recorder")
+    while engine.has_work():
+        engine.step()
+    records = []
+    for rid, n_prompt in zip(rids, lens):
+        toks, hid = rec.done.pop(rid)
+        records.append({"token_ids": toks, "hidden": hid, "num_prompt_tokens": n_prompt})
+    return records
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-prompts", type=int, default=1600)
@@ -81,11 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     if not todo:
         return 0
 
-    loaded = load_model("smollm2")
-    rec = HiddenRecorder()
-    cfg = EngineConfig(model="smollm2", dtype="float32", max_num_seqs=32, max_model_len=1024,
-                       max_num_batched_tokens=512, num_speculative_tokens=1)
-    engine = LLMEngine(cfg, loaded, proposers={"recorder": rec})
+    engine, rec = recording_engine()
     t_start = time.time()
     ntok = 0
     for si in todo:
@@ -93,23 +116,16 @@ def main(argv: list[str] | None = None) -> int:
             prog.write(f"time budget of {args.minutes} min reached; rerun to continue")
             break
         rng = random.Random(f"{args.seed}-{si}")
-        rids = []
-        for j, p in enumerate(shards[si]):
-            rid = f"s{si}-{j}"
-            ids = engine.tokenize_chat([{"role": "user", "content": p["text"]}])
-            sampled = rng.random() < args.sampled_frac
-            params = {"max_tokens": args.max_tokens, "temperature": 0.7 if sampled else 0.0,
-                      "seed": rng.randrange(1 << 30) if sampled else None}
-            engine.add_request(rid, ids, params, proposer="recorder")
-            rids.append((rid, p, sampled, len(ids)))
-        while engine.has_work():
-            engine.step()
+        params, sampled = [], []
+        for _ in shards[si]:
+            sampled.append(rng.random() < args.sampled_frac)
+            params.append({"max_tokens": args.max_tokens, "temperature": 0.7 if sampled[-1] else 0.0,
+                           "seed": rng.randrange(1 << 30) if sampled[-1] else None})
+        answers = answer(engine, rec, [p["text"] for p in shards[si]], params, prefix=f"s{si}")
         records = []
-        for rid, p, sampled, n_prompt in rids:
-            toks, hid = rec.done.pop(rid)
-            ntok += len(toks) - n_prompt
-            records.append({"token_ids": toks, "hidden": hid, "num_prompt_tokens": n_prompt,
-                            "sampled": sampled, "category": p["category"], "prompt": p["text"]})
+        for a, p, smp in zip(answers, shards[si], sampled):
+            ntok += len(a["token_ids"]) - a["num_prompt_tokens"]
+            records.append({**a, "sampled": smp, "category": p["category"], "prompt": p["text"]})
         atomic_save(records, out / f"shard_{si:05d}.pt")
         prog.update(prog.done + 1, f"response tokens this run {ntok} ({ntok / (time.time() - t_start):.0f} tok/s)",
                     force=True)

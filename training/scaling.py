@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from training.common import EAGLE_DIR, REPO_ROOT, atomic_save, data_dir, set_threads, work_dir
-from training.data import Seq, collate, make_batches
+from training.data import Seq, collate, load_shards, make_batches
 from workers.eagle_head import EagleHead, load_head
 from workers.model_loader import cache_dir, load_model
 
@@ -50,36 +50,20 @@ TARGET_LEN = 2.5  # issue 8: held-out chat, greedy, K = 4
 
 
 def heldout_sequences(num_prompts: int, max_tokens: int, threads: int) -> list[Seq]:
-    """The target's greedy answers to eval-split prompts, with its hidden states (cached)."""
-    path = cache_dir() / "draft-heldout-data" / f"heldout_{num_prompts}x{max_tokens}.pt"
-    if not path.exists():
-        from training.datagen import HiddenRecorder
+    """The target's greedy answers to eval-split prompts, with its hidden states (cached, one shard)."""
+    d = cache_dir() / "draft-heldout-data" / f"heldout_{num_prompts}x{max_tokens}"
+    if not (d / "shard_00000.pt").exists():
+        from training.datagen import answer, recording_engine
         from training.prompts import make_prompts
-        from workers.config import EngineConfig
-        from workers.engine import LLMEngine
 
         set_threads(threads)
-        rec = HiddenRecorder()
-        engine = LLMEngine(EngineConfig(model="smollm2", dtype="float32", max_num_seqs=num_prompts, max_model_len=1024,
-                                        max_num_batched_tokens=512, num_speculative_tokens=1),
-                           load_model("smollm2"), proposers={"recorder": rec})
+        engine, rec = recording_engine(max_num_seqs=num_prompts)
         prompts = [p["text"] for p in make_prompts(num_prompts, "eval", seed=1)]  # draft_eval's prompts come first
-        lens = {}
-        for i, text in enumerate(prompts):
-            ids = engine.tokenize_chat([{"role": "user", "content": text}])
-            engine.add_request(f"h{i}", ids, {"max_tokens": max_tokens, "temperature": 0.0}, proposer="recorder")
-            lens[f"h{i}"] = len(ids)
         print(f"[scaling] held-out set: target answers {num_prompts} eval prompts x {max_tokens} tokens", flush=True)
-        while engine.has_work():
-            engine.step()
-        records = []
-        for rid, n_prompt in lens.items():
-            toks, hid = rec.done.pop(rid)
-            records.append({"token_ids": toks, "hidden": hid, "num_prompt_tokens": n_prompt})
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_save(records, path)
-    return [Seq(torch.tensor(r["token_ids"]), r["hidden"], r["num_prompt_tokens"])
-            for r in torch.load(path, weights_only=False) if r["hidden"].shape[0] > r["num_prompt_tokens"]]
+        records = answer(engine, rec, prompts, [{"max_tokens": max_tokens, "temperature": 0.0}] * num_prompts, "h")
+        d.mkdir(parents=True, exist_ok=True)
+        atomic_save(records, d / "shard_00000.pt")
+    return load_shards(d)
 
 
 @torch.no_grad()
