@@ -131,11 +131,12 @@ class ViewAgeSampler:
 
 def pool_rounds(rs: list[dict[str, Any]]) -> dict[str, Any]:
     """One cell over all its rounds: throughput = all tokens / all wall time (every request counts;
-    the mean, which is a tighter estimate than the median round when rounds are few), step counts
-    summed; latency percentiles from the median-throughput round (rounds keep no raw samples)."""
+    the mean, which is a tighter estimate than the median round when rounds are few), step and
+    draft-token counts summed; latency percentiles from the median-throughput round (rounds keep no raw samples)."""
     mid = sorted(rs, key=lambda r: r["tok_s"])[(len(rs) - 1) // 2]
     wall = sum(r["wall_s"] for r in rs)
-    summed = {k: sum(r[k] for r in rs) for k in ("requests", "errors", "spec_steps", "plain_steps")}
+    summed = {k: sum(r.get(k, 0) for r in rs)
+              for k in ("requests", "errors", "spec_steps", "plain_steps", "draft_tokens", "accepted_tokens")}
     ages = [r["view_age_max_ms"] for r in rs if r.get("view_age_max_ms") is not None]
     return {**mid, **summed, "wall_s": wall, "tok_s": sum(r["tok_s"] * r["wall_s"] for r in rs) / wall,
             "tok_s_rounds": [r["tok_s"] for r in rs], "view_age_max_ms": max(ages) if ages else None}

@@ -25,12 +25,17 @@ with its assumption:
 with ``time`` the online linear step-cost model (policies/cost_model.py) that the engine
 loop feeds through :meth:`Policy.observe_step`. Every K in [0, k_max] is evaluated; K is
 uniform per proposer (acceptance is per proposer, from ``snapshot.acceptance_ema``, with
-``prior_acceptance`` until a proposer has an EMA). A proposer whose acceptance is below
-``min_acceptance`` gets K = 0.
+``prior_acceptance`` until a proposer has an EMA). A proposer whose *first* draft is accepted
+less often than ``min_acceptance`` gets K = 0: the first position, because a verify gains
+nothing unless draft 1 is accepted, and because the per-token rate of an all-or-nothing n-gram
+draft shrinks with K (measured on open chat: 0.10 per token at K = 4 while draft 1 accepts
+~0.17), so a floor on it cut off a proposer that was winning whenever its estimate dipped.
 
 Hysteresis: the K chosen for a proposer changes only when the best K's goodput beats the
 current K's by more than ``switch_margin`` (relative), so two K within noise of each other
-do not make the path flap step by step.
+do not make the path flap step by step. The margin is 2%, not more, because it is also the
+loss goodput accepts by holding a K: issue 5's bar is 0.97x the better path, and with 5%
+simulated copy cells held K = 3 where K = 4 was 4% better (tests/test_goodput_sim.py).
 
 Exploring: a K whose step cost is unmeasured is predicted by the line and tried when it looks
 best, which fills the cost table where it matters; the plain step's cost at the current batch
@@ -49,6 +54,13 @@ the estimate. One request, not the batch: acceptance is a per-request sample eit
 whole-batch probe at B = 32 feeds 3x the step's tokens for one step in a hundred (~1% of
 throughput, where the HTTP sweep's chat cells sat 3-5% below ``never`` with goodput deciding
 K = 0 on all but its probe steps); one request's probe adds ``probe_k`` tokens to one step.
+
+The same blind spot exists above the chosen K: a verify of K drafts never reaches position K + 1,
+so a position measured low early (a few samples, while the cost model was still unfitted) would
+hold K below its best forever. Simulated on a copy-heavy B = 4 cell (tests/test_goodput_sim.py):
+position 3 read 0.40 after one early verify against 0.9 true, K stayed at 2, and goodput ran 11%
+below ``always``. So after ``probe_interval_steps`` consecutive decisions of 0 < K < k_max, one
+request drafts k_max, which refreshes the positions past K.
 """
 
 from __future__ import annotations
@@ -77,12 +89,12 @@ class GoodputConfig(PolicyConfigBase):
         0.5, ge=0.0, le=1.0, description="Acceptance rate assumed for a proposer with no acceptance EMA yet."
     )
     min_acceptance: float = Field(
-        0.05, ge=0.0, le=1.0, description="A proposer whose acceptance rate is below this never speculates."
+        0.05, ge=0.0, le=1.0, description="A proposer whose first draft position accepts less often than this never speculates."
     )
     switch_margin: float = Field(
-        0.05,
+        0.02,
         ge=0.0,
-        description="Relative goodput gain the best K must have over the current K before K changes (0.05 = 5%).",
+        description="Relative goodput gain the best K must have over the current K before K changes (0.02 = 2%).",
     )
     prior_base_s: float = Field(
         0.05, gt=0.0, description="Step-cost prior: fixed seconds per engine step, used until the model is fitted."
@@ -138,6 +150,11 @@ class _Acceptance(NamedTuple):
     positions: tuple[float, ...]  # conditional acceptance per draft position, measured so far
     proposal_rate: float  # drafted / requested tokens (1.0 until measured)
 
+    @property
+    def first(self) -> float:
+        """P(draft 1 accepted): the measured first position, else the i.i.d. rate."""
+        return self.positions[0] if self.positions else self.rate
+
 
 class GoodputPolicy(Policy[GoodputConfig]):
     name = "goodput"
@@ -155,10 +172,10 @@ class GoodputPolicy(Policy[GoodputConfig]):
         self._owns_cost_model = True
         self._baseline_tries: dict[int, int] = {}  # batch size -> plain steps spent measuring its cost
         self.current: dict[str, int] = {}  # proposer -> K chosen last (the hysteresis state)
-        self._zero_run: dict[str, int] = {}  # proposer -> consecutive K = 0 decisions (probing)
+        self._short_run: dict[str, int] = {}  # proposer -> consecutive decisions of K < k_hi (probing)
         self.num_probes = 0
         self._last: dict[str, dict[str, float]] = {}
-        self._probing: set[str] = set()  # proposers whose decision this step is a probe
+        self._probing: dict[str, int] = {}  # proposer -> K of the one probing request this step
 
     def use_cost_model(self, model: StepCostModel) -> None:
         """Predict from (and let its owner feed) ``model`` instead of a private one.
@@ -224,21 +241,20 @@ class GoodputPolicy(Policy[GoodputConfig]):
         if k_hi <= 0:  # every request is at its last token: nothing to decide, and no step to count
             return 0
         k = self._choose_by_goodput(proposer, acceptance, batch, k_hi)
-        if k > 0:
-            self._zero_run[proposer] = 0
-            return k
-        run = self._zero_run.get(proposer, 0) + 1
+        # Probe (one request, see choose_k) after probe_interval_steps decisions below k_hi: K = 0
+        # drafts probe_k to refresh the acceptance estimate at all; 0 < K < k_hi drafts k_hi to
+        # refresh the positions past K, which no verify of K drafts reaches.
+        run = 0 if k >= k_hi else self._short_run.get(proposer, 0) + 1
         if cfg.probe_interval_steps and run >= cfg.probe_interval_steps:
-            self._zero_run[proposer] = 0
+            run = 0
             self.num_probes += 1
-            self._probing.add(proposer)
-            return min(cfg.probe_k, k_hi)
-        self._zero_run[proposer] = run
-        return 0
+            self._probing[proposer] = min(cfg.probe_k, k_hi) if k == 0 else k_hi
+        self._short_run[proposer] = run
+        return k
 
     def _close_call(self, acc: _Acceptance, batch: int, k_hi: int) -> bool:
         """Whether plain vs the best K is within BASELINE_MARGIN by the current (unmeasured) estimates."""
-        if acc.rate < self.config.min_acceptance:
+        if acc.first < self.config.min_acceptance:
             return False  # plain anyway: measuring its cost cannot change anything
         g0 = self.goodput(0, acc.rate, batch)
         best = max(self.goodput(k, acc.rate, batch, acc.positions, acc.proposal_rate) for k in range(1, k_hi + 1))
@@ -246,7 +262,7 @@ class GoodputPolicy(Policy[GoodputConfig]):
 
     def _choose_by_goodput(self, proposer: str, acc: _Acceptance, batch: int, k_hi: int) -> int:
         cfg = self.config
-        if acc.rate < cfg.min_acceptance:
+        if acc.first < cfg.min_acceptance:
             self.current[proposer] = 0
             return 0
         g = [self.goodput(k, acc.rate, batch, acc.positions, acc.proposal_rate) for k in range(k_hi + 1)]
@@ -269,12 +285,11 @@ class GoodputPolicy(Policy[GoodputConfig]):
         self._probing.clear()
         chosen = {p: self._choose(p, self._acceptance(snapshot, p), batch, hi) for p, hi in k_hi.items()}
         ks = [chosen[c.proposer] if c.proposer is not None else 0 for c in candidates]
-        for p in self._probing:  # a probe is one request's drafts: the first that can draft
+        for p, k_probe in self._probing.items():  # a probe is one request's drafts: the first that can draft
             probe = next((i for i, c in enumerate(candidates)
                           if c.proposer == p and c.k_max > 0 and c.speculation != "off"), None)
-            for i, c in enumerate(candidates):
-                if c.proposer == p and i != probe:
-                    ks[i] = 0
+            if probe is not None:
+                ks[probe] = k_probe
         return ks
 
     def state(self) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from workers.request import Request, RequestOutput, Status, StepEvent
 from workers.runner import ModelRunner, StepBatch
 from workers.sampler import make_generator
 from workers.sampling_params import SamplingParams
-from workers.stats import Ema, LoadSnapshot, PositionalAcceptance, RateEma, SpecDecodeStats
+from workers.stats import AcceptanceTracker, Ema, LoadSnapshot, SpecDecodeStats
 
 _ROLES = ("system", "user", "assistant")
 
@@ -98,9 +98,7 @@ class LLMEngine:
         self.prefix_cache_hits = 0  # of those, reused from cached KV instead of prefilled
         self.stats: dict[str, SpecDecodeStats] = collections.defaultdict(SpecDecodeStats)
         # per proposer, what the goodput policy reads (workers/stats.py says why these estimators)
-        self.acceptance_ema: dict[str, RateEma] = collections.defaultdict(RateEma)  # accepted / drafted tokens
-        self.acceptance_pos: dict[str, PositionalAcceptance] = collections.defaultdict(PositionalAcceptance)
-        self.proposal_rate_ema: dict[str, RateEma] = collections.defaultdict(lambda: RateEma(prior=1.0))
+        self.acceptance = AcceptanceTracker()
         self.step_time_ema = Ema(0.1)
         self.tokens_per_step_ema = Ema(0.1)
         self.step_costs: collections.deque[tuple[int, float]] = collections.deque(maxlen=512)  # (tokens, seconds)
@@ -356,11 +354,10 @@ class LLMEngine:
                 for i in idxs
             ]
             props = self.proposers[name].propose(reqs)
-            rate = self.proposal_rate_ema[name]
             for j, i in enumerate(idxs):
                 d = list(props.draft_token_ids[j])[: ks[i]]
                 drafts[i] = d
-                rate.update(len(d), ks[i])
+                self.acceptance.on_proposal(name, len(d), ks[i])
                 p = props.draft_probs[j]
                 probs[i] = p[: len(d)] if (p is not None and d) else None
         return drafts, probs
@@ -387,8 +384,7 @@ class LLMEngine:
         r.spec.record_verify(n_draft, n_acc)
         if r.proposer and n_draft:
             self.stats[r.proposer].record_verify(n_draft, n_acc)
-            self.acceptance_ema[r.proposer].update(n_acc, n_draft)
-            self.acceptance_pos[r.proposer].update(n_draft, n_acc)
+            self.acceptance.on_verify(r.proposer, n_draft, n_acc)
             self.proposers[r.proposer].observe(r.request_id, n_draft, n_acc)
             if self.on_verify is not None:
                 self.on_verify(r.proposer, n_draft, n_acc)
@@ -449,7 +445,7 @@ class LLMEngine:
     # ----------------------------------------------------------------- load
 
     def snapshot(self) -> LoadSnapshot:
-        return LoadSnapshot(
+        return self.acceptance.fill(LoadSnapshot(
             running=len(self.running),
             decoding=sum(1 for r in self.running if not r.in_prefill),
             waiting=len(self.waiting),
@@ -458,12 +454,9 @@ class LLMEngine:
             kv_tokens_capacity=self.config.max_num_seqs * self.max_model_len,
             step_time_ema_s=self.step_time_ema.value or 0.0,
             tokens_per_step_ema=self.tokens_per_step_ema.value or 0.0,
-            acceptance_ema={k: v.value for k, v in self.acceptance_ema.items()},
-            acceptance_pos_ema={k: v.values() for k, v in self.acceptance_pos.items()},
-            proposal_rate_ema={k: v.value for k, v in self.proposal_rate_ema.items()},
             num_steps=self.num_steps,
             timestamp=time.time(),
-        )
+        ))
 
     # ----------------------------------------------------------------- convenience (tests, benchmarks)
 

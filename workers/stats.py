@@ -8,6 +8,7 @@ proposed); mean acceptance length = 1 + accepted / drafts (tokens committed per 
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 
 
@@ -54,6 +55,9 @@ class SpecDecodeStats:
         }
 
 
+ACCEPTANCE_DECAY = 0.98  # per-sample forgetting of the acceptance estimates: ~100 verifies of memory
+
+
 class RateEma:
     """A rate in [0, 1] from weighted samples, exponentially forgotten, anchored on a weak prior.
 
@@ -64,9 +68,18 @@ class RateEma:
     first n-gram drafts are rejected, the rate read 0.0 after 6 steps and held speculation off).
     Here the prior (weight ``prior_weight`` samples) fades as evidence arrives, and the
     normalisation keeps early estimates unbiased towards 0 (unlike an EMA started at 0).
+
+    Why ``ACCEPTANCE_DECAY`` = 0.98 (~100 samples of memory) and not 0.9 (~10): the policy
+    acts on the estimate, and an estimate that dips stops being corrected. Once a dip makes
+    goodput choose K = 0, no verify feeds it except a probe per ``probe_interval_steps``. With
+    0.9, open chat's n-gram first-position acceptance (~0.17 true) read 0.07 within a few
+    dozen verifies and goodput parked at K = 0 on chat c=1, where ``always`` was 4-7% faster
+    (HTTP sweep, session 7). A closed-loop simulation of that cell (tests/test_goodput_sim.py)
+    speculates on 2-8% of steps at 0.9 and on ~all at 0.98. The memory is in samples, not
+    steps, so a batch of 32 still forgets a workload shift within a few steps.
     """
 
-    def __init__(self, prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.9) -> None:
+    def __init__(self, prior: float = 0.5, prior_weight: float = 2.0, decay: float = ACCEPTANCE_DECAY) -> None:
         self.decay = decay
         self._num = prior * prior_weight
         self._den = prior_weight
@@ -106,6 +119,35 @@ class PositionalAcceptance:
 
     def values(self) -> list[float]:
         return [r.value for r in self.rates]
+
+
+class AcceptanceTracker:
+    """Per proposer, the three estimates the goodput policy reads; the engine feeds them.
+
+    One object so that the engine and the policy's closed-loop simulation
+    (tests/test_goodput_sim.py) keep the same books: a proposal updates the proposal rate
+    (drafted of requested tokens), a verify updates the acceptance rate (accepted of drafted)
+    and the per-position rates.
+    """
+
+    def __init__(self) -> None:
+        self.rate: dict[str, RateEma] = collections.defaultdict(RateEma)
+        self.positions: dict[str, PositionalAcceptance] = collections.defaultdict(PositionalAcceptance)
+        self.proposal_rate: dict[str, RateEma] = collections.defaultdict(lambda: RateEma(prior=1.0))
+
+    def on_proposal(self, proposer: str, num_drafted: int, num_requested: int) -> None:
+        self.proposal_rate[proposer].update(num_drafted, num_requested)
+
+    def on_verify(self, proposer: str, num_draft: int, num_accepted: int) -> None:
+        self.rate[proposer].update(num_accepted, num_draft)
+        self.positions[proposer].update(num_draft, num_accepted)
+
+    def fill(self, snapshot: "LoadSnapshot") -> "LoadSnapshot":
+        """Write the current estimates into ``snapshot`` (and return it)."""
+        snapshot.acceptance_ema = {k: v.value for k, v in self.rate.items()}
+        snapshot.acceptance_pos_ema = {k: v.values() for k, v in self.positions.items()}
+        snapshot.proposal_rate_ema = {k: v.value for k, v in self.proposal_rate.items()}
+        return snapshot
 
 
 class Ema:
