@@ -73,6 +73,7 @@ class TargetWorker:
         # The last steps' decisions and costs, for `policy_trace` (debugging a policy on live load).
         self._trace: collections.deque[dict[str, Any]] = collections.deque(maxlen=TRACE_STEPS)
         self._pending_ks: list[int] = []
+        self._pending_why: dict[str, Any] = {}  # the policy's step_detail() for the step in flight
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id if ctx is not None else f"local-{os.getpid()}"
         draft_proxy = proposers.get("draft_model")
@@ -99,14 +100,16 @@ class TargetWorker:
         ks = self.policy.decide(snapshot, candidates)
         self.telemetry.count_decisions(ks)  # cumulative across policy swaps (a policy's own count resets)
         self._pending_ks = list(ks)
+        self._pending_why = self.policy.step_detail()
         return ks
 
     def _on_step(self, tokens: int, seconds: float, requests: int | None = None) -> None:  # engine thread
         self.step_costs.observe(tokens, seconds, requests)
         self.policy.observe_step(tokens, seconds, requests)
         self.telemetry.on_step(tokens, seconds)
-        self._trace.append({"ks": self._pending_ks, "tokens": tokens, "seconds": seconds, "requests": requests})
-        self._pending_ks = []
+        self._trace.append({"ks": self._pending_ks, "tokens": tokens, "seconds": seconds, "requests": requests,
+                            "why": self._pending_why})
+        self._pending_ks, self._pending_why = [], {}
 
     async def _report_loop(self) -> None:
         interval = self.cfg.router.report_interval_s
@@ -182,7 +185,8 @@ class TargetWorker:
     async def policy_trace(self, replica_id: str | None = None) -> dict[str, Any]:
         """The active policy's state (its cost model, last decisions) and the last ``TRACE_STEPS``
         engine steps: the K asked of each decoding request (``ks``, empty on a step with none),
-        the tokens fed, the seconds taken and the decoding requests of a prefill-free step."""
+        the tokens fed, the seconds taken, the decoding requests of a prefill-free step, and the
+        policy's reasons (``why``: :meth:`Policy.step_detail`, e.g. goodput's prediction per K)."""
         def collect(e: LLMEngine) -> dict[str, Any]:  # in the engine thread, which owns both
             return {"policy": self.policy.state(),
                     "steps": list(self._trace)}

@@ -91,6 +91,11 @@ class Policy(ABC, Generic[C]):
         """Internal state worth showing on a stats endpoint (e.g. hysteresis state). Empty by default."""
         return {}
 
+    def step_detail(self) -> dict[str, Any]:
+        """Why the last :meth:`decide` chose what it chose, small enough to keep per engine step
+        (the target's ``policy_trace``). Empty by default."""
+        return {}
+
     # ------------------------------------------------------------------ shared rules
 
     def decide(self, snapshot: LoadSnapshot, candidates: Sequence[SpecCandidate]) -> list[int]:

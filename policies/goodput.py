@@ -176,6 +176,7 @@ class GoodputPolicy(Policy[GoodputConfig]):
         self.num_probes = 0
         self._last: dict[str, dict[str, float]] = {}
         self._probing: dict[str, int] = {}  # proposer -> K of the one probing request this step
+        self._detail: dict[str, dict[str, Any]] = {}  # proposer -> this step's goodput per K (step_detail)
 
     def use_cost_model(self, model: StepCostModel) -> None:
         """Predict from (and let its owner feed) ``model`` instead of a private one.
@@ -274,6 +275,9 @@ class GoodputPolicy(Policy[GoodputConfig]):
             self.current[proposer] = k  # otherwise keep cur, uncapped, for the next step
         self._last[proposer] = {"k": k, "acceptance": acc.rate, "proposal_rate": acc.proposal_rate,
                                 "expected_tokens": expected_tokens(k, acc.rate, acc.positions), "goodput": g[k]}
+        self._detail[proposer] = {"batch": batch, "k": k, "goodput": [round(x, 3) for x in g],
+                                  "positions": [round(x, 3) for x in acc.positions],
+                                  "proposal_rate": round(acc.proposal_rate, 3)}
         return k
 
     def choose_k(self, snapshot: LoadSnapshot, candidates: Sequence[SpecCandidate]) -> list[int]:
@@ -283,6 +287,7 @@ class GoodputPolicy(Policy[GoodputConfig]):
             if c.proposer is not None:
                 k_hi[c.proposer] = max(k_hi.get(c.proposer, 0), c.k_max)
         self._probing.clear()
+        self._detail = {}
         chosen = {p: self._choose(p, self._acceptance(snapshot, p), batch, hi) for p, hi in k_hi.items()}
         ks = [chosen[c.proposer] if c.proposer is not None else 0 for c in candidates]
         for p, k_probe in self._probing.items():  # a probe is one request's drafts: the first that can draft
@@ -291,6 +296,16 @@ class GoodputPolicy(Policy[GoodputConfig]):
             if probe is not None:
                 ks[probe] = k_probe
         return ks
+
+    def step_detail(self) -> dict[str, Any]:
+        """Per proposer decided on by goodput this step: batch size, K, predicted goodput for every
+        K (tokens/s), the acceptance per position and the proposal rate it was computed from; and the
+        probe K where one request probed. A proposer held by a rule (the floor, a baseline step) has
+        no prediction: only its probe K, if it probed."""
+        out = {p: dict(d) for p, d in self._detail.items()}
+        for p, k in self._probing.items():
+            out.setdefault(p, {})["probe_k"] = k
+        return out
 
     def state(self) -> dict[str, Any]:
         return {

@@ -162,6 +162,7 @@ def test_live_policy_reconfigure_without_restart(cluster, client):
     assert r2.choices[0].message.content == r.choices[0].message.content
     steps = cluster.call("TargetWorker", "policy_trace")["steps"]  # the operator's view of recent decisions
     assert any(s["ks"] == [4] and s["tokens"] == 5 and s["requests"] == 1 for s in steps), steps[-5:]
+    assert all("why" in s for s in steps)  # the policy's reasons per step (`always` has none to give)
     after = cluster.call("TargetWorker", "placement")
     assert after["pid"] == before["pid"] and after["replica_id"] == before["replica_id"]  # not restarted
     cluster.deploy({"name": "goodput"})

@@ -386,6 +386,22 @@ def test_goodput_probes_with_one_request_not_the_whole_batch() -> None:
     assert p.decide(snap(7, {"ngram": 0.01}), batch) == [0, 0, 0, 0, 2, 0, 0]
 
 
+def test_goodput_step_detail_says_why() -> None:
+    """policy_trace keeps this per step: the batch, K, and the predicted goodput of every K."""
+    p = make_policy({"name": "goodput", "probe_interval_steps": 3, "probe_k": 2})
+    feed(p, lambda x: 0.05 + 0.001 * x)
+    ks = step(p, 2, {"ngram": 0.9}, k_max=4)
+    d = p.step_detail()["ngram"]
+    assert d["batch"] == 2 and d["k"] == ks[0] > 0 and len(d["goodput"]) == 5  # K = 0..4
+    assert max(d["goodput"]) == d["goodput"][d["k"]]
+    details = []
+    for _ in range(3):  # held at 0 by the floor: no prediction, and the third decision is a probe
+        step(p, 2, {"ngram": 0.01}, k_max=4)
+        details.append(p.step_detail())
+    assert details == [{}, {}, {"ngram": {"probe_k": 2}}]
+    assert make_policy({"name": "never"}).step_detail() == {}
+
+
 def test_goodput_state_and_describe() -> None:
     p = make_policy({"name": "goodput", "switch_margin": 0.1})
     step(p, 1, {"ngram": 0.7})
