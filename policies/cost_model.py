@@ -48,17 +48,45 @@ token, so the line fitted over them comes out nearly flat (measured: 0.0 to 2.4 
 while a few drafted tokens on a batch of 8 decodes cost 10-30 ms each. With that slope a batch
 size seen only in plain steps is priced sensibly at once, instead of every drafted token count
 being explored as if free.
+
+Table entries go stale while the machine's speed drifts, and the policy compares a fresh entry
+with stale ones. Measured over HTTP on the chat mix at c=4 (2 shared cores): the same plain B=4
+step cost 50-69 ms from one 10 s cell to the next. After an ``always`` cell measured the B=4
+verify entries at 54 ms per plain step, a slow spell put the plain entry at 68 ms while the verify
+entries kept their fast-spell values, so a verify looked nearly free: goodput drafted on half the
+steps of the next cell, each verify of ~6 drafts cost 95 ms against 68 ms plain for 0.7 more
+tokens, and the cell ran 4% below ``never``. So the table holds each entry's *shape* and one
+machine-wide ``speed`` factor carries the drift, and a prediction is shape x speed:
+
+- every decode-only step whose entry is measured moves ``speed`` by its residual (``SPEED_ALPHA``;
+  decode-only, because those entries hold one composition each, while a token-keyed entry mixes
+  prefill and decode steps whose residuals are not the machine's);
+- an entry's shape is the median of its first ``SHAPE_SAMPLES`` samples, each divided by the speed
+  of its moment, and then stays (the median: an entry's first sample is often a one-off, e.g. the
+  first step of a new shape, and a stall is not the shape). Entries that kept learning would share each drift with the
+  speed, the most frequent entry (the plain step) soaking up the most, and the speed would wander
+  while rare entries kept their old share: measured, speed 1 -> 0.45 over 18 cells, and the B=4
+  verify entries 10% cheaper next to the plain one than they ran. Fixed shapes leave the speed
+  nothing to trade with. A residual counts at most ``SPEED_CLIP`` either way (a GC pause is
+  not a slow machine).
+
+A slow spell seen only on plain steps then raises every entry of every batch size alike, and K is
+chosen on shapes, where a common factor cancels. The line keeps raw seconds: it forgets on its own
+(``decay``) and only prices counts the table has not measured.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+import statistics
 
 SLOPE_PRIOR = 1.0  # ridge weight pulling c1 towards prior_per_token_s; tiny next to any real spread
 MIN_STEP_S = 1e-6  # predictions never reach 0: goodput divides by them
 EXACT_TOKENS = 32  # token counts up to this each have their own table entry; above, quarter-octave buckets
-BUCKET_ALPHA = 0.2  # EMA weight of a new sample in its bucket
+SHAPE_SAMPLES = 50  # an entry's shape: the median of this many samples (in units of the speed), then fixed
+SPEED_ALPHA = 0.2  # EMA weight of one decode step's residual in the machine-wide speed factor
+SPEED_CLIP = 1.5  # a step's residual counts at most this factor above or below 1
 SLOPE_ALPHA = 0.1  # EMA weight of one verify step in the draft-token slope
 CURVE_SPAN = 5  # a batch's cost curve is built up to requests * CURVE_SPAN tokens at once (K = 4 verifies)
 
@@ -90,11 +118,12 @@ class StepCostModel:
         self.decay = decay
         self.num_samples = 0
         self.bucket_min_samples = bucket_min_samples  # 0 disables the table (the line alone)
-        self._table: dict[int, list[float]] = {}  # bucket -> [EMA seconds, samples], every step
-        self._by_batch: dict[tuple[int, int], list[float]] = {}  # (requests, bucket) -> the same, decode-only steps
+        self._table: dict[int, list] = {}  # bucket -> [shape: seconds / speed, samples, learning samples], every step
+        self._by_batch: dict[tuple[int, int], list] = {}  # (requests, bucket) -> the same, decode-only steps
+        self.speed = 1.0  # machine-wide drift: a step costs its entry's value x speed
         self._curves: dict[int, list[float]] = {}  # requests -> monotone predictions by tokens (see _curve)
         self._curves_key: tuple = ()  # num_samples and the settings the cached curves were built with
-        self.draft_token_s: float | None = None  # EMA: seconds per drafted token over the batch's plain step
+        self._draft_token: float | None = None  # EMA: seconds / speed per drafted token over the batch's plain step
         # exponentially weighted sums: weight, x, y, x^2, x*y (x = tokens, y = seconds)
         self._w = self._sx = self._sy = self._sxx = self._sxy = 0.0
 
@@ -114,16 +143,30 @@ class StepCostModel:
         tables = [(self._table, bucket(tokens))]
         if requests is not None and requests > 0:
             tables.append((self._by_batch, (requests, bucket(tokens))))
+        own = self._by_batch.get((requests, bucket(tokens))) if requests is not None and requests > 0 else None
+        if own is not None and own[1] >= max(1, self.bucket_min_samples):
+            r = min(max(y / (own[0] * self.speed), 1.0 / SPEED_CLIP), SPEED_CLIP)
+            self.speed *= 1.0 + SPEED_ALPHA * (r - 1.0)
+        v = self.speed
         if requests is not None and tokens > requests:
-            plain = self.measured(requests, requests)
-            if plain is not None:
-                slope = max((y - plain) / (tokens - requests), 0.0)
-                d = self.draft_token_s
-                self.draft_token_s = slope if d is None else d + SLOPE_ALPHA * (slope - d)
+            plain = self._by_batch.get((requests, bucket(requests)))
+            if plain is not None and plain[1] >= max(1, self.bucket_min_samples):
+                slope = max((y / v - plain[0]) / (tokens - requests), 0.0)
+                d = self._draft_token
+                self._draft_token = slope if d is None else d + SLOPE_ALPHA * (slope - d)
         for table, key in tables:
-            entry = table.setdefault(key, [y, 0.0])
-            entry[0] += BUCKET_ALPHA * (y - entry[0]) if entry[1] else 0.0
+            entry = table.setdefault(key, [0.0, 0, []])  # [shape, samples, the samples while it is learning]
             entry[1] += 1
+            if entry[2] is not None:
+                entry[2].append(y / v)
+                entry[0] = statistics.median(entry[2])
+                if len(entry[2]) >= SHAPE_SAMPLES:
+                    entry[2] = None  # the shape is fixed
+
+    @property
+    def draft_token_s(self) -> float | None:
+        """Seconds per drafted token over the batch's plain step, at the machine's current speed."""
+        return None if self._draft_token is None else self._draft_token * self.speed
 
     @property
     def fitted(self) -> bool:
@@ -153,7 +196,7 @@ class StepCostModel:
         entry = self._table.get(b) if requests is None else self._by_batch.get((requests, b))
         if entry is None or entry[1] < self.bucket_min_samples:
             return None
-        return entry[0]
+        return entry[0] * self.speed
 
     def predict(self, tokens: int | float, requests: int | None = None) -> float:
         """Expected seconds for a step that feeds ``tokens`` tokens: measured when known, else the line.
@@ -208,7 +251,9 @@ class StepCostModel:
     def as_dict(self) -> dict[str, float | int]:
         c0, c1 = self.coefficients()
         ok = max(1, self.bucket_min_samples)
-        table = {str(b): round(e[0], 6) for b, e in sorted(self._table.items()) if e[1] >= ok}
-        by_batch = {f"{r}x{b}": round(e[0], 6) for (r, b), e in sorted(self._by_batch.items()) if e[1] >= ok}
-        return {"base_s": c0, "per_token_s": c1, "draft_token_s": self.draft_token_s, "num_samples": self.num_samples,
+        v = self.speed
+        table = {str(b): round(e[0] * v, 6) for b, e in sorted(self._table.items()) if e[1] >= ok}
+        by_batch = {f"{r}x{b}": round(e[0] * v, 6) for (r, b), e in sorted(self._by_batch.items()) if e[1] >= ok}
+        return {"base_s": c0, "per_token_s": c1, "draft_token_s": self.draft_token_s, "speed": round(v, 4),
+                "num_samples": self.num_samples,
                 "measured_s_by_bucket": table, "measured_s_by_batch_bucket": by_batch}
