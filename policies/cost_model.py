@@ -49,44 +49,30 @@ while a few drafted tokens on a batch of 8 decodes cost 10-30 ms each. With that
 size seen only in plain steps is priced sensibly at once, instead of every drafted token count
 being explored as if free.
 
-Table entries go stale while the machine's speed drifts, and the policy compares a fresh entry
-with stale ones. Measured over HTTP on the chat mix at c=4 (2 shared cores): the same plain B=4
-step cost 50-69 ms from one 10 s cell to the next. After an ``always`` cell measured the B=4
-verify entries at 54 ms per plain step, a slow spell put the plain entry at 68 ms while the verify
-entries kept their fast-spell values, so a verify looked nearly free: goodput drafted on half the
-steps of the next cell, each verify of ~6 drafts cost 95 ms against 68 ms plain for 0.7 more
-tokens, and the cell ran 4% below ``never``. So the table holds each entry's *shape* and one
-machine-wide ``speed`` factor carries the drift, and a prediction is shape x speed:
-
-- every decode-only step whose entry is measured moves ``speed`` by its residual (``SPEED_ALPHA``;
-  decode-only, because those entries hold one composition each, while a token-keyed entry mixes
-  prefill and decode steps whose residuals are not the machine's);
-- an entry's shape is the median of its first ``SHAPE_SAMPLES`` samples, each divided by the speed
-  of its moment, and then stays (the median: an entry's first sample is often a one-off, e.g. the
-  first step of a new shape, and a stall is not the shape). Entries that kept learning would share each drift with the
-  speed, the most frequent entry (the plain step) soaking up the most, and the speed would wander
-  while rare entries kept their old share: measured, speed 1 -> 0.45 over 18 cells, and the B=4
-  verify entries 10% cheaper next to the plain one than they ran. Fixed shapes leave the speed
-  nothing to trade with. A residual counts at most ``SPEED_CLIP`` either way (a GC pause is
-  not a slow machine).
-
-A slow spell seen only on plain steps then raises every entry of every batch size alike, and K is
-chosen on shapes, where a common factor cancels. The line keeps raw seconds: it forgets on its own
-(``decay``) and only prices counts the table has not measured.
+A batch's verify entries are kept *relative to its plain step* (``_ratio``: each verify step's
+seconds over the batch's plain entry at that moment), and priced as that ratio times the plain
+entry now. Why: the machine's speed drifts, and the policy compares entries measured at different
+times. Measured over HTTP on the chat mix at c=4 (2 shared cores): the same plain B=4 step cost
+50-69 ms from one 10 s cell to the next. An ``always`` cell measured the B=4 verify entries while
+plain steps ran at 54 ms; a slow spell then moved the plain entry (seen on every step under K = 0)
+to 68 ms while the verify entries kept their fast-spell values, so by the monotone curve a verify
+of up to 4 drafted tokens looked free: goodput drafted on half the steps of the next cell, each
+verify of ~6 drafts cost 95 ms against 68 ms plain for 0.7 more tokens, and the cell ran 4% below
+``never``. A ratio carries no speed, so the fresh plain entry scales the old verify entries with
+it. (One machine-wide speed factor over fixed per-entry shapes was tried and measured worse: shapes
+learned on the copy mix's long contexts held on the chat mix, and goodput drafted at chat c=8 and
+lost 13%. A ratio is re-learned from each verify step, at the same rate as a raw entry.)
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-import statistics
 
 SLOPE_PRIOR = 1.0  # ridge weight pulling c1 towards prior_per_token_s; tiny next to any real spread
 MIN_STEP_S = 1e-6  # predictions never reach 0: goodput divides by them
 EXACT_TOKENS = 32  # token counts up to this each have their own table entry; above, quarter-octave buckets
-SHAPE_SAMPLES = 50  # an entry's shape: the median of this many samples (in units of the speed), then fixed
-SPEED_ALPHA = 0.2  # EMA weight of one decode step's residual in the machine-wide speed factor
-SPEED_CLIP = 1.5  # a step's residual counts at most this factor above or below 1
+BUCKET_ALPHA = 0.2  # EMA weight of a new sample in its bucket
 SLOPE_ALPHA = 0.1  # EMA weight of one verify step in the draft-token slope
 CURVE_SPAN = 5  # a batch's cost curve is built up to requests * CURVE_SPAN tokens at once (K = 4 verifies)
 
@@ -118,12 +104,12 @@ class StepCostModel:
         self.decay = decay
         self.num_samples = 0
         self.bucket_min_samples = bucket_min_samples  # 0 disables the table (the line alone)
-        self._table: dict[int, list] = {}  # bucket -> [shape: seconds / speed, samples, learning samples], every step
-        self._by_batch: dict[tuple[int, int], list] = {}  # (requests, bucket) -> the same, decode-only steps
-        self.speed = 1.0  # machine-wide drift: a step costs its entry's value x speed
+        self._table: dict[int, list[float]] = {}  # bucket -> [EMA seconds, samples], every step
+        self._by_batch: dict[tuple[int, int], list[float]] = {}  # (requests, bucket) -> the same, decode-only steps
+        self._ratio: dict[tuple[int, int], list[float]] = {}  # (requests, bucket) -> [EMA of seconds / plain, samples]
         self._curves: dict[int, list[float]] = {}  # requests -> monotone predictions by tokens (see _curve)
         self._curves_key: tuple = ()  # num_samples and the settings the cached curves were built with
-        self._draft_token: float | None = None  # EMA: seconds / speed per drafted token over the batch's plain step
+        self.draft_token_s: float | None = None  # EMA: seconds per drafted token over the batch's plain step
         # exponentially weighted sums: weight, x, y, x^2, x*y (x = tokens, y = seconds)
         self._w = self._sx = self._sy = self._sxx = self._sxy = 0.0
 
@@ -140,33 +126,21 @@ class StepCostModel:
         self._sxx = d * self._sxx + x * x
         self._sxy = d * self._sxy + x * y
         self.num_samples += 1
-        tables = [(self._table, bucket(tokens))]
+        tables = [(self._table, bucket(tokens), y)]  # (table, key, value)
         if requests is not None and requests > 0:
-            tables.append((self._by_batch, (requests, bucket(tokens))))
-        own = self._by_batch.get((requests, bucket(tokens))) if requests is not None and requests > 0 else None
-        if own is not None and own[1] >= max(1, self.bucket_min_samples):
-            r = min(max(y / (own[0] * self.speed), 1.0 / SPEED_CLIP), SPEED_CLIP)
-            self.speed *= 1.0 + SPEED_ALPHA * (r - 1.0)
-        v = self.speed
+            tables.append((self._by_batch, (requests, bucket(tokens)), y))
         if requests is not None and tokens > requests:
-            plain = self._by_batch.get((requests, bucket(requests)))
-            if plain is not None and plain[1] >= max(1, self.bucket_min_samples):
-                slope = max((y / v - plain[0]) / (tokens - requests), 0.0)
-                d = self._draft_token
-                self._draft_token = slope if d is None else d + SLOPE_ALPHA * (slope - d)
-        for table, key in tables:
-            entry = table.setdefault(key, [0.0, 0, []])  # [shape, samples, the samples while it is learning]
+            plain = self.measured(requests, requests)
+            if plain is not None:
+                slope = max((y - plain) / (tokens - requests), 0.0)
+                d = self.draft_token_s
+                self.draft_token_s = slope if d is None else d + SLOPE_ALPHA * (slope - d)
+                if bucket(tokens) != bucket(requests):
+                    tables.append((self._ratio, (requests, bucket(tokens)), y / plain))
+        for table, key, value in tables:
+            entry = table.setdefault(key, [value, 0.0])
+            entry[0] += BUCKET_ALPHA * (value - entry[0]) if entry[1] else 0.0
             entry[1] += 1
-            if entry[2] is not None:
-                entry[2].append(y / v)
-                entry[0] = statistics.median(entry[2])
-                if len(entry[2]) >= SHAPE_SAMPLES:
-                    entry[2] = None  # the shape is fixed
-
-    @property
-    def draft_token_s(self) -> float | None:
-        """Seconds per drafted token over the batch's plain step, at the machine's current speed."""
-        return None if self._draft_token is None else self._draft_token * self.speed
 
     @property
     def fitted(self) -> bool:
@@ -193,10 +167,14 @@ class StepCostModel:
         if self.bucket_min_samples <= 0:
             return None
         b = bucket(max(1, round(tokens)))
+        if requests is not None and b != bucket(requests):  # a verify step: relative to the plain step now
+            rel, plain = self._ratio.get((requests, b)), self._by_batch.get((requests, bucket(requests)))
+            if rel is not None and rel[1] >= self.bucket_min_samples and plain is not None and plain[1] >= self.bucket_min_samples:
+                return rel[0] * plain[0]
         entry = self._table.get(b) if requests is None else self._by_batch.get((requests, b))
         if entry is None or entry[1] < self.bucket_min_samples:
             return None
-        return entry[0] * self.speed
+        return entry[0]
 
     def predict(self, tokens: int | float, requests: int | None = None) -> float:
         """Expected seconds for a step that feeds ``tokens`` tokens: measured when known, else the line.
@@ -251,9 +229,9 @@ class StepCostModel:
     def as_dict(self) -> dict[str, float | int]:
         c0, c1 = self.coefficients()
         ok = max(1, self.bucket_min_samples)
-        v = self.speed
-        table = {str(b): round(e[0] * v, 6) for b, e in sorted(self._table.items()) if e[1] >= ok}
-        by_batch = {f"{r}x{b}": round(e[0] * v, 6) for (r, b), e in sorted(self._by_batch.items()) if e[1] >= ok}
-        return {"base_s": c0, "per_token_s": c1, "draft_token_s": self.draft_token_s, "speed": round(v, 4),
-                "num_samples": self.num_samples,
-                "measured_s_by_bucket": table, "measured_s_by_batch_bucket": by_batch}
+        table = {str(b): round(e[0], 6) for b, e in sorted(self._table.items()) if e[1] >= ok}
+        by_batch = {f"{r}x{b}": round(e[0], 6) for (r, b), e in sorted(self._by_batch.items()) if e[1] >= ok}
+        ratio = {f"{r}x{b}": round(e[0], 4) for (r, b), e in sorted(self._ratio.items()) if e[1] >= ok}
+        return {"base_s": c0, "per_token_s": c1, "draft_token_s": self.draft_token_s, "num_samples": self.num_samples,
+                "measured_s_by_bucket": table, "measured_s_by_batch_bucket": by_batch,
+                "verify_over_plain_by_batch_bucket": ratio}

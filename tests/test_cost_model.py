@@ -80,7 +80,7 @@ def test_cost_model_prices_equal_token_counts_per_batch_size() -> None:
     for _ in range(6):
         m.observe(35, 0.200)  # 35-token steps with prefill riding along: the token-keyed bucket
     assert m.predict(35, requests=7) == pytest.approx(0.124)
-    assert m.predict(35) > 0.16  # the token-keyed table mixes compositions (3 x 0.124 and 6 x 0.2 in one entry)
+    assert m.predict(35) > 0.18  # the token-keyed table mixes compositions
     c0, c1 = m.coefficients()
     assert m.predict(35, requests=5) == pytest.approx(c0 + 35 * c1)  # unmeasured at this batch size: the line
     assert m.as_dict()["measured_s_by_batch_bucket"]["7x28"] == pytest.approx(0.104)
@@ -163,16 +163,14 @@ def test_a_batch_size_seen_only_in_plain_steps_is_priced_with_the_draft_token_sl
     assert p.decide(s, [SpecCandidate(f"r{i}", "ngram", "auto", 4) for i in range(9)]) == [4] * 9  # and still wins
 
 
-def test_a_slow_spell_seen_on_plain_steps_rescales_every_entry() -> None:
+def test_a_slow_spell_seen_on_plain_steps_rescales_the_verify_steps() -> None:
     """Measured over HTTP, chat mix, c=4: the same plain B=4 step cost 54 ms in one 10 s cell and
     68 ms in the next (2 shared cores). The verify entries measured in the fast cell kept their
     values, the plain entry took the slow one, and by the monotone curve a verify of up to 4
-    drafted tokens looked free: goodput drafted on half the steps and lost 4% to ``never``. The
-    slow spell must scale every entry, so the choice of K is the one made before it."""
-    from policies.cost_model import SHAPE_SAMPLES
-
+    drafted tokens looked free: goodput drafted on half the steps and lost 4% to ``never``. Verify
+    steps are priced relative to the plain step now, so the choice of K is the one made before."""
     m = StepCostModel(min_samples=4, decay=0.98)
-    for _ in range(SHAPE_SAMPLES):  # a fast spell with verify steps of every size: +3.2 ms per drafted token
+    for _ in range(20):  # a fast spell with verify steps of every size: +3.2 ms per drafted token
         for t in range(4, 21):
             m.observe(t, 0.054 + 0.0032 * (t - 4), requests=4)
         m.observe(200, 0.3)  # a prefill chunk
@@ -182,27 +180,29 @@ def test_a_slow_spell_seen_on_plain_steps_rescales_every_entry() -> None:
                      acceptance_pos_ema={"ngram": [0.15, 0.6, 0.7, 0.8]})
     batch = [SpecCandidate(f"r{i}", "ngram", "auto", 4) for i in range(4)]
     assert p.decide(s, batch) == [0] * 4  # K = 1: 5.5% more tokens for 9% more time: plain
-    for _ in range(60):
+    for _ in range(30):
         m.observe(4, 0.068, requests=4)  # a slow spell: plain steps only, 26% slower
-    assert m.speed == pytest.approx(0.068 / 0.054, rel=0.03)
-    assert m.predict(8, requests=4) == pytest.approx((0.054 + 4 * 0.0032) * 0.068 / 0.054, rel=0.03)
+    assert m.predict(8, requests=4) == pytest.approx((0.054 + 4 * 0.0032) * 0.068 / 0.054, rel=0.01)
+    assert m.as_dict()["verify_over_plain_by_batch_bucket"]["4x8"] == pytest.approx(1 + 4 * 0.0032 / 0.054, rel=0.01)
     p.current.clear()
     assert p.decide(s, batch) == [0] * 4  # by the stale verify entries, K = 2 was 7% better than plain
 
 
-def test_noise_does_not_move_a_rare_entry_against_a_frequent_one() -> None:
-    """With noisy steps (15% jitter, a 2x stall now and then), the plain step seen on 90% of steps
-    and a verify on 10%: the verify's price next to the plain one must stay its true 1.3x. When the
-    entries kept learning, each shared the speed's noise in proportion to how often it was seen,
-    and over 18 HTTP cells the speed wandered to 0.45 and the B=4 verify entries ran 10% cheap."""
+def test_noise_does_not_move_a_rare_verify_price_against_the_plain_one() -> None:
+    """Noisy steps (15% jitter, a 2x stall now and then, the machine 25% slower every other 500
+    steps), the plain step seen on 90% of steps and a verify on 10%: the verify's price next to
+    the plain one stays its true 1.3x (a design that split each drift between a machine-wide speed
+    factor and still-learning entries let the two wander apart: 1.08x here)."""
     import random
 
     rng = random.Random(0)
     m = StepCostModel(min_samples=4)
+    seen = []  # the priced ratio every 50 steps over the second half (one reading is a ~5-sample EMA)
     for i in range(4000):
-        spell = 1.25 if (i // 500) % 2 else 1.0  # the machine's speed changes every 500 steps
+        spell = 1.25 if (i // 500) % 2 else 1.0
         tokens = 8 if rng.random() < 0.1 else 4
         stall = 2.0 if rng.random() < 0.02 else 1.0
         m.observe(tokens, spell * stall * (0.05 if tokens == 4 else 0.065) * rng.lognormvariate(0, 0.15), requests=4)
-    assert m.predict(8, requests=4) / m.predict(4, requests=4) == pytest.approx(1.3, rel=0.03)
-    assert 0.8 < m.speed < 1.5
+        if i >= 2000 and i % 50 == 0:
+            seen.append(m.predict(8, requests=4) / m.predict(4, requests=4))
+    assert sum(seen) / len(seen) == pytest.approx(1.3, rel=0.03)
