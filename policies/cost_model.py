@@ -169,12 +169,14 @@ class StepCostModel:
         b = bucket(max(1, round(tokens)))
         if requests is not None and b != bucket(requests):  # a verify step: relative to the plain step now
             rel, plain = self._ratio.get((requests, b)), self._by_batch.get((requests, bucket(requests)))
-            if rel is not None and rel[1] >= self.bucket_min_samples and plain is not None and plain[1] >= self.bucket_min_samples:
+            if self._ready(rel) and self._ready(plain):
                 return rel[0] * plain[0]
         entry = self._table.get(b) if requests is None else self._by_batch.get((requests, b))
-        if entry is None or entry[1] < self.bucket_min_samples:
-            return None
-        return entry[0]
+        return entry[0] if self._ready(entry) else None
+
+    def _ready(self, entry: list[float] | None) -> bool:
+        """Whether a table entry has enough samples to price steps by."""
+        return entry is not None and entry[1] >= self.bucket_min_samples
 
     def predict(self, tokens: int | float, requests: int | None = None) -> float:
         """Expected seconds for a step that feeds ``tokens`` tokens: measured when known, else the line.
