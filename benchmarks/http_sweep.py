@@ -14,6 +14,10 @@ benchmarks/results/http_sweep.json and a PNG (throughput and P99 ITL vs concurre
 One short cell per mode swings by +-15% on 2 shared cores; ``--rounds N`` repeats every cell N
 times with the mode order rotated per round and reports each cell over all its rounds, and
 ``--min-requests`` lengthens the short low-concurrency cells (the 0.97x bar needs both).
+
+``--switchback-rounds N`` adds a second measure of throughput at each concurrency: the modes
+take turns on one unbroken load (benchmarks/switchback.py says why and what it measured). Off
+by default: on this machine its 6 s windows swung more than the bounded cells do.
 """
 
 from __future__ import annotations
@@ -28,13 +32,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from benchmarks.common import RESULTS_DIR, env_info, figure, format_table, line_panel, percentile, progress, save_figure, write_json
+from benchmarks.loadgen import closed_loop
 from benchmarks.spec_bench import CHAT_PROMPTS, COPY_PROMPTS
+from benchmarks.switchback import run_switchback, summarize, versus_best
 from cluster.local_cluster import LocalCluster, Probe
-
-MODEL = "SmolLM2-135M-Instruct"
 MODES = {
     "never": {"name": "never"},
     "always": {"name": "always", "num_speculative_tokens": 4},
@@ -43,59 +45,9 @@ MODES = {
 MIN_REQUESTS = 4  # per cell, by default
 FULL = dict(concurrency=[1, 2, 4, 8, 16, 32], max_tokens=48, requests=lambda c: max(MIN_REQUESTS, 2 * c))
 QUICK = dict(concurrency=[1, 4], max_tokens=12, requests=lambda c: c)
-
-
-async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
-    t0 = time.perf_counter()
-    chunks: list[float] = []
-    usage: dict[str, Any] = {}
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            return {"error": r.status_code}
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            if ev.get("usage"):
-                usage = ev["usage"]
-            elif ev["choices"] and ev["choices"][0]["delta"].get("content"):
-                chunks.append(time.perf_counter())
-    t1 = time.perf_counter()
-    n = usage.get("completion_tokens", 0)
-    return {"ttft": chunks[0] - t0 if chunks else t1 - t0, "e2e": t1 - t0, "tokens": n,
-            "tpot": (t1 - chunks[0]) / (n - 1) if chunks and n > 1 else None,
-            "gaps": [b - a for a, b in zip(chunks, chunks[1:])], "spec": usage.get("speculation", {})}
-
-
-async def closed_loop(url: str, prompts: list[str], concurrency: int, total: int, max_tokens: int) -> dict[str, Any]:
-    queue = list(range(total))
-    results: list[dict[str, Any]] = []
-
-    async def client_loop(client: httpx.AsyncClient) -> None:
-        while queue:
-            i = queue.pop()
-            results.append(await one_request(client, url, prompts[i % len(prompts)], max_tokens))
-
-    t0 = time.perf_counter()
-    async with httpx.AsyncClient(timeout=600) as client:
-        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
-    wall = time.perf_counter() - t0
-    ok = [r for r in results if "error" not in r]
-    gaps = [g for r in ok for g in r["gaps"]]
-    tpots = [r["tpot"] for r in ok if r["tpot"] is not None]
-    return {
-        "requests": len(results), "errors": len(results) - len(ok), "wall_s": wall,
-        "tok_s": sum(r["tokens"] for r in ok) / wall,
-        "tpot_p50_ms": 1e3 * percentile(tpots, 50), "tpot_p99_ms": 1e3 * percentile(tpots, 99),
-        "itl_p50_ms": 1e3 * percentile(gaps, 50), "itl_p99_ms": 1e3 * percentile(gaps, 99),
-        "ttft_p50_ms": 1e3 * percentile([r["ttft"] for r in ok], 50),
-        "draft_tokens": sum(r["spec"].get("draft_tokens", 0) for r in ok),
-        "accepted_tokens": sum(r["spec"].get("accepted_tokens", 0) for r in ok),
-        "spec_steps": sum(r["spec"].get("spec_steps", 0) for r in ok),
-        "plain_steps": sum(r["spec"].get("plain_steps", 0) for r in ok),
-    }
+# switchback (benchmarks/switchback.py): windows per mode, seconds measured per window, seconds
+# after each switch before measuring (the batch settles), seconds of load before the first window
+SWITCHBACK = dict(rounds=0, window_s=6.0, washout_s=2.0, warmup_s=4.0)
 
 
 class ViewAgeSampler:
@@ -167,36 +119,81 @@ def wait_policy(cluster: LocalCluster, name: str) -> None:
     raise TimeoutError(name)
 
 
-def render(rounds: list[dict[str, Any]], plan: dict[str, Any], info: dict[str, Any], name: str,
-           mixes: list[str], num_rounds: int) -> None:
-    """Table, JSON and PNG from the per-round cells (also rebuilds them from a partial run: --render)."""
-    rows = [pool_rounds([r for r in rounds if (r["mode"], r["mix"], r["concurrency"]) == key])
-            for key in dict.fromkeys((r["mode"], r["mix"], r["concurrency"]) for r in rounds)]
+def switchback_rows(windows: list[dict[str, Any]], client: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
+    """(mode, mix, c) -> the switchback columns: tok/s over all windows, per round, request-steps
+    by path, view age; the client latencies kept per cell (``client``); and for the default policy
+    the ratio to the better of never / always, pooled and paired by round."""
+    out: dict[tuple, dict[str, Any]] = {}
+    for mix, c in dict.fromkeys((w["mix"], w["concurrency"]) for w in windows):
+        ws = [w for w in windows if (w["mix"], w["concurrency"]) == (mix, c)]
+        pooled, paired = versus_best(ws, "goodput", ("never", "always"))
+        for mode, s in summarize(ws, []).items():
+            lat = next((x for x in client if (x["mode"], x["mix"], x["concurrency"]) == (mode, mix, c)), {})
+            out[(mode, mix, c)] = {
+                "sb_tok_s": s["tok_s"], "sb_per_round": "/".join(f"{x:.1f}" for x in s["tok_s_rounds"]),
+                "sb_req_steps": f"{s['spec_request_steps']}/{s['plain_request_steps']}",
+                "sb_spec_share": s["spec_request_steps"] / max(1, s["spec_request_steps"] + s["plain_request_steps"]),
+                "sb_itl_p50_ms": lat.get("itl_p50_ms"), "sb_itl_p99_ms": lat.get("itl_p99_ms"),
+                "sb_ttft_p50_ms": lat.get("ttft_p50_ms"), "sb_view_age_max_ms": s["view_age_max_ms"],
+                **({"sb_vs_best": pooled, "sb_vs_best_paired": paired} if mode == "goodput" else {}),
+            }
+    return out
+
+
+def render(rounds: list[dict[str, Any]], windows: list[dict[str, Any]], client: list[dict[str, Any]],
+           plan: dict[str, Any], info: dict[str, Any], name: str, mixes: list[str]) -> None:
+    """Tables, JSON and PNG from the per-round cells and the switchback windows (also rebuilds them
+    from a partial run: --render)."""
+    sb = switchback_rows(windows, client)
+    keys = list(dict.fromkeys([(r["mode"], r["mix"], r["concurrency"]) for r in rounds] + list(sb)))
+    rows = []
+    for key in keys:
+        rs = [r for r in rounds if (r["mode"], r["mix"], r["concurrency"]) == key]
+        row = pool_rounds(rs) if rs else {"mode": key[0], "mix": key[1], "concurrency": key[2]}
+        rows.append({**row, **sb.get(key, {})})
     # the acceptance bar: default policy vs the better of never / always, same mix and concurrency
     for r in rows:
-        if r["mode"] == "goodput":
+        if r["mode"] == "goodput" and "tok_s" in r:
             peers = [x["tok_s"] for x in rows if x["mix"] == r["mix"] and x["concurrency"] == r["concurrency"]
-                     and x["mode"] in ("never", "always")]
+                     and x["mode"] in ("never", "always") and "tok_s" in x]
             r["vs_best"] = r["tok_s"] / max(peers) if peers else None
             r["vs_best_paired"] = paired_ratio(rounds, r["mix"], r["concurrency"])
-    for r in rows:
-        r["steps"] = f"{r['spec_steps']}/{r['plain_steps']}"
-        r["per_round"] = "/".join(f"{x:.1f}" for x in r["tok_s_rounds"])
-    cols = [("mix", "mix", "s"), ("concurrency", "c", "d"), ("mode", "mode", "s"), ("tok_s", "tok/s", ".1f"),
-            ("per_round", "tok/s per round", "s"), ("vs_best", "vs best", ".2f"), ("vs_best_paired", "paired", ".2f"), ("tpot_p50_ms", "TPOT p50", ".0f"), ("tpot_p99_ms", "TPOT p99", ".0f"),
+        if "tok_s" in r:
+            r["steps"] = f"{r['spec_steps']}/{r['plain_steps']}"
+            r["per_round"] = "/".join(f"{x:.1f}" for x in r["tok_s_rounds"])
+    key_cols = [("mix", "mix", "s"), ("concurrency", "c", "d"), ("mode", "mode", "s")]
+    if rounds:
+        cols = key_cols + [
+            ("tok_s", "tok/s", ".1f"), ("per_round", "tok/s per round", "s"), ("vs_best", "vs best", ".2f"),
+            ("vs_best_paired", "paired", ".2f"), ("tpot_p50_ms", "TPOT p50", ".0f"), ("tpot_p99_ms", "TPOT p99", ".0f"),
             ("itl_p50_ms", "ITL p50", ".0f"), ("itl_p99_ms", "ITL p99", ".0f"), ("ttft_p50_ms", "TTFT p50", ".0f"),
             ("steps", "spec/plain steps", "s"), ("view_age_max_ms", "view age max", ".0f"), ("errors", "errors", "d")]
-    table = format_table(rows, cols, title="HTTP sweep (tok/s over all rounds; ms; vs best = goodput / max(never, always) pooled; paired = median over rounds of the same ratio within a round)")
-    print(table)
-    write_json(RESULTS_DIR / f"{name}.json", {"env": info, "plan": {**{k: v for k, v in plan.items() if k != "requests"},
-                                                                      "rounds": num_rounds}, "rows": rows, "rounds": rounds})
+        print(format_table([r for r in rows if "tok_s" in r], cols, title=(
+            "Cells: a bounded closed loop per mode (tok/s over all rounds; ms; vs best = goodput / max(never, "
+            "always) pooled; paired = median over rounds of the same ratio within a round)")))
+    if windows:
+        cols = key_cols + [
+            ("sb_tok_s", "tok/s", ".1f"), ("sb_per_round", "tok/s per window", "s"), ("sb_vs_best", "vs best", ".3f"),
+            ("sb_vs_best_paired", "paired", ".3f"), ("sb_spec_share", "spec share", ".2f"),
+            ("sb_req_steps", "spec/plain req-steps", "s"), ("sb_itl_p50_ms", "ITL p50", ".0f"),
+            ("sb_itl_p99_ms", "ITL p99", ".0f"), ("sb_ttft_p50_ms", "TTFT p50", ".0f"),
+            ("sb_view_age_max_ms", "view age max", ".0f")]
+        print(format_table([r for r in rows if "sb_tok_s" in r], cols, title=(
+            "Switchback: the modes take turns on one unbroken closed loop (engine-counted tok/s over all windows; "
+            "vs best = goodput / max(never, always) over all windows; paired = median over rounds of the ratio "
+            "within a round; spec share = request-steps that verified drafts)")))
+    write_json(RESULTS_DIR / f"{name}.json", {"env": info, "plan": {k: v for k, v in plan.items() if k != "requests"},
+                                              "rows": rows, "rounds": rounds, "switchback": windows,
+                                              "switchback_client": client})
     fig, axes = figure(ncols=4, width=4.5)
+    tput, tput_label = ("sb_tok_s", "switchback") if windows else ("tok_s", "cells")
+    itl, itl_label = ("itl_p99_ms", "cells") if rounds else ("sb_itl_p99_ms", "switchback")
     for j, mix in enumerate(mixes):
         xs = sorted({r["concurrency"] for r in rows if r["mix"] == mix})
-        pick = lambda m, key: [next(r[key] for r in rows if r["mode"] == m and r["mix"] == mix and r["concurrency"] == c) for c in xs]
-        line_panel(axes[2 * j], xs, {m: pick(m, "tok_s") for m in MODES}, title=f"{mix}: throughput",
+        pick = lambda m, key: [next(r.get(key) for r in rows if r["mode"] == m and r["mix"] == mix and r["concurrency"] == c) for c in xs]
+        line_panel(axes[2 * j], xs, {m: pick(m, tput) for m in MODES}, title=f"{mix}: throughput ({tput_label})",
                    xlabel="concurrency", ylabel="output tok/s")
-        line_panel(axes[2 * j + 1], xs, {m: pick(m, "itl_p99_ms") for m in MODES}, title=f"{mix}: P99 ITL",
+        line_panel(axes[2 * j + 1], xs, {m: pick(m, itl) for m in MODES}, title=f"{mix}: P99 ITL ({itl_label})",
                    xlabel="concurrency", ylabel="ms")
     save_figure(fig, RESULTS_DIR / f"{name}.png", suptitle=f"HTTP sweep, {info.get('cpu', '')}")
 
@@ -211,9 +208,16 @@ def main() -> None:
     ap.add_argument("--min-requests", type=int, default=MIN_REQUESTS, help="at least this many requests in every cell")
     ap.add_argument("--mixes", default="copy,chat", help="comma-separated prompt mixes to run (copy, chat)")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="repeat every cell this many times, the mode order rotated each round; report all rounds pooled")
+                    help="bounded cells: repeat every cell this many times, the mode order rotated each round (0: none)")
+    ap.add_argument("--switchback-rounds", type=int, default=SWITCHBACK["rounds"],
+                    help="switchback windows per mode at each concurrency (default 0: none); see benchmarks/switchback.py")
+    ap.add_argument("--window-s", type=float, default=SWITCHBACK["window_s"], help="measured seconds per switchback window")
+    ap.add_argument("--washout-s", type=float, default=SWITCHBACK["washout_s"],
+                    help="seconds after each policy switch before its window is measured")
+    ap.add_argument("--num-threads", type=int, default=2,
+                    help="the target engine's torch threads (ray_config.yaml serves with 2; 1 leaves a core to HTTP)")
     ap.add_argument("--tag", help="write http_sweep_<tag>.{json,png} (a partial rerun keeps the full sweep's files)")
-    ap.add_argument("--render", metavar="JSON", help="only rebuild the table / JSON / PNG from a (partial) run's file")
+    ap.add_argument("--render", metavar="JSON", help="only rebuild the tables / JSON / PNG from a (partial) run's file")
     a = ap.parse_args()
     plan = dict(QUICK if a.quick else FULL)
     if a.concurrency:
@@ -224,6 +228,11 @@ def main() -> None:
         n, lo = a.requests_per_client or 2, a.min_requests
         plan["requests"] = lambda c: max(lo, n * c)
         plan["requests_per_client"], plan["min_requests"] = n, lo
+    sbk = dict(rounds=a.switchback_rounds, window_s=a.window_s, washout_s=a.washout_s,
+               warmup_s=SWITCHBACK["warmup_s"])
+    if a.quick:
+        sbk.update(window_s=min(a.window_s, 2.0), washout_s=min(a.washout_s, 1.0))
+    plan.update(rounds=a.rounds, switchback=sbk, num_threads=a.num_threads)
     name = f"http_sweep_{a.tag}" if a.tag else "http_sweep"
     if a.render:
         saved = json.loads(Path(a.render).read_text())
@@ -232,48 +241,71 @@ def main() -> None:
         keys = {(r["mix"], r["concurrency"]) for r in done}
         full = [k for k in keys if {r["mode"] for r in done if (r["mix"], r["concurrency"]) == k} == set(MODES)]
         done = [r for r in done if (r["mix"], r["concurrency"]) in full]  # cells every mode finished
-        render(done, plan, saved["env"], name, list(dict.fromkeys(r["mix"] for r in done)),
-               max(r["round"] for r in done) + 1)
+        windows = saved.get("switchback", [])
+        render(done, windows, saved.get("switchback_client", []), plan, saved["env"], name,
+               list(dict.fromkeys([r["mix"] for r in done] + [w["mix"] for w in windows])))
         return
     mixes = {"copy": [p for _, _, p in COPY_PROMPTS], "chat": [p for _, _, p in CHAT_PROMPTS]}
     mixes = {m: mixes[m] for m in a.mixes.split(",")}
     info = env_info()
     rounds: list[dict[str, Any]] = []
+    windows: list[dict[str, Any]] = []
+    client: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         cluster = LocalCluster(Path(tmp), policy=MODES["never"], args_patch={
-            "engine": {"max_num_seqs": 32, "max_model_len": 1024, "num_threads": 2},
+            "engine": {"max_num_seqs": 32, "max_model_len": 1024, "num_threads": a.num_threads},
             "draft": {"enabled": False},
         })
         probe = None
         try:
             cluster.start()
             probe = Probe(cluster)
-            # Each round runs the three modes back to back, in an order rotated per round, so that
-            # drift and the position after a redeploy favour no mode (one short cell each swings
-            # by +-15% on 2 shared cores, far more than the 0.97x bar).
+            save = lambda: write_json(RESULTS_DIR / f"{name}.partial.json", {  # after every cell and window,
+                "env": info, "rounds": rounds, "switchback": windows, "switchback_client": client})  # so a cut-short run keeps them
             modes = list(MODES)
-            cells = [(mode, mix, c, rnd) for mix in mixes for c in plan["concurrency"] for rnd in range(a.rounds)
-                     for mode in modes[rnd % len(modes):] + modes[: rnd % len(modes)]]
+            cells = len(mixes) * len(plan["concurrency"])
+            bar = progress(total=cells * len(modes) * (a.rounds + sbk["rounds"]), desc="http sweep", unit="window")
             current = None
-            for mode, mix, c, rnd in progress(cells, desc="http sweep", unit="cell"):
-                if mode != current:
-                    probe.call("Router", "reconfigure", {"policy": MODES[mode]})
-                    wait_policy(cluster, MODES[mode]["name"])
-                    asyncio.run(closed_loop(cluster.base_url, mixes[mix], 2, 4, 8))  # warm-up (cost model)
-                    current = mode
-                with ViewAgeSampler(probe) as ages:
-                    res = asyncio.run(closed_loop(cluster.base_url, mixes[mix], c, plan["requests"](c),
-                                                  plan["max_tokens"]))
-                res["view_age_p50_ms"] = 1e3 * percentile(ages.ages, 50) if ages.ages else None
-                res["view_age_max_ms"] = 1e3 * max(ages.ages) if ages.ages else None
-                rounds.append({"mode": mode, "mix": mix, "concurrency": c, "round": rnd, **res})
-                # written after every cell, so a run cut short still leaves its measurements
-                write_json(RESULTS_DIR / f"{name}.partial.json", {"env": info, "rounds": rounds})
+            for mix in mixes:
+                for c in plan["concurrency"]:
+                    # Bounded cells (latency per request: TPOT, TTFT): each round runs the three modes
+                    # back to back, in an order rotated per round, so that drift and the position after
+                    # a redeploy favour no mode.
+                    for rnd in range(a.rounds):
+                        for mode in modes[rnd % len(modes):] + modes[: rnd % len(modes)]:
+                            if mode != current:
+                                probe.call("Router", "reconfigure", {"policy": MODES[mode]})
+                                wait_policy(cluster, MODES[mode]["name"])
+                                asyncio.run(closed_loop(cluster.base_url, mixes[mix], 2, 4, 8))  # warm-up
+                                current = mode
+                            with ViewAgeSampler(probe) as ages:
+                                res = asyncio.run(closed_loop(cluster.base_url, mixes[mix], c, plan["requests"](c),
+                                                              plan["max_tokens"]))
+                            res["view_age_p50_ms"] = 1e3 * percentile(ages.ages, 50) if ages.ages else None
+                            res["view_age_max_ms"] = 1e3 * max(ages.ages) if ages.ages else None
+                            rounds.append({"mode": mode, "mix": mix, "concurrency": c, "round": rnd, **res})
+                            save()
+                            bar.update()
+                    # Switchback (throughput, the issue-5 bar): the modes take turns on one unbroken load.
+                    if sbk["rounds"]:
+                        def on_window(w: dict[str, Any]) -> None:
+                            windows.append({"mix": mix, "concurrency": c, **w})
+                            save()
+                            bar.update()
+
+                        ws, records = run_switchback(probe, cluster.base_url, mixes[mix], c, plan["max_tokens"],
+                                                     MODES, on_window=on_window, **sbk)
+                        current = ws[-1]["mode"]
+                        for mode, s in summarize(ws, records).items():
+                            client.append({"mode": mode, "mix": mix, "concurrency": c, "requests": len(records),
+                                           **{k: s[k] for k in ("itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "gaps")}})
+                        save()
+            bar.close()
         finally:
             if probe is not None:
                 probe.close()
             cluster.stop()
-    render(rounds, plan, info, name, list(mixes), a.rounds)
+    render(rounds, windows, client, plan, info, name, list(mixes))
 
 
 if __name__ == "__main__":

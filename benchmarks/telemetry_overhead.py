@@ -32,7 +32,7 @@ from statistics import median
 from typing import Any
 
 from benchmarks.common import RESULTS_DIR, bar_panel, env_info, figure, format_table, progress, save_figure, write_json
-from benchmarks.http_sweep import closed_loop
+from benchmarks.loadgen import closed_loop
 from benchmarks.spec_bench import COPY_PROMPTS
 from cluster.local_cluster import LocalCluster
 

@@ -45,3 +45,9 @@ def test_threshold_request_switches_to_plain_when_load_rises_output_unchanged(ti
     assert all(path[i].startswith("plain") for i in crowd), path  # plain while the batch is above T
     assert any(p.startswith("spec") for p in path[crowd[-1] + 1 :]), path  # and resumed once load fell
     assert policy.decisions[("plain", 0)] > 0
+    # the cumulative counters a snapshot publishes (rates over a window come from two snapshots)
+    snap = eng.snapshot()
+    assert snap.output_tokens == len(out) + 3 * 6
+    assert snap.spec_request_steps == sum(p.startswith("spec") for p in path)  # the crowd never speculates
+    # alone's first output came from its prefill step; each crowd request decodes 5 plain steps after its own
+    assert snap.plain_request_steps == sum(p.startswith("plain") for p in path) - 1 + 3 * 5

@@ -103,6 +103,11 @@ class LLMEngine:
         self.tokens_per_step_ema = Ema(0.1)
         self.step_costs: collections.deque[tuple[int, float]] = collections.deque(maxlen=512)  # (tokens, seconds)
         self.num_steps = 0
+        # Cumulative since start, published in every snapshot: a reader takes the rate over any
+        # window it likes from two snapshots (the switchback benchmark does, per policy window).
+        self.num_output_tokens = 0
+        self.num_spec_request_steps = 0  # decode request-steps that verified drafts
+        self.num_plain_request_steps = 0  # decode request-steps without drafts
         self._tokens_last_step = 0
         self._num_recording = 0  # requests in flight that record per-step events (tracing); 0: no event work
 
@@ -261,9 +266,15 @@ class LLMEngine:
             if rec and r.events is not None:
                 kind = "prefill" if r.in_prefill else ("spec" if n_draft else "plain")
                 r.events.append(StepEvent(t0_ns, time.time_ns(), kind, n_draft, n_acc, t_prop_ns))
+            if not r.in_prefill:
+                if n_draft:
+                    self.num_spec_request_steps += 1
+                else:
+                    self.num_plain_request_steps += 1
             r.num_computed += len(toks) - (n_draft - n_acc)  # KV of rejected drafts is now stale: length moves back
             self._record(r, n_draft, n_acc)
             outputs.append(self._commit(r, new_ids))
+            self.num_output_tokens += len(outputs[-1].token_ids)
 
         self.num_steps += 1
         self._tokens_last_step = sum(len(t) for t in batch.token_ids)
@@ -455,6 +466,9 @@ class LLMEngine:
             step_time_ema_s=self.step_time_ema.value or 0.0,
             tokens_per_step_ema=self.tokens_per_step_ema.value or 0.0,
             num_steps=self.num_steps,
+            output_tokens=self.num_output_tokens,
+            spec_request_steps=self.num_spec_request_steps,
+            plain_request_steps=self.num_plain_request_steps,
             timestamp=time.time(),
         ))
 

@@ -180,6 +180,10 @@ class LoadSnapshot:
     # per proposer: EMA of drafted / requested tokens (n-gram finds no match on most open-chat steps)
     proposal_rate_ema: dict[str, float] = field(default_factory=dict)
     num_steps: int = 0
+    # cumulative counters (rates come from two snapshots' difference over their timestamps)
+    output_tokens: int = 0  # tokens committed to outputs
+    spec_request_steps: int = 0  # decode request-steps that verified drafts
+    plain_request_steps: int = 0  # decode request-steps without drafts
     timestamp: float = 0.0  # time.time() when taken
 
     def as_dict(self) -> dict:
