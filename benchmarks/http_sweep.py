@@ -88,7 +88,8 @@ def pool_rounds(rs: list[dict[str, Any]]) -> dict[str, Any]:
     mid = sorted(rs, key=lambda r: r["tok_s"])[(len(rs) - 1) // 2]
     wall = sum(r["wall_s"] for r in rs)
     summed = {k: sum(r.get(k, 0) for r in rs)
-              for k in ("requests", "errors", "spec_steps", "plain_steps", "draft_tokens", "accepted_tokens")}
+              for k in ("requests", "errors", "spec_steps", "plain_steps", "draft_tokens", "accepted_tokens",
+                        "prompt_tokens", "cached_tokens")}
     ages = [r["view_age_max_ms"] for r in rs if r.get("view_age_max_ms") is not None]
     return {**mid, **summed, "wall_s": wall, "tok_s": sum(r["tok_s"] * r["wall_s"] for r in rs) / wall,
             "tok_s_rounds": [r["tok_s"] for r in rs], "view_age_max_ms": max(ages) if ages else None}
@@ -161,13 +162,15 @@ def render(rounds: list[dict[str, Any]], windows: list[dict[str, Any]], client: 
         if "tok_s" in r:
             r["steps"] = f"{r['spec_steps']}/{r['plain_steps']}"
             r["per_round"] = "/".join(f"{x:.1f}" for x in r["tok_s_rounds"])
+            r["cached_share"] = r["cached_tokens"] / r["prompt_tokens"] if r.get("prompt_tokens") else None
     key_cols = [("mix", "mix", "s"), ("concurrency", "c", "d"), ("mode", "mode", "s")]
     if rounds:
         cols = key_cols + [
             ("tok_s", "tok/s", ".1f"), ("per_round", "tok/s per round", "s"), ("vs_best", "vs best", ".2f"),
             ("vs_best_paired", "paired", ".2f"), ("tpot_p50_ms", "TPOT p50", ".0f"), ("tpot_p99_ms", "TPOT p99", ".0f"),
             ("itl_p50_ms", "ITL p50", ".0f"), ("itl_p99_ms", "ITL p99", ".0f"), ("ttft_p50_ms", "TTFT p50", ".0f"),
-            ("steps", "spec/plain steps", "s"), ("view_age_max_ms", "view age max", ".0f"), ("errors", "errors", "d")]
+            ("ttft_max_ms", "TTFT max", ".0f"), ("steps", "spec/plain steps", "s"), ("cached_share", "cached", ".2f"), ("view_age_max_ms", "view age max", ".0f"),
+            ("errors", "errors", "d")]
         print(format_table([r for r in rows if "tok_s" in r], cols, title=(
             "Cells: a bounded closed loop per mode (tok/s over all rounds; ms; vs best = goodput / max(never, "
             "always) pooled; paired = median over rounds of the same ratio within a round)")))
@@ -185,7 +188,7 @@ def render(rounds: list[dict[str, Any]], windows: list[dict[str, Any]], client: 
     write_json(RESULTS_DIR / f"{name}.json", {"env": info, "plan": {k: v for k, v in plan.items() if k != "requests"},
                                               "rows": rows, "rounds": rounds, "switchback": windows,
                                               "switchback_client": client})
-    fig, axes = figure(ncols=4, width=4.5)
+    fig, axes = figure(ncols=2 * len(mixes), width=4.5)
     tput, tput_label = ("sb_tok_s", "switchback") if windows else ("tok_s", "cells")
     itl, itl_label = ("itl_p99_ms", "cells") if rounds else ("sb_itl_p99_ms", "switchback")
     for j, mix in enumerate(mixes):
@@ -216,6 +219,8 @@ def main() -> None:
                     help="seconds after each policy switch before its window is measured")
     ap.add_argument("--num-threads", type=int, default=2,
                     help="the target engine's torch threads (ray_config.yaml serves with 2; 1 leaves a core to HTTP)")
+    ap.add_argument("--prefix-caching", choices=["on", "off"], default="on",
+                    help="the engine's prefix caching (ray_config.yaml: on); off makes every request prefill in full")
     ap.add_argument("--tag", help="write http_sweep_<tag>.{json,png} (a partial rerun keeps the full sweep's files)")
     ap.add_argument("--render", metavar="JSON", help="only rebuild the tables / JSON / PNG from a (partial) run's file")
     a = ap.parse_args()
@@ -232,7 +237,7 @@ def main() -> None:
                warmup_s=SWITCHBACK["warmup_s"])
     if a.quick:
         sbk.update(window_s=min(a.window_s, 2.0), washout_s=min(a.washout_s, 1.0))
-    plan.update(rounds=a.rounds, switchback=sbk, num_threads=a.num_threads)
+    plan.update(rounds=a.rounds, switchback=sbk, num_threads=a.num_threads, prefix_caching=a.prefix_caching)
     name = f"http_sweep_{a.tag}" if a.tag else "http_sweep"
     if a.render:
         saved = json.loads(Path(a.render).read_text())
@@ -253,7 +258,8 @@ def main() -> None:
     client: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         cluster = LocalCluster(Path(tmp), policy=MODES["never"], args_patch={
-            "engine": {"max_num_seqs": 32, "max_model_len": 1024, "num_threads": a.num_threads},
+            "engine": {"max_num_seqs": 32, "max_model_len": 1024, "num_threads": a.num_threads,
+                       "enable_prefix_caching": a.prefix_caching == "on"},
             "draft": {"enabled": False},
         })
         probe = None

@@ -49,6 +49,8 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_toke
     return {"ttft": chunks[0] - t0 if chunks else t1 - t0, "e2e": t1 - t0, "tokens": n,
             "tpot": (t1 - chunks[0]) / (n - 1) if chunks and n > 1 else None,
             "gaps": [b - a for a, b in zip(chunks, chunks[1:])], "spec": usage.get("speculation", {}),
+            "prompt_tokens": usage.get("prompt_tokens", 0),
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
             "t0": t0, "t1": t1, "chunks": chunks}
 
 
@@ -75,10 +77,16 @@ async def closed_loop(url: str, prompts: list[str], concurrency: int, total: int
         "tpot_p50_ms": 1e3 * percentile(tpots, 50), "tpot_p99_ms": 1e3 * percentile(tpots, 99),
         "itl_p50_ms": 1e3 * percentile(gaps, 50), "itl_p99_ms": 1e3 * percentile(gaps, 99),
         "ttft_p50_ms": 1e3 * percentile([r["ttft"] for r in ok], 50),
+        # the slowest start and the slowest request: one stall shows here and in wall_s, not in the medians
+        "ttft_max_ms": 1e3 * max((r["ttft"] for r in ok), default=float("nan")),
+        "e2e_max_s": max((r["e2e"] for r in ok), default=float("nan")),
+        "first_start_s": min((r["t0"] for r in ok), default=t0) - t0,
         "draft_tokens": sum(r["spec"].get("draft_tokens", 0) for r in ok),
         "accepted_tokens": sum(r["spec"].get("accepted_tokens", 0) for r in ok),
         "spec_steps": sum(r["spec"].get("spec_steps", 0) for r in ok),
         "plain_steps": sum(r["spec"].get("plain_steps", 0) for r in ok),
+        # prefix caching: prompt tokens whose KV was reused (a miss on a long prompt costs seconds of TTFT)
+        "prompt_tokens": sum(r["prompt_tokens"] for r in ok), "cached_tokens": sum(r["cached_tokens"] for r in ok),
     }
 
 
