@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import tempfile
 import threading
 import time
@@ -35,6 +34,7 @@ from typing import Any
 from benchmarks.common import RESULTS_DIR, env_info, figure, format_table, line_panel, percentile, progress, save_figure, write_json
 from benchmarks.loadgen import closed_loop
 from benchmarks.spec_bench import CHAT_PROMPTS, COPY_PROMPTS
+from benchmarks import switchback
 from benchmarks.switchback import run_switchback, summarize, versus_best
 from cluster.local_cluster import LocalCluster, Probe
 MODES = {
@@ -102,13 +102,8 @@ def paired_ratio(rounds: list[dict[str, Any]], mix: str, c: int) -> float | None
     machine state; the pooled ``vs_best`` mixes minutes. Measured here: two back-to-back rounds of
     one mode at copy c=8 gave 52 and 70 tok/s, while policy traces showed goodput making always's
     K = 4 decisions on every step. Both statistics are reported; neither is chosen after the fact."""
-    by_round: dict[int, dict[str, float]] = {}
-    for r in rounds:
-        if r["mix"] == mix and r["concurrency"] == c:
-            by_round.setdefault(r["round"], {})[r["mode"]] = r["tok_s"]
-    ratios = [m["goodput"] / max(m["never"], m["always"]) for m in by_round.values()
-              if {"goodput", "never", "always"} <= m.keys()]
-    return statistics.median(ratios) if ratios else None
+    cell = [r for r in rounds if r["mix"] == mix and r["concurrency"] == c]
+    return switchback.paired_ratio(cell, "goodput", ("never", "always"))
 
 
 def wait_policy(cluster: LocalCluster, name: str) -> None:

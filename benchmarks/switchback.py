@@ -169,8 +169,15 @@ def versus_best(windows: list[dict[str, Any]], mode: str, peers: tuple[str, ...]
     if mode not in summary or not all(p in summary for p in peers):
         return None, None
     pooled = summary[mode]["tok_s"] / max(summary[p]["tok_s"] for p in peers)
+    return pooled, paired_ratio(windows, mode, peers)
+
+
+def paired_ratio(items: list[dict[str, Any]], mode: str, peers: tuple[str, ...]) -> float | None:
+    """Median over rounds of ``mode``'s tok/s / the best peer's *within* each round, from items
+    (switchback windows or bounded cells of one mix and concurrency) with ``round``, ``mode`` and
+    ``tok_s``; rounds missing any of the modes are left out."""
     by_round: dict[int, dict[str, float]] = {}
-    for w in windows:
-        by_round.setdefault(w["round"], {})[w["mode"]] = w["tok_s"]
+    for it in items:
+        by_round.setdefault(it["round"], {})[it["mode"]] = it["tok_s"]
     ratios = [r[mode] / max(r[p] for p in peers) for r in by_round.values() if {mode, *peers} <= r.keys()]
-    return pooled, (statistics.median(ratios) if ratios else None)
+    return statistics.median(ratios) if ratios else None

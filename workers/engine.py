@@ -263,14 +263,11 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         for (r, toks), new_ids, n_acc in zip(at_frontier, result.output_token_ids, result.num_accepted):
             n_draft = len(frontier_drafts.get(id(r), []))
+            kind = "prefill" if r.in_prefill else ("spec" if n_draft else "plain")
             if rec and r.events is not None:
-                kind = "prefill" if r.in_prefill else ("spec" if n_draft else "plain")
                 r.events.append(StepEvent(t0_ns, time.time_ns(), kind, n_draft, n_acc, t_prop_ns))
-            if not r.in_prefill:
-                if n_draft:
-                    self.num_spec_request_steps += 1
-                else:
-                    self.num_plain_request_steps += 1
+            self.num_spec_request_steps += kind == "spec"
+            self.num_plain_request_steps += kind == "plain"
             r.num_computed += len(toks) - (n_draft - n_acc)  # KV of rejected drafts is now stale: length moves back
             self._record(r, n_draft, n_acc)
             outputs.append(self._commit(r, new_ids))
