@@ -50,16 +50,9 @@ def loadavg() -> list[float]:
 
 
 def env_info() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
     import transformers
+
+    from workers.hardware import cpu_flags, cpu_name
 
     return {
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -67,7 +60,9 @@ def env_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "torch_threads": torch.get_num_threads(),
-        "cpu": cpu,
+        "cpu": cpu_name(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_native_bf16": sorted(f for f in cpu_flags() if f in ("amx_bf16", "avx512_bf16")),
         "nproc": os.cpu_count(),
         "loadavg_start": loadavg(),
     }

@@ -136,6 +136,7 @@ class DraftWorker:
                         eos_token_ids=frozenset(m["eos_token_ids"]),
                         sampling=SamplingParams(**m["sampling"]),
                         hidden_states=hidden,
+                        coupled=bool(m.get("coupled", False)),
                     )
                 )
                 idx.append(i)

@@ -122,7 +122,14 @@ class Ingress:
         max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
         if max_tokens is not None and max_tokens > ing.max_tokens_cap:
             raise HTTPError(400, f"max_tokens {max_tokens} is above the cap of {ing.max_tokens_cap}", "max_tokens")
+        if isinstance(req, P.ChatCompletionRequest):
+            if req.top_logprobs is not None and not req.logprobs:
+                raise HTTPError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        else:
+            logprobs = req.logprobs
         return {
+            "logprobs": logprobs,
             "max_tokens": max_tokens or ing.default_max_tokens,
             "temperature": req.temperature,
             "top_p": req.top_p,
@@ -192,14 +199,17 @@ class Ingress:
         rt.on_chunk(first)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._sse(gen, first, rid, is_chat, include_usage, deadline, rt),
+            return StreamingResponse(self._sse(gen, first, rid, is_chat, include_usage, deadline, rt,
+                                               params["logprobs"] is not None),
                                      media_type="text/event-stream")
         parts, last = [first["text"]], first
+        lps = list(first.get("logprobs") or [])
         try:
             while not last["finished"]:
                 last = await asyncio.wait_for(gen.__anext__(), max(0.0, deadline - time.monotonic()))
                 rt.on_chunk(last)
                 parts.append(last["text"])
+                lps.extend(last.get("logprobs") or [])
         except asyncio.TimeoutError:
             gen.cancel()
             raise HTTPError(408, f"request exceeded the {self.cfg.ingress.request_timeout_s}s timeout",
@@ -210,27 +220,42 @@ class Ingress:
             raise HTTPError(503, f"target worker failed mid-request: {type(e).__name__}", type_="server_error",
                             headers={"Retry-After": "1"}) from None
         build = P.chat_response if is_chat else P.completion_response
-        return JSONResponse(build(rid, self.model_name, "".join(parts), last["finish_reason"], last))
+        body = build(rid, self.model_name, "".join(parts), last["finish_reason"], last)
+        if params["logprobs"] is not None:
+            body["choices"][0]["logprobs"] = (P.chat_logprobs(lps, self.tokenizer) if is_chat
+                                              else P.completion_logprobs(lps, self.tokenizer))
+        return JSONResponse(body)
 
     async def _sse(self, gen, first: dict, rid: str, is_chat: bool, include_usage: bool,
-                   deadline: float, rt: RequestTelemetry) -> AsyncIterator[bytes]:
+                   deadline: float, rt: RequestTelemetry, want_logprobs: bool = False) -> AsyncIterator[bytes]:
         created = int(time.time())
+        text_offset = 0
 
         def ev(obj: dict) -> bytes:
             return f"data: {json.dumps(obj)}\n\n".encode()
 
-        def chunk(text: str, finish: str | None, role: bool = False) -> bytes:
+        def chunk(text: str, finish: str | None, role: bool, lps: list) -> bytes:
+            nonlocal text_offset
             if is_chat:
                 delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
-                return ev(P.chat_chunk(rid, self.model_name, delta, finish, created))
-            return ev(P.completion_chunk(rid, self.model_name, text, finish, created))
+                obj = P.chat_chunk(rid, self.model_name, delta, finish, created)
+                if want_logprobs:
+                    obj["choices"][0]["logprobs"] = P.chat_logprobs(lps, self.tokenizer)
+            else:
+                obj = P.completion_chunk(rid, self.model_name, text, finish, created)
+                if want_logprobs:
+                    obj["choices"][0]["logprobs"] = P.completion_logprobs(lps, self.tokenizer, text_offset)
+            text_offset += len(text)
+            return ev(obj)
 
         item, role = first, True
+        pending: list = []  # logprobs of tokens whose text the detokenizer still holds back
         try:
             while True:
-                if item["text"] or role or item["finished"]:
-                    yield chunk(item["text"], item["finish_reason"] if item["finished"] else None, role)
-                    role = False
+                pending.extend(item.get("logprobs") or [])
+                if item["text"] or role or item["finished"] or (want_logprobs and pending):
+                    yield chunk(item["text"], item["finish_reason"] if item["finished"] else None, role, pending)
+                    role, pending = False, []
                 if item["finished"]:
                     break
                 item = await asyncio.wait_for(gen.__anext__(), max(0.0, deadline - time.monotonic()))

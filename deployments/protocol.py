@@ -48,7 +48,6 @@ class _Common(BaseModel):
     user: str | None = None
     presence_penalty: Literal[0, 0.0] = 0.0
     frequency_penalty: Literal[0, 0.0] = 0.0
-    logprobs: Literal[False] | None = None
     ignore_eos: bool = False
     # extensions
     speculation: Literal["auto", "on", "off"] = "auto"
@@ -65,10 +64,13 @@ class _Common(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = Field(False, description="Return each output token's log probability.")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="Most likely alternatives per token (needs logprobs).")
 
 
 class CompletionRequest(_Common):
     prompt: str | list[int] = Field(description="Text, or token ids.")
+    logprobs: int | None = Field(None, ge=0, le=20, description="Log probability of each token and this many alternatives.")
 
     @field_validator("prompt")
     @classmethod
@@ -102,6 +104,42 @@ def usage(final: dict) -> dict:
             "accepted_tokens": spec["num_accepted_tokens"],
         },
     }
+
+
+# Logprob entries travel from the target as [token_id, logprob, [[token_id, logprob], ...]].
+LogprobEntry = list  # [int, float, list[list]]
+
+
+def _token(tokenizer: Any, token_id: int) -> tuple[str, list[int]]:
+    text = tokenizer.decode([token_id])
+    return text, list(text.encode("utf-8"))
+
+
+def chat_logprobs(entries: list[LogprobEntry], tokenizer: Any) -> dict:
+    """OpenAI chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    content = []
+    for tid, lp, top in entries:
+        text, raw = _token(tokenizer, tid)
+        alts = []
+        for aid, alp in top:
+            atext, araw = _token(tokenizer, aid)
+            alts.append({"token": atext, "logprob": alp, "bytes": araw})
+        content.append({"token": text, "logprob": lp, "bytes": raw, "top_logprobs": alts})
+    return {"content": content}
+
+
+def completion_logprobs(entries: list[LogprobEntry], tokenizer: Any, text_offset: int = 0) -> dict:
+    """OpenAI completions ``logprobs``: parallel lists ``tokens``, ``token_logprobs``, ``top_logprobs``
+    (one ``{token: logprob}`` per position) and ``text_offset`` (each token's start in the text)."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tid, lp, top in entries:
+        text, _ = _token(tokenizer, tid)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append({_token(tokenizer, aid)[0]: alp for aid, alp in top})
+        out["text_offset"].append(text_offset)
+        text_offset += len(text)
+    return out
 
 
 def chat_response(rid: str, model: str, text: str, finish_reason: str | None, final: dict) -> dict:

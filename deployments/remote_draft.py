@@ -87,6 +87,7 @@ class RemoteDraftProposer(Proposer):
             "k": r.k,
             "eos_token_ids": sorted(r.eos_token_ids),
             "sampling": r.sampling.model_dump(),
+            "coupled": r.coupled,
         }
 
     def finish(self, request_id: str, token_ids: Sequence[int]) -> None:

@@ -47,6 +47,7 @@ def output_dict(o: RequestOutput) -> dict[str, Any]:
         "num_cached_tokens": o.num_cached_tokens,
         "proposer": o.proposer,
         "spec": o.spec.as_dict(),
+        "logprobs": None if o.logprobs is None else [[e.token_id, e.logprob, [list(t) for t in e.top]] for e in o.logprobs],
     }
 
 

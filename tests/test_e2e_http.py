@@ -66,6 +66,62 @@ def test_greedy_speculation_on_equals_off(client, proposer):
         assert chat(client, COPY, speculation="on", proposer=proposer).usage.model_extra["speculation"]["draft_tokens"] > 0
 
 
+def _neighbour_load(client, stop: threading.Event, n: int = 15) -> list[threading.Thread]:
+    """``n`` clients sending assorted requests back to back until ``stop`` is set."""
+    def loop(i: int) -> None:
+        while not stop.is_set():
+            try:
+                chat(client, f"Tell me fact number {i} about the sea.", speculation=["on", "off", "auto"][i % 3])
+            except openai.APIError:
+                pass
+    threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _answer(client, content: str, sampled: bool, stream: bool, **extra) -> tuple[str, list]:
+    kw = dict(temperature=0.8, top_p=0.95, seed=11) if sampled else dict(temperature=0)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=24,
+                                       logprobs=True, top_logprobs=3, stream=stream, extra_body=extra, **kw)
+    if not stream:
+        return r.choices[0].message.content, [(e.token, e.logprob, [(a.token, a.logprob) for a in e.top_logprobs])
+                                              for e in r.choices[0].logprobs.content]
+    text, lps = "", []
+    for ch in r:
+        if ch.choices:
+            text += ch.choices[0].delta.content or ""
+            if ch.choices[0].logprobs and ch.choices[0].logprobs.content:
+                lps += [(e.token, e.logprob, [(a.token, a.logprob) for a in e.top_logprobs])
+                        for e in ch.choices[0].logprobs.content]
+    return text, lps
+
+
+def test_output_and_logprobs_are_a_function_of_the_request_under_load(client):
+    """Greedy and seeded (T=0.8, top-p 0.95) chat with logprobs: the text and every logprob are
+    identical alone with speculation off, and with speculation on (n-gram, draft model) or auto
+    while 15 other clients keep the batch busy; streamed and not."""
+    prompts = (COPY, "Name three rivers in Europe.")
+    ref = {(p, s): _answer(client, p, s, False, speculation="off") for p in prompts for s in (False, True)}
+    for (p, s), (text, lps) in ref.items():
+        assert text and 1 <= len(lps) <= 24, (p, s)
+        assert all(len(top) == 3 and lp <= 0 for _, lp, top in lps)
+    assert any(ref[(p, False)] != ref[(p, True)] for p in prompts)  # the sampled requests really sampled
+    stop = threading.Event()
+    threads = _neighbour_load(client, stop)
+    try:
+        for stream, extra in ((False, {"speculation": "on", "proposer": "ngram"}),
+                              (True, {"speculation": "on", "proposer": "ngram"}),
+                              (False, {"speculation": "on", "proposer": "draft_model"}),
+                              (True, {"speculation": "auto"})):
+            for (p, s), want in ref.items():
+                assert _answer(client, p, s, stream, **extra) == want, (extra, p, s, stream)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+
+
 def test_streaming_matches_non_streaming_with_usage(client):
     full = chat(client, COPY, speculation="on")
     stream = client.chat.completions.create(

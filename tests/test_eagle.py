@@ -42,7 +42,7 @@ def tiny_head(target, seed: int = 0, draft_vocab: int | None = None) -> EagleHea
 
 
 def make_engine(loaded, head: EagleHead | None, k: int, max_num_seqs: int = 8, budget: int = 64) -> LLMEngine:
-    cfg = EngineConfig(model="x", max_num_seqs=max_num_seqs, max_model_len=256, max_num_batched_tokens=budget,
+    cfg = EngineConfig(dtype="float32", model="x", max_num_seqs=max_num_seqs, max_model_len=256, max_num_batched_tokens=budget,
                        num_speculative_tokens=k)
     props = {}
     if head is not None:
@@ -75,7 +75,7 @@ def test_engine_passes_hidden_of_committed_positions(tiny_loaded) -> None:
             return super().propose(requests)
 
     head = tiny_head(tiny_loaded.model)
-    cfg = EngineConfig(model="x", max_num_seqs=2, max_model_len=128, max_num_batched_tokens=16, num_speculative_tokens=3)
+    cfg = EngineConfig(dtype="float32", model="x", max_num_seqs=2, max_model_len=128, max_num_batched_tokens=16, num_speculative_tokens=3)
     eng = LLMEngine(cfg, tiny_loaded, proposers={"eagle": Spy(head, tiny_loaded.model, 2, 128, device="cpu")})
     eng.generate([PROMPTS[0], PROMPTS[3]], {"max_tokens": 12, "ignore_eos": True})  # chunked prefill (budget 16)
     ref = ModelRunner(tiny_loaded.model, num_slots=1, max_model_len=128, device="cpu")
@@ -180,7 +180,7 @@ def test_remote_eagle_through_draft_worker_identical_to_plain(tiny_loaded, tiny_
 
         worker.propose = flaky
         remote.handle.propose = type(remote.handle.propose)(flaky)
-    eng_cfg = EngineConfig(model="x", max_num_seqs=8, max_model_len=256, max_num_batched_tokens=64,
+    eng_cfg = EngineConfig(dtype="float32", model="x", max_num_seqs=8, max_model_len=256, max_num_batched_tokens=64,
                            num_speculative_tokens=3)
     eng = LLMEngine(eng_cfg, tiny_loaded, proposers={"eagle": remote})
     params = {"max_tokens": 20, "ignore_eos": True}

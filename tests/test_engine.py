@@ -113,7 +113,7 @@ CHAT = [
 
 @pytest.mark.slow
 def test_smollm2_greedy_identical_to_hf_generate(smollm2_loaded):
-    eng = LLMEngine(EngineConfig(max_num_seqs=8, max_model_len=512), smollm2_loaded)
+    eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=8, max_model_len=512), smollm2_loaded)
     prompts = [eng.tokenize_chat([{"role": "user", "content": c}]) for c in CHAT]
     outs = eng.generate(prompts, {"max_tokens": 48})
     for p, o in zip(prompts, outs):
@@ -127,7 +127,7 @@ def test_smollm2_greedy_identical_to_hf_generate(smollm2_loaded):
 @pytest.mark.parametrize("batch", [1, 4, 16])
 def test_tiny_continuous_batching_matches_hf(tiny_loaded, batch):
     """Requests join mid-flight and finish at different times; each output equals HF greedy alone."""
-    eng = LLMEngine(EngineConfig(max_num_seqs=batch, max_model_len=256, max_num_batched_tokens=32), tiny_loaded)
+    eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=batch, max_model_len=256, max_num_batched_tokens=32), tiny_loaded)
     prompts = rand_prompts(batch + 3, seed=batch)
     lens = [5 + (i * 7) % 19 for i in range(len(prompts))]
     outs: dict[str, list[int]] = {}
@@ -146,7 +146,7 @@ def test_tiny_continuous_batching_matches_hf(tiny_loaded, batch):
 
 
 def test_chunked_prefill_does_not_stall_running_requests(tiny_loaded):
-    eng = LLMEngine(EngineConfig(max_num_seqs=4, max_model_len=512, max_num_batched_tokens=32), tiny_loaded)
+    eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512, max_num_batched_tokens=32), tiny_loaded)
     eng.add_request("short", rand_prompts(1, 1, 5, 5)[0], {"max_tokens": 20, "ignore_eos": True})
     eng.step()  # prefill + first token
     eng.add_request("long", rand_prompts(1, 2, 300, 300)[0], {"max_tokens": 2, "ignore_eos": True})
@@ -157,7 +157,7 @@ def test_chunked_prefill_does_not_stall_running_requests(tiny_loaded):
 
 
 def test_prefill_chunk_is_capped_while_others_decode(tiny_loaded):
-    cfg = EngineConfig(max_num_seqs=4, max_model_len=512, max_num_batched_tokens=128, max_prefill_tokens_while_decoding=8)
+    cfg = EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512, max_num_batched_tokens=128, max_prefill_tokens_while_decoding=8)
     eng = LLMEngine(cfg, tiny_loaded)
     eng.add_request("alone", rand_prompts(1, 5, 100, 100)[0], {"max_tokens": 2, "ignore_eos": True})
     eng.step()
@@ -177,19 +177,19 @@ def test_prefill_chunk_is_capped_while_others_decode(tiny_loaded):
 def test_seeded_sampling_reproducible_across_batch_compositions(tiny_loaded):
     params = {"max_tokens": 24, "temperature": 0.9, "top_p": 0.9, "top_k": 50, "seed": 1234, "ignore_eos": True}
     prompt = rand_prompts(1, 3)[0]
-    alone = LLMEngine(EngineConfig(max_num_seqs=8, max_model_len=256), tiny_loaded).generate([prompt], params)[0]
-    eng = LLMEngine(EngineConfig(max_num_seqs=8, max_model_len=256), tiny_loaded)
+    alone = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=8, max_model_len=256), tiny_loaded).generate([prompt], params)[0]
+    eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=8, max_model_len=256), tiny_loaded)
     others = rand_prompts(5, 4)
     crowd = eng.generate(others[:2] + [prompt] + others[2:], [params] and params)[2]
     assert crowd == alone
-    other_seed = LLMEngine(EngineConfig(max_num_seqs=8, max_model_len=256), tiny_loaded).generate(
+    other_seed = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=8, max_model_len=256), tiny_loaded).generate(
         [prompt], {**params, "seed": 99}
     )[0]
     assert other_seed != alone
 
 
 def test_max_tokens_and_stop_strings_exact(tiny_loaded):
-    eng = LLMEngine(EngineConfig(max_num_seqs=4, max_model_len=256), tiny_loaded)
+    eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=256), tiny_loaded)
     prompt = rand_prompts(1, 5)[0]
     full = eng.generate([prompt], {"max_tokens": 30, "ignore_eos": True})[0]
     assert len(full) == 30
@@ -207,7 +207,7 @@ def test_max_tokens_and_stop_strings_exact(tiny_loaded):
 
 
 def test_bad_input_named_and_engine_keeps_serving(tiny_loaded):
-    eng = LLMEngine(EngineConfig(max_num_seqs=4, max_model_len=128), tiny_loaded)
+    eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=128), tiny_loaded)
     good = rand_prompts(1, 6)[0]
     eng.add_request("ok", good, {"max_tokens": 8, "ignore_eos": True})
     cases = [
@@ -236,7 +236,7 @@ def test_bad_input_named_and_engine_keeps_serving(tiny_loaded):
 
 
 def test_cancellation_frees_kv_at_once(tiny_loaded):
-    eng = LLMEngine(EngineConfig(max_num_seqs=2, max_model_len=128), tiny_loaded)
+    eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=2, max_model_len=128), tiny_loaded)
     p = rand_prompts(3, 7)
     for i in range(3):
         eng.add_request(f"r{i}", p[i], {"max_tokens": 50, "ignore_eos": True})
@@ -253,14 +253,14 @@ def test_cancellation_frees_kv_at_once(tiny_loaded):
 
 
 def test_admission_waits_when_full(tiny_loaded):
-    eng = LLMEngine(EngineConfig(max_num_seqs=2, max_model_len=128), tiny_loaded)
+    eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=2, max_model_len=128), tiny_loaded)
     prompts = rand_prompts(5, 8)
     outs = eng.generate(prompts, {"max_tokens": 6, "ignore_eos": True})
     assert all(len(o) == 6 for o in outs)
 
 
 def test_async_engine_streams_and_cancels(tiny_loaded):
-    eng = LLMEngine(EngineConfig(max_num_seqs=4, max_model_len=256), tiny_loaded)
+    eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=256), tiny_loaded)
     ae = AsyncEngine(eng)
     prompt = rand_prompts(1, 9)[0]
 
@@ -294,9 +294,9 @@ def test_slow_stream_consumer_gets_the_backlog_as_one_chunk(tiny_loaded):
 
     from workers.async_engine import AsyncEngine
 
-    eng = LLMEngine(EngineConfig(max_num_seqs=2, max_model_len=128), tiny_loaded)
+    eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=2, max_model_len=128), tiny_loaded)
     want = eng.generate([[5, 6, 7]], {"max_tokens": 24, "temperature": 0, "ignore_eos": True})[0]
-    ae = AsyncEngine(LLMEngine(EngineConfig(max_num_seqs=2, max_model_len=128), tiny_loaded))
+    ae = AsyncEngine(LLMEngine(EngineConfig(dtype="float32", max_num_seqs=2, max_model_len=128), tiny_loaded))
     try:
         async def consume() -> list:
             chunks = []
@@ -321,7 +321,7 @@ def test_async_engine_builds_from_a_factory_in_its_loop_thread(tiny_loaded):
 
     def build() -> LLMEngine:
         built_in.append(threading.current_thread().name)
-        return LLMEngine(EngineConfig(max_num_seqs=2, max_model_len=128), tiny_loaded)
+        return LLMEngine(EngineConfig(dtype="float32", max_num_seqs=2, max_model_len=128), tiny_loaded)
 
     ae = AsyncEngine(build)
     try:

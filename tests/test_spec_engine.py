@@ -91,7 +91,7 @@ def make_proposer(kind: str, target, draft, num_slots: int = 32) -> tuple[str, P
 
 def spec_engine(loaded, draft_loaded, kind: str, k: int, batch: int = 32, decide=None, **cfg: Any):
     name, prop = make_proposer(kind, loaded, draft_loaded, num_slots=batch)
-    conf = EngineConfig(max_num_seqs=batch, max_model_len=MAX_LEN, num_speculative_tokens=k, **cfg)
+    conf = EngineConfig(dtype="float32", max_num_seqs=batch, max_model_len=MAX_LEN, num_speculative_tokens=k, **cfg)
     return name, LLMEngine(conf, loaded, proposers={name: prop}, decide=decide)
 
 
@@ -102,7 +102,7 @@ def plain(loaded, prompts: Sequence[Sequence[int]], params: dict[str, Any]) -> l
     """Plain greedy reference (an engine with no proposer at all), cached per prompt set."""
     key = (tuple(map(tuple, prompts)), tuple(sorted(params.items())))
     if key not in _PLAIN:
-        eng = LLMEngine(EngineConfig(max_num_seqs=max(len(prompts), 1), max_model_len=MAX_LEN), loaded)
+        eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=max(len(prompts), 1), max_model_len=MAX_LEN), loaded)
         _PLAIN[key] = eng.generate(prompts, params)
     return _PLAIN[key]
 
@@ -242,7 +242,7 @@ def test_draft_with_restricted_vocabulary_keeps_greedy_output(tiny_loaded):
     V = tiny_loaded.model.config.vocab_size
     prop = DraftModelProposer(model=tiny_loaded.model, num_slots=4, max_model_len=MAX_LEN, target_vocab_size=V,
                               vocab_ids=list(range(0, V, 2)))
-    eng = LLMEngine(EngineConfig(max_num_seqs=4, max_model_len=MAX_LEN, num_speculative_tokens=4,
+    eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=MAX_LEN, num_speculative_tokens=4,
                                  proposers=[{"name": "draft_model"}]), tiny_loaded, proposers={"draft_model": prop})
     res = run(eng, prompts, params, speculation="on", proposer="draft_model")
     assert [r["tokens"] for r in res.values()] == plain(tiny_loaded, prompts, params)
@@ -369,7 +369,7 @@ def test_context_end_never_overshot(tiny_loaded, draft_loaded):
     params = {"max_tokens": max_len - len(prompt), "ignore_eos": True}
     name, p = make_proposer("draft_self", tiny_loaded, draft_loaded, num_slots=2)
     eng = LLMEngine(
-        EngineConfig(max_num_seqs=2, max_model_len=max_len, num_speculative_tokens=8),
+        EngineConfig(dtype="float32", max_num_seqs=2, max_model_len=max_len, num_speculative_tokens=8),
         tiny_loaded,
         proposers={name: p},
     )
@@ -388,7 +388,7 @@ def test_stop_string_never_overshot(tiny_loaded, draft_loaded, kind):
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip() and stop in text
     sparams = {**params, "stop": [stop]}
-    ref_eng = LLMEngine(EngineConfig(max_num_seqs=2, max_model_len=MAX_LEN), tiny_loaded)
+    ref_eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=2, max_model_len=MAX_LEN), tiny_loaded)
     ref = run(ref_eng, [prompt], sparams)["r0"]
     assert ref["reason"] == "stop" and ref["text"] == text[: text.index(stop)]
     name, eng = spec_engine(tiny_loaded, draft_loaded, kind, 8, batch=2)
@@ -432,7 +432,7 @@ def test_draft_with_other_vocabulary_rejected(tiny_loaded):
     unchecked = DraftModelProposer(model=small, num_slots=2, max_model_len=MAX_LEN)
     with pytest.raises(ValueError, match="vocab"):
         LLMEngine(
-            EngineConfig(max_num_seqs=2, max_model_len=MAX_LEN), tiny_loaded, proposers={"draft_model": unchecked}
+            EngineConfig(dtype="float32", max_num_seqs=2, max_model_len=MAX_LEN), tiny_loaded, proposers={"draft_model": unchecked}
         )
 
 
@@ -461,7 +461,7 @@ def test_smollm2_speculative_identical_to_plain(smollm2_loaded):
 
     # one engine (one copy of the weights) for the plain reference and all three proposers
     eng = LLMEngine(
-        EngineConfig(max_num_seqs=4, max_model_len=512, num_speculative_tokens=4),
+        EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512, num_speculative_tokens=4),
         loaded,
         proposers={"ngram": NgramProposer(), "suffix": SuffixProposer(), "draft_model": draft},
         decide=decide,
@@ -495,7 +495,7 @@ def test_smollm2_greedy_identical_for_every_k_and_batch(smollm2_loaded):
     loaded = smollm2_loaded
     k_now = {"k": 0}
     eng = LLMEngine(
-        EngineConfig(max_num_seqs=32, max_model_len=512, num_speculative_tokens=8),
+        EngineConfig(dtype="float32", max_num_seqs=32, max_model_len=512, num_speculative_tokens=8),
         loaded,
         proposers={"ngram": NgramProposer(), "suffix": SuffixProposer(), "draft_model": DraftModelProposer(
             model=loaded.model, num_slots=32, max_model_len=512, target_vocab_size=loaded.model.config.vocab_size)},

@@ -28,12 +28,25 @@ class EngineConfig(BaseModel):
 
     model: str = Field("smollm2", description="'smollm2' (the shipped GGUF) or a local Hugging Face model directory.")
     served_model_name: str = Field("SmolLM2-135M-Instruct", description="Name reported by /v1/models.")
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32",
-        description="Weights and activations. fp32 is the default: on a CPU without native bf16 matmuls (this "
-        "one: AVX2 only) bf16 wins only in one-row steps (20 vs 36 ms per token), multi-row steps then run "
-        "through fp32 copies of the bf16 weights, and bf16 rounding makes greedy output depend on batch "
-        "composition far more often than fp32 does (README, Performance).",
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="Weights and activations. 'auto': bfloat16 where the hardware multiplies it natively (CUDA; a "
+        "CPU with AMX or AVX512-BF16), float32 elsewhere (without native bf16 a multi-row bf16 GEMM is emulated and "
+        "slower than fp32). With batch_invariant on, output is a pure function of the request in either dtype.",
+    )
+    batch_invariant: bool = Field(
+        True,
+        description="Kernels whose result for a position does not depend on the rest of the step (rows fed, "
+        "neighbours, slot, prefix-cache hit): output is then bit-identical with speculation on or off, alone or "
+        "in any batch (workers/batch_invariant.py). False keeps the fastest kernels, whose rounding depends on "
+        "the batch (greedy bf16 output then changes with load).",
+    )
+    verification: Literal["coupled", "rejection"] = Field(
+        "coupled",
+        description="How a sampled request's drafts are checked. 'coupled': a draft is accepted iff it equals the "
+        "target's own position-keyed sample, so output is exactly plain decoding's for any K, proposer or path, and "
+        "a seeded request reproduces at any load; drafts send no distribution. 'rejection': Leviathan et al. "
+        "rejection sampling (the same distribution, but the random draws depend on K, so seeded text depends on load).",
     )
     device: str = Field("auto", description="'auto' picks CUDA when present, else CPU.")
     cpu_gemm: Literal["onednn", "mkl"] = Field(

@@ -18,6 +18,7 @@ Nothing here imports Ray; the Serve target worker drives it through ``AsyncEngin
 from __future__ import annotations
 
 import collections
+import secrets
 import time
 from typing import Any, Callable, Iterable, Sequence
 
@@ -31,10 +32,11 @@ from workers.errors import InvalidRequestError
 from workers.model_loader import LoadedModel
 from workers.proposers.base import ProposalRequest, Proposer
 from workers.proposers.draft_model import common_prefix_len
-from workers.rejection_sampler import verify
-from workers.request import Request, RequestOutput, Status, StepEvent
-from workers.runner import ModelRunner, StepBatch
-from workers.sampler import make_generator
+from workers.rejection_sampler import verify, verify_coupled
+from workers.request import Request, RequestOutput, Status, StepEvent, TokenLogprob
+from workers.hardware import resolve_dtype
+from workers.runner import ModelRunner, StepBatch, pick_device
+from workers.sampler import make_generator, position_key
 from workers.sampling_params import SamplingParams
 from workers.stats import AcceptanceTracker, Ema, LoadSnapshot, SpecDecodeStats
 
@@ -60,9 +62,11 @@ class LLMEngine:
         hf_cfg = loaded.model.config
         self.vocab_size = hf_cfg.vocab_size
         self.max_model_len = min(config.max_model_len, getattr(hf_cfg, "max_position_embeddings", 1 << 30))
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
+        device = pick_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, device)
         self.runner = ModelRunner(
-            loaded.model, config.max_num_seqs, self.max_model_len, dtype, config.device, cpu_gemm=config.cpu_gemm
+            loaded.model, config.max_num_seqs, self.max_model_len, self.dtype, device, cpu_gemm=config.cpu_gemm,
+            batch_invariant=config.batch_invariant,
         )
         eos = getattr(hf_cfg, "eos_token_id", None)
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -182,9 +186,12 @@ class LLMEngine:
             proposer=proposer or self.default_proposer,
             speculation=speculation,
             detok=IncrementalDetokenizer(self.tokenizer, prompt, params.stop),
-            generator=make_generator(params.seed, self.runner.device),
+            generator=None,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            seed=params.seed if params.seed is not None else secrets.randbits(64),
         )
+        if self.config.verification == "rejection" and not params.greedy:
+            req.generator = make_generator(req.seed, self.runner.device)
         if record_events:
             req.events = []
             self._num_recording += 1
@@ -253,15 +260,24 @@ class LLMEngine:
                 r.num_computed += len(toks)
                 if rec and r.events is not None:
                     r.events.append(StepEvent(t0_ns, time.time_ns(), "prefill", 0, 0, t_prop_ns))
-        result = verify(
-            out.logits,
-            [frontier_drafts.get(id(r), []) for r, _ in at_frontier],
-            [frontier_probs.get(id(r)) for r, _ in at_frontier],
-            [r.params for r, _ in at_frontier],
-            [r.generator for r, _ in at_frontier],
-        )
+        if self.config.verification == "coupled":
+            result = verify_coupled(
+                out.logits,
+                [frontier_drafts.get(id(r), []) for r, _ in at_frontier],
+                [r.params for r, _ in at_frontier],
+                [self._row_keys(r, len(frontier_drafts.get(id(r), []))) for r, _ in at_frontier],
+            )
+        else:
+            result = verify(
+                out.logits,
+                [frontier_drafts.get(id(r), []) for r, _ in at_frontier],
+                [frontier_probs.get(id(r)) for r, _ in at_frontier],
+                [r.params for r, _ in at_frontier],
+                [r.generator for r, _ in at_frontier],
+            )
         outputs: list[RequestOutput] = []
-        for (r, toks), new_ids, n_acc in zip(at_frontier, result.output_token_ids, result.num_accepted):
+        logprobs = self._logprobs(out.logits, at_frontier, frontier_drafts, result.output_token_ids)
+        for (r, toks), new_ids, n_acc, lps in zip(at_frontier, result.output_token_ids, result.num_accepted, logprobs):
             n_draft = len(frontier_drafts.get(id(r), []))
             kind = "prefill" if r.in_prefill else ("spec" if n_draft else "plain")
             if rec and r.events is not None:
@@ -270,7 +286,7 @@ class LLMEngine:
             self.num_plain_request_steps += kind == "plain"
             r.num_computed += len(toks) - (n_draft - n_acc)  # KV of rejected drafts is now stale: length moves back
             self._record(r, n_draft, n_acc)
-            outputs.append(self._commit(r, new_ids))
+            outputs.append(self._commit(r, new_ids, lps))
             self.num_output_tokens += len(outputs[-1].token_ids)
 
         self.num_steps += 1
@@ -282,6 +298,14 @@ class LLMEngine:
         if self.on_step is not None:
             self.on_step(self._tokens_last_step, dt, len(decoding) if len(sched) == len(decoding) else None)
         return outputs
+
+    @staticmethod
+    def _row_keys(r: Request, num_draft: int) -> list[int]:
+        """Noise keys of the output positions a verify of ``num_draft`` drafts decides (none if greedy)."""
+        if r.params.greedy:
+            return []
+        t0 = len(r.output_ids)
+        return [position_key(r.seed, t0 + j) for j in range(num_draft + 1)]
 
     def _admit(self) -> None:
         while self.waiting and self.free_slots:
@@ -356,7 +380,8 @@ class LLMEngine:
                     num_prompt_tokens=len(decoding[i].prompt_ids),
                     k=ks[i],
                     eos_token_ids=decoding[i].eos_token_ids,
-                    sampling=decoding[i].params,
+                    sampling=decoding[i].params.model_copy(update={"seed": decoding[i].seed}),
+                    coupled=self.config.verification == "coupled",
                     hidden_states=None if decoding[i].hidden is None else decoding[i].hidden[: decoding[i].num_computed],
                 )
                 for i in idxs
@@ -399,7 +424,41 @@ class LLMEngine:
         elif r.proposer:
             self.stats[r.proposer].plain_steps += 1
 
-    def _commit(self, r: Request, new_ids: Iterable[int]) -> RequestOutput:
+    def _logprobs(
+        self,
+        logits: torch.Tensor,  # [sum_i (num_draft_i + 1), vocab] the verify rows of the frontier requests
+        at_frontier: list[tuple[Request, list[int]]],
+        drafts: dict[int, list[int]],
+        new_ids: list[list[int]],  # per frontier request: the tokens verify committed
+    ) -> list[list[TokenLogprob] | None]:
+        """Log probabilities of the committed tokens, from the rows that decided them (under speculation,
+        the verify rows): with batch-invariant kernels, the same numbers as plain decoding's."""
+        out: list[list[TokenLogprob] | None] = [None] * len(at_frontier)
+        want = [i for i, (r, _) in enumerate(at_frontier) if r.params.logprobs is not None]
+        if not want:
+            return out
+        starts, acc = [], 0
+        for r, _ in at_frontier:
+            starts.append(acc)
+            acc += len(drafts.get(id(r), [])) + 1
+        rows = [starts[i] + j for i in want for j in range(len(new_ids[i]))]
+        lp = logits[torch.tensor(rows, device=logits.device)].float().log_softmax(dim=-1)  # [n, vocab]
+        top_k = max(at_frontier[i][0].params.logprobs or 0 for i in want)
+        top_lp, top_ids = lp.topk(top_k, dim=-1) if top_k else (lp[:, :0], lp[:, :0].long())  # [n, top_k]
+        chosen = torch.tensor([t for i in want for t in new_ids[i]], device=logits.device)
+        chosen_lp = lp.gather(1, chosen[:, None])[:, 0].tolist()
+        top_lp_l, top_ids_l = top_lp.tolist(), top_ids.tolist()
+        n = 0
+        for i in want:
+            k = at_frontier[i][0].params.logprobs or 0
+            entries = []
+            for t in new_ids[i]:
+                entries.append(TokenLogprob(t, chosen_lp[n], tuple(zip(top_ids_l[n][:k], top_lp_l[n][:k]))))
+                n += 1
+            out[i] = entries
+        return out
+
+    def _commit(self, r: Request, new_ids: Iterable[int], logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         committed: list[int] = []
         if r.first_token_time is None:
             r.first_token_time = time.monotonic()
@@ -415,9 +474,11 @@ class LLMEngine:
             if len(r.output_ids) >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
                 self._finish(r, "length")
                 break
-        return self._output(r, committed, final=r.status is Status.FINISHED)
+        lps = None if logprobs is None else logprobs[: len(committed)]
+        return self._output(r, committed, final=r.status is Status.FINISHED, logprobs=lps)
 
-    def _output(self, r: Request, token_ids: list[int], final: bool) -> RequestOutput:
+    def _output(self, r: Request, token_ids: list[int], final: bool,
+                logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=r.request_id,
             token_ids=token_ids,
@@ -432,6 +493,7 @@ class LLMEngine:
             first_token_time=r.first_token_time,
             arrival_time=r.arrival_time,
             events=r.events if final else None,
+            logprobs=logprobs,
         )
 
     def _finish(self, r: Request, reason: str) -> None:
@@ -467,6 +529,8 @@ class LLMEngine:
             spec_request_steps=self.num_spec_request_steps,
             plain_request_steps=self.num_plain_request_steps,
             timestamp=time.time(),
+            dtype=str(self.dtype).removeprefix("torch."),
+            batch_invariant=self.config.batch_invariant,
         ))
 
     # ----------------------------------------------------------------- convenience (tests, benchmarks)

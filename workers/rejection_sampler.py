@@ -1,4 +1,16 @@
-"""Verify draft tokens against the target in one pass: greedy match or rejection sampling.
+"""Verify draft tokens against the target in one pass: coupled verification or rejection sampling.
+
+**Coupled verification** (:func:`verify_coupled`, the default; Daliri et al. 2024, "Coupling without
+communication and drafter-invariant speculative decoding"): the target's token at output position
+``t`` is its own sample from its processed ``p_t`` with position-keyed noise (workers/sampler.py,
+``keyed_sample``; greedy is the zero-noise case, the argmax). A draft token is accepted iff it equals
+that sample; at the first mismatch the target's sample is committed, and if all pass the sample one
+past the last draft is the bonus. Every committed token is therefore exactly the token plain
+decoding writes at that position, whatever K, proposer or path: the output is a function of the
+request alone, and follows ``p`` exactly. A model draft that samples its ``q`` with the same keyed
+noise agrees with the target as often as the Gumbel-max coupling allows; it sends no ``q``.
+
+**Rejection sampling** (:func:`verify`, ``verification: rejection``):
 
 The algorithm is speculative sampling (Leviathan et al. 2023, arXiv 2211.17192,
 Algorithm 1; Chen et al. 2023, arXiv 2302.01318, Algorithm 2). For each draft
@@ -23,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.sampler import process_logits, sample, sampling_tensors
+from workers.sampler import keyed_sample, process_logits, sample, sampling_tensors
 from workers.sampling_params import SamplingParams
 
 
@@ -82,6 +94,46 @@ def verify(
             num_accepted[i], final_token[i] = a, t
     outputs = [draft_token_ids[i][: num_accepted[i]] + [final_token[i]] for i in range(num_reqs)]
     return VerifyOutput(output_token_ids=outputs, num_accepted=num_accepted)
+
+
+def verify_coupled(
+    target_logits: torch.Tensor,  # [sum_i (num_draft_i + 1), vocab] float32 raw target logits, as in verify
+    draft_token_ids: list[list[int]],  # per request [num_draft_i], may be empty (a plain step)
+    params: list[SamplingParams],  # per request
+    row_keys: list[list[int]],  # per request [num_draft_i + 1] position keys of its rows (ignored if greedy)
+) -> VerifyOutput:
+    """Accept the drafts that equal the target's own position-keyed samples, then one more sample."""
+    num_reqs = len(draft_token_ids)
+    if not (len(params) == len(row_keys) == num_reqs):
+        raise ValueError("draft_token_ids, params and row_keys must have one entry per request")
+    num_draft = [len(d) for d in draft_token_ids]
+    row_start = list(itertools.accumulate((n + 1 for n in num_draft), initial=0))
+    if target_logits.shape[0] != row_start[-1]:
+        raise ValueError(f"target_logits has {target_logits.shape[0]} rows, drafts need {row_start[-1]}")
+    device = target_logits.device
+    target_ids = target_logits.argmax(dim=-1)  # [R]: the greedy rows' tokens (zero noise)
+    sampled = [i for i in range(num_reqs) if not params[i].greedy]
+    if sampled:
+        for i in sampled:
+            if len(row_keys[i]) != num_draft[i] + 1:
+                raise ValueError(f"request {i}: {len(row_keys[i])} row keys for {num_draft[i] + 1} rows")
+        rows = torch.tensor([r for i in sampled for r in range(row_start[i], row_start[i + 1])], device=device)
+        counts = torch.tensor([num_draft[i] + 1 for i in sampled], device=device)  # [B_s]
+        row_params = (t.repeat_interleave(counts) for t in sampling_tensors([params[i] for i in sampled], device))
+        p = process_logits(target_logits[rows], *row_params)  # [R_s, vocab] p: the target's processed probs
+        target_ids[rows] = keyed_sample(p, [k for i in sampled for k in row_keys[i]])
+    if not any(num_draft):
+        return VerifyOutput(output_token_ids=[[t] for t in target_ids.tolist()], num_accepted=[0] * num_reqs)
+    drafts, lengths = _padded(draft_token_ids, device)  # [B, K], [B]
+    pos = torch.arange(drafts.shape[1] + 1, device=device)  # [K + 1]
+    starts = torch.tensor(row_start[:-1], dtype=torch.long, device=device)  # [B]
+    per_row = target_ids[starts.unsqueeze(1) + torch.minimum(pos.unsqueeze(0), lengths.unsqueeze(1))]  # [B, K + 1]
+    valid = pos[:-1].unsqueeze(0) < lengths.unsqueeze(1)  # [B, K]
+    accepted = _num_leading(valid & (drafts == per_row[:, :-1]))  # [B]
+    final = per_row.gather(1, accepted.unsqueeze(1)).squeeze(1)  # [B]
+    acc = accepted.tolist()
+    outputs = [draft_token_ids[i][: acc[i]] + [t] for i, t in enumerate(final.tolist())]
+    return VerifyOutput(output_token_ids=outputs, num_accepted=acc)
 
 
 def _padded(

@@ -49,6 +49,16 @@ class RequestOutput:
     arrival_time: float = 0.0
     num_cached_tokens: int = 0  # prompt tokens whose KV was reused from another request (prefix caching)
     events: list[StepEvent] | None = None  # on the final output of a request added with record_events
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when the request asked for logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log probability under the target and the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
 
 
 @dataclass
@@ -59,8 +69,9 @@ class Request:
     proposer: str | None
     speculation: Speculation
     detok: IncrementalDetokenizer
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # rejection verification's stream (seeded with ``seed``)
     eos_token_ids: frozenset[int]
+    seed: int = 0  # params.seed, or drawn at admission: keys the noise of every output position
     arrival_time: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from workers import batch_invariant as bi
+
 
 @dataclass
 class StepBatch:
@@ -105,9 +107,12 @@ class ModelRunner:
         device: torch.device | str = "auto",
         cpu_gemm: str = "onednn",
         head_rows: Sequence[int] | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         """``head_rows``: compute logits only for these vocabulary rows (a draft model's trained
-        vocabulary); ``StepOutput.logits`` then has ``len(head_rows)`` columns, in that order."""
+        vocabulary); ``StepOutput.logits`` then has ``len(head_rows)`` columns, in that order.
+        ``batch_invariant``: every position's logits and hidden states are bit-identical whatever
+        else the step holds (workers/batch_invariant.py); ``False`` keeps the fastest kernels."""
         if cpu_gemm not in ("onednn", "mkl"):
             raise ValueError(f"cpu_gemm must be 'onednn' or 'mkl', got {cpu_gemm!r}")
         cfg = hf_model.config
@@ -120,6 +125,7 @@ class ModelRunner:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.hidden_size = cfg.hidden_size
+        self.intermediate_size = cfg.intermediate_size
         self.vocab_size = cfg.vocab_size
         self.eps = cfg.rms_norm_eps
         rope = getattr(cfg, "rope_parameters", None) or {}
@@ -176,6 +182,7 @@ class ModelRunner:
             self.device.type == "cpu" and cpu_gemm == "onednn" and dtype == torch.bfloat16
             and not self._packed and _onednn_packs(torch.float32)
         )
+        self.batch_invariant = batch_invariant
         if self._wide_f32:
             for L in self.layers:
                 for name in ("qkv", "o", "gate_up", "down"):
@@ -189,9 +196,28 @@ class ModelRunner:
         self.cos = (emb.cos() * scale).to(dtype)
         self.sin = (emb.sin() * scale).to(dtype)
 
-        kv_shape = (num_slots, self.num_kv_heads, max_model_len, self.head_dim)
+        # The invariant attention reads whole KEY_BLOCKs of keys, so the cache is that much longer.
+        kv_len = bi.padded_keys(max_model_len) if batch_invariant else max_model_len
+        kv_shape = (num_slots, self.num_kv_heads, kv_len, self.head_dim)
         self.k_cache = [torch.zeros(kv_shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_cache = [torch.zeros(kv_shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
+        # One row blocking per weight shape (all layers share them), probed with the thread count the
+        # steps run with (a library partitions work by thread count too): re-probed if that changes.
+        self.row_blocking: dict[str, bi.RowBlocking] = {}
+        self._probed_threads = 0
+        if batch_invariant:
+            self._probe()
+
+    def _probe(self) -> None:
+        L0 = self.layers[0]
+        widths = {"qkv": self.hidden_size, "o": self.num_heads * self.head_dim, "gate_up": self.hidden_size,
+                  "down": self.intermediate_size}
+        for name, width in widths.items():
+            self.row_blocking[name] = bi.probe_row_blocking(
+                lambda x, n=name: self._linear_kernel(x, L0, n), width, self.dtype, self.device)
+        self.row_blocking["lm_head"] = bi.probe_row_blocking(self._lm_head_kernel, self.hidden_size, self.dtype,
+                                                             self.device)
+        self._probed_threads = torch.get_num_threads()
 
     @property
     def kv_bytes(self) -> int:
@@ -216,6 +242,15 @@ class ModelRunner:
 
     def _linear(self, x: torch.Tensor, L: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         # x: [T, in] -> [T, out]
+        if self.batch_invariant:
+            return bi.blocked(lambda xb: self._linear_kernel(xb, L, name), x, self.row_blocking[name])
+        return self._linear_kernel(x, L, name)
+
+    def _linear_kernel(self, x: torch.Tensor, L: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        # x: [T, in] -> [T, out]. Batch-invariant runners use one kernel for every row count: a bf16
+        # runner on a CPU without native bf16 GEMMs always multiplies through the fp32 packed copy.
+        if self.batch_invariant and self._wide_f32:
+            return _packed_linear(x.float(), L[name + "_f32"]).to(self.dtype)
         if self._packed:
             return _packed_linear(x, L[name])
         if self._wide_f32 and x.shape[0] >= _WIDE_ROWS:
@@ -230,6 +265,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> StepOutput:
         dev = self.device
+        if self.batch_invariant and torch.get_num_threads() != self._probed_threads:
+            self._probe()
         num_new = [len(t) for t in batch.token_ids]
         nreq = len(num_new)
         flat_ids = torch.tensor([t for ts in batch.token_ids for t in ts], dtype=torch.long, device=dev)  # [T]
@@ -255,7 +292,9 @@ class ModelRunner:
             offsets.append(offsets[-1] + n)
         mask = None
         groups: list[_AttnGroup] = []
-        if nreq == 1 and not single:
+        if self.batch_invariant:
+            groups = self._attention_groups(batch, num_new, offsets, pad_keys=True)
+        elif nreq == 1 and not single:
             qpos = batch.start_pos[0] + torch.arange(max_q, device=dev)  # [max_q]
             mask = (torch.arange(max_kv, device=dev)[None, :] <= qpos[:, None])[None, None]  # [1, 1, max_q, max_kv]
         elif nreq > 1:
@@ -281,7 +320,16 @@ class ModelRunner:
             else:
                 kc[slot_of_tok, :, positions] = k  # in-place write, [T, Hkv, D] at (slot, :, pos)
                 vc[slot_of_tok, :, positions] = v
-            if nreq == 1:
+            if self.batch_invariant:
+                o = q.new_empty(total, H, D)
+                for g in groups:
+                    qp = q.new_zeros(g.hi - g.lo, g.n, H, D)
+                    qp[g.sl, g.qrow] = q[g.tok]
+                    attn = bi.attention(qp, kc[g.lo : g.hi, :, : g.max_kv], vc[g.lo : g.hi, :, : g.max_kv],
+                                        g.mask[:, 0], D ** -0.5)  # [S_g, n_g, H, D]
+                    o[g.tok] = attn[g.sl, g.qrow]
+                o = o.reshape(total, H * D)
+            elif nreq == 1:
                 qp = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
                 attn = F.scaled_dot_product_attention(
                     qp, kc[lo:hi, :, :max_kv], vc[lo:hi, :, :max_kv], attn_mask=mask, enable_gqa=True
@@ -316,7 +364,9 @@ class ModelRunner:
             extra = self._rms_norm(h[hrows], self.final_norm)  # [M', hidden]
         return StepOutput(logits=self._lm_head(hs), hidden=hs, extra_hidden=extra)
 
-    def _attention_groups(self, batch: StepBatch, num_new: list[int], offsets: list[int]) -> list["_AttnGroup"]:
+    def _attention_groups(
+        self, batch: StepBatch, num_new: list[int], offsets: list[int], pad_keys: bool = False
+    ) -> list["_AttnGroup"]:
         """One attention call per distinct new-token count, each over its own slot range.
 
         Why: one call padded to the longest query would make every decoding request (1 new token)
@@ -324,7 +374,8 @@ class ModelRunner:
         padding cost a batch-16 step 78 ms of its 275 ms (measured). Grouping by count keeps each
         call dense. Within a group's slot range, key j is visible to query row i of slot s iff
         j <= start_s + i; slots of other groups (or unused) keep key 0 visible, so no row is all
-        -inf, and their outputs are never read.
+        -inf, and their outputs are never read. ``pad_keys``: the key axis is rounded up to whole
+        KEY_BLOCKs for the batch-invariant attention.
         """
         dev = self.device
         by_n: dict[int, list[int]] = {}
@@ -335,6 +386,8 @@ class ModelRunner:
             slots = [batch.slots[i] for i in idxs]
             lo, hi = min(slots), max(slots) + 1
             max_kv = max(batch.start_pos[i] + n for i in idxs)
+            if pad_keys:
+                max_kv = bi.padded_keys(max_kv)
             start = torch.zeros(hi - lo, dtype=torch.long, device=dev)
             start[torch.tensor(slots, device=dev) - lo] = torch.tensor([batch.start_pos[i] for i in idxs], device=dev)
             qpos = start[:, None] + torch.arange(n, device=dev)[None, :]  # [S_g, n]
@@ -354,6 +407,14 @@ class ModelRunner:
         takes 4.5 ms at 1 row, 7 ms at 4 and 10 ms at 16 (measured, fp32, 2 cores), against 10, 22
         and 21 ms for ``F.linear``.
         """
+        if self.batch_invariant:
+            return bi.blocked(self._lm_head_kernel, hs, self.row_blocking["lm_head"])
+        return self._lm_head_kernel(hs)
+
+    def _lm_head_kernel(self, hs: torch.Tensor) -> torch.Tensor:
+        # hs: [M, hidden] -> [M, vocab] float32
+        if self.batch_invariant and self._wide_f32:
+            return _packed_linear(hs.float().contiguous(), self.lm_head_f32)
         if self._packed:
             return _packed_linear(hs.contiguous(), self.lm_head_packed).float()  # [M, vocab]
         if self._wide_f32 and hs.shape[0] >= _WIDE_ROWS:

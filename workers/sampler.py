@@ -135,3 +135,56 @@ def sample(
     # A 0 draw would make 0 / 0 = NaN for zero-probability tokens, and argmax picks NaN.
     exponentials.clamp_min_(torch.finfo(torch.float32).tiny)
     return (probs.float() / exponentials).argmax(dim=-1)
+
+
+# ----------------------------------------------------------------------------- position-keyed noise
+#
+# The noise that picks the token at output position t is a function of (seed, t) only: a generator
+# freshly seeded with key(seed, t) (splitmix64, Steele et al. 2014) draws that position's numbers.
+# Nothing is consumed from a per-request stream, so how many rows a verify step feeds (K) cannot
+# shift which numbers a later position sees: plain decoding's output is a deterministic function
+# of (prompt, params, seed), and a draft that samples with the same noise agrees with the target
+# as often as the two distributions allow (coupled verification, workers/rejection_sampler.py).
+
+_M64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    z = (x + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def position_key(seed: int, position: int) -> int:
+    """The 64-bit key of output position ``position`` of a request seeded ``seed``."""
+    return _splitmix64((seed & _M64) ^ _splitmix64(position & _M64))
+
+
+def keyed_exponentials(
+    keys: list[int],  # [n] position keys (position_key)
+    vocab: int,
+    device: torch.device | str,
+) -> torch.Tensor:  # [n, vocab] float32 Exp(1) draws, row i a pure function of keys[i]
+    """``-log(u)``, ``u`` uniform from a generator seeded with the row's key (drawn on the CPU, so
+    the numbers are the same whatever the device the logits live on)."""
+    u = torch.empty(len(keys), vocab, dtype=torch.float32)  # [n, vocab]
+    g = torch.Generator(device="cpu")
+    for i, key in enumerate(keys):
+        g.manual_seed(key)
+        u[i].uniform_(generator=g)
+    # uniform_ gives multiples of 2^-24 in [0, 1); the midpoints of that grid (exact in fp64) are in (0, 1),
+    # so every draw is finite and positive and no token is excluded
+    return (-torch.log(u.double() + 2.0**-25)).float().to(device)
+
+
+def keyed_sample(
+    probs: torch.Tensor,  # [n, vocab] float32 processed probabilities (rows need not be normalized)
+    keys: list[int],  # [n] position keys
+) -> torch.Tensor:  # [n] long
+    """The exponential race ``argmax_v p_v / E_v`` with position-keyed ``E`` (see :func:`sample`):
+    distributed exactly as ``p``; the same (p, key) always gives the same token."""
+    if probs.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.long, device=probs.device)
+    e = keyed_exponentials(keys, probs.shape[1], probs.device)
+    return (probs.float() / e).argmax(dim=-1)

@@ -28,6 +28,11 @@ class SamplingParams(BaseModel):
     seed: int | None = Field(None, description="Per-request RNG seed; same seed + same request = same output.")
     stop: tuple[str, ...] = Field((), description="Stop strings; the matched string is not emitted.")
     ignore_eos: bool = Field(False, description="Keep generating past EOS (benchmarks).")
+    logprobs: int | None = Field(
+        None, ge=0, le=20,
+        description="Return each output token's log probability under the target (raw logits, before temperature "
+        "/ top-k / top-p) and this many most likely alternatives; None = off.",
+    )
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -185,6 +185,8 @@ class LoadSnapshot:
     spec_request_steps: int = 0  # decode request-steps that verified drafts
     plain_request_steps: int = 0  # decode request-steps without drafts
     timestamp: float = 0.0  # time.time() when taken
+    dtype: str = ""  # the engine's resolved dtype ("float32" / "bfloat16")
+    batch_invariant: bool = False  # whether its kernels make output a pure function of the request
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from workers.sampler import position_key
 from workers.sampling_params import SamplingParams
 
 
@@ -32,6 +33,9 @@ class ProposalRequest:
     # positions 0 .. len(token_ids) - 2 (every committed token but the last, which the target has not
     # read yet). A read-only view of the engine's buffer: copy what you keep. None for other proposers.
     hidden_states: torch.Tensor | None = None  # [len(token_ids) - 1, hidden]
+    # Coupled verification: a sampled draft is the keyed sample of q at its output position, with the
+    # noise the target uses there (``sampling.seed`` is the request's resolved seed), and no q is sent.
+    coupled: bool = False
 
 
 @dataclass
@@ -63,6 +67,15 @@ class Proposer(ABC):
         """The request left the engine (finished or cancelled): free its state."""
 
 
+def coupled_key(r: ProposalRequest, num_drafted: int) -> int | None:
+    """The noise key of ``r``'s next draft (after ``num_drafted`` drafts this call) under coupled
+    verification: that of the output position it would fill. None: not coupled, or greedy."""
+    if not r.coupled or r.sampling.greedy:
+        return None
+    assert r.sampling.seed is not None, "the engine resolves every request's seed"
+    return position_key(r.sampling.seed, len(r.token_ids) - r.num_prompt_tokens + num_drafted)
+
+
 def stack_draft_probs(
     requests: Sequence[ProposalRequest], q_rows: list[list[torch.Tensor]], vocab_size: int, device: torch.device
 ) -> list[torch.Tensor | None]:
@@ -70,7 +83,7 @@ def stack_draft_probs(
     (an empty ``[0, vocab]`` when it drafted nothing). Shared by the proposers that have a q."""
     out: list[torch.Tensor | None] = []
     for r, rows in zip(requests, q_rows):
-        if r.sampling.greedy:
+        if r.sampling.greedy or r.coupled:
             out.append(None)
         elif rows:
             out.append(torch.stack(rows))  # [num_draft_i, V]

@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from workers.proposers.base import Proposals, ProposalRequest, Proposer, stack_draft_probs
-from workers.sampler import make_generator, process_logits, sample, sampling_tensors
+from workers.proposers.base import coupled_key, Proposals, ProposalRequest, Proposer, stack_draft_probs
+from workers.sampler import keyed_sample, make_generator, process_logits, sample, sampling_tensors
 from workers.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the runner imports transformers (~3 s); load it only when a proposer is built
@@ -238,7 +238,8 @@ class DraftModelProposer(Proposer):
                 for i in rows:  # the previous draft is now in the cache
                     states[i].cached.append(drafts[i][-1])  # type: ignore[union-attr]
             logits = self._full_width(self.runner.forward(batch).logits)  # [len(rows), V] at each request's last fed token
-            tokens, q = self._select(logits, [requests[i].sampling for i in rows], [states[i] for i in rows])
+            tokens, q = self._select(logits, [requests[i].sampling for i in rows], [states[i] for i in rows],
+                                     [coupled_key(requests[i], len(drafts[i])) for i in rows])
             still = []
             for j, i in enumerate(rows):
                 if tokens[j] in requests[i].eos_token_ids:
@@ -267,6 +268,7 @@ class DraftModelProposer(Proposer):
         logits: torch.Tensor,  # [n, V] float32 draft logits, row j belongs to params[j]
         params: list[SamplingParams],
         states: list[_DraftState | None],
+        keys: list[int | None],  # per row: coupled_key (None: draw from the draft's own stream)
     ) -> tuple[list[int], list[torch.Tensor | None]]:  # draft token per row; q row [V] (None for greedy rows)
         """Greedy rows take the argmax; sampled rows draw from the processed ``q``."""
         chosen = logits.argmax(dim=-1)  # [n]
@@ -276,8 +278,15 @@ class DraftModelProposer(Proposer):
             sp_rows = [params[j] for j in sampled]
             idx = torch.tensor(sampled, device=logits.device)
             q = process_logits(logits[idx], *sampling_tensors(sp_rows, logits.device))  # [S, V] q: draft probs
-            gens = [self._generator(states[j], params[j]) for j in sampled]  # type: ignore[arg-type]
-            chosen[idx] = sample(q, gens)
-            for a, j in enumerate(sampled):
-                q_out[j] = q[a]
+            own = [a for a, j in enumerate(sampled) if keys[j] is None]
+            tied = [a for a, j in enumerate(sampled) if keys[j] is not None]
+            picked = torch.empty(len(sampled), dtype=torch.long, device=logits.device)  # [S]
+            if tied:  # coupled: the keyed sample at the position this draft would fill; no q to send
+                picked[tied] = keyed_sample(q[tied], [keys[sampled[a]] for a in tied])
+            if own:
+                gens = [self._generator(states[sampled[a]], params[sampled[a]]) for a in own]  # type: ignore[arg-type]
+                picked[own] = sample(q[own], gens)
+                for a in own:
+                    q_out[sampled[a]] = q[a]
+            chosen[idx] = picked
         return chosen.tolist(), q_out

@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from workers.eagle_head import EagleHead, load_head
-from workers.proposers.base import Proposals, ProposalRequest, Proposer, stack_draft_probs
+from workers.proposers.base import coupled_key, Proposals, ProposalRequest, Proposer, stack_draft_probs
 from workers.proposers.draft_model import DRAFT_SEED_SALT
-from workers.sampler import make_generator, process_logits, sample, sampling_tensors
+from workers.sampler import keyed_sample, make_generator, process_logits, sample, sampling_tensors
 from workers.sampling_params import SamplingParams
 
 
@@ -208,7 +208,8 @@ class EagleProposer(Proposer):
                                   torch.tensor([drafts[i][-1] for i in rows], device=self.device), [1] * len(rows))
                 for i in rows:
                     pos_next[i] += 1
-            chosen, q = self._select(self._logits(f), [requests[i].sampling for i in rows], [states[i] for i in rows])
+            chosen, q = self._select(self._logits(f), [requests[i].sampling for i in rows], [states[i] for i in rows],
+                                     [coupled_key(requests[i], len(drafts[i])) for i in rows])
             still, keep = [], []
             for j, i in enumerate(rows):
                 if chosen[j] in requests[i].eos_token_ids:
@@ -230,6 +231,7 @@ class EagleProposer(Proposer):
         logits: torch.Tensor,  # [n, V_draft] float32 over the draft vocabulary
         params: list[SamplingParams],
         states: list[_EagleState],
+        keys: list[int | None],  # per row: coupled_key (None: draw from the draft's own stream)
     ) -> tuple[list[int], list[torch.Tensor | None]]:  # target token id per row; q row [V] (None for greedy)
         d2t = self.head.d2t
         chosen = d2t[logits.argmax(-1)]  # [n] target ids
@@ -241,10 +243,17 @@ class EagleProposer(Proposer):
             full[:, d2t] = logits[idx]
             sp_rows = [params[j] for j in sampled]
             q = process_logits(full, *sampling_tensors(sp_rows, logits.device))  # [S, V] q: draft probs
-            gens = [self._generator(states[j], params[j]) for j in sampled]
-            chosen[idx] = sample(q, gens)
-            for a, j in enumerate(sampled):
-                q_out[j] = q[a]
+            own = [a for a, j in enumerate(sampled) if keys[j] is None]
+            tied = [a for a, j in enumerate(sampled) if keys[j] is not None]
+            picked = torch.empty(len(sampled), dtype=torch.long, device=logits.device)  # [S]
+            if tied:  # coupled: the keyed sample at the position this draft would fill; no q to send
+                picked[tied] = keyed_sample(q[tied], [keys[sampled[a]] for a in tied])
+            if own:
+                gens = [self._generator(states[sampled[a]], params[sampled[a]]) for a in own]  # type: ignore[arg-type]
+                picked[own] = sample(q[own], gens)
+                for a in own:
+                    q_out[sampled[a]] = q[a]
+            chosen[idx] = picked
         return chosen.tolist(), q_out
 
     def _generator(self, st: _EagleState, sp: SamplingParams) -> torch.Generator | None:

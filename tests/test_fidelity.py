@@ -1,0 +1,251 @@
+"""Output is a pure function of the request: the same tokens alone or in any batch, plain or speculative.
+
+Greedy and seeded sampled requests (temperature, top-p), in fp32 and bf16: each prompt decoded alone
+and plainly is the reference; every proposer (n-gram, suffix, the target as its own draft, a bad
+random draft), with K switched between 0 and 1..8 every step, in a batch with neighbours of other
+sampling params, must write exactly those tokens. Plus the sampler's pieces: position-keyed noise
+and coupled verification, which must sample exactly the target's distribution (chi-square).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from tests.test_spec_engine import KINDS, MAX_LEN, Switcher, copy_prompts, make_proposer
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.rejection_sampler import verify_coupled
+from workers.sampler import keyed_exponentials, keyed_sample, position_key, process_logits
+from workers.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GREEDY = {"max_tokens": 24, "ignore_eos": True}
+# a hot temperature: the tiny random model's logits are peaky, and sampling must matter for the test to bite
+SAMPLED = {"max_tokens": 24, "ignore_eos": True, "temperature": 1.6, "top_p": 0.95, "seed": 1234}
+
+
+@pytest.fixture(scope="module")
+def draft_loaded(tiny_draft_dir):
+    from workers.model_loader import load_model
+
+    return load_model(tiny_draft_dir)
+
+
+def alone(loaded, dtype: str, prompts: list[list[int]], params: dict) -> list[list[int]]:
+    """Each prompt decoded alone (its own engine step after step), plainly: the reference."""
+    eng = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=1, max_model_len=MAX_LEN, proposers=[]), loaded)
+    return [eng.generate([p], params)[0] for p in prompts]
+
+
+def neighbours(n: int, seed: int) -> tuple[list[list[int]], list[dict]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(2, 30))] for _ in range(n)]
+    params = [{"max_tokens": rng.randint(4, 30), "ignore_eos": True, "temperature": rng.choice([0.0, 0.7, 1.3]),
+               "seed": rng.randrange(1 << 30)} for _ in range(n)]
+    return prompts, params
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
+def test_every_path_writes_the_alone_plain_tokens(tiny_loaded, draft_loaded, dtype, params):
+    prompts = copy_prompts(5, seed=31)
+    ref = alone(tiny_loaded, dtype, prompts, params)
+    if params is SAMPLED:  # the seed must matter, or this proves nothing about sampled requests
+        other = alone(tiny_loaded, dtype, prompts, {**params, "seed": 99})
+        assert sum(a != b for a, b in zip(ref, other)) >= 3
+    extra, extra_params = neighbours(10, seed=5)
+    for kind in KINDS:
+        name, prop = make_proposer(kind, tiny_loaded, draft_loaded, num_slots=16)
+        sw = Switcher()
+        eng = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=16, max_model_len=MAX_LEN, num_speculative_tokens=8,
+                                     proposers=[{"name": name}]), tiny_loaded, proposers={name: prop}, decide=sw)
+        for j, (p, sp) in enumerate(zip(extra, extra_params)):  # neighbours first: ours join a busy batch
+            eng.add_request(f"n{j}", p, sp, speculation="on", proposer=name)
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", p, params, speculation="on", proposer=name)
+        tokens: dict[str, list[int]] = {}
+        while eng.has_work():
+            for o in eng.step():
+                tokens.setdefault(o.request_id, []).extend(o.token_ids)
+        got = [tokens[f"r{i}"] for i in range(len(prompts))]
+        assert got == ref, f"{kind}: speculative/batched output differs from the request decoded alone"
+        if params is GREEDY or kind.startswith("draft"):  # hot samples rarely repeat: lookups find nothing
+            assert eng.stats[name].num_draft_tokens > 0, f"{kind}: nothing was drafted"
+        if kind == "draft_self" and dtype == "float32":  # same model, same keyed noise: drafts agree
+            assert eng.stats[name].acceptance_rate > 0.9
+
+
+def test_unseeded_requests_draw_their_own_seed(tiny_loaded):
+    """No seed: a seed is drawn at admission, so two identical requests write different samples."""
+    params = {**SAMPLED, "seed": None}
+    eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=MAX_LEN), tiny_loaded)
+    prompts = copy_prompts(3, seed=8)
+    a, b = eng.generate(prompts, params), eng.generate(prompts, params)
+    assert a != b
+
+
+def test_rejection_verification_still_selectable(tiny_loaded):
+    """``verification: rejection``: greedy stays plain's, a seeded request reproduces at a fixed K."""
+    prompts = copy_prompts(4, seed=12)
+    ref = alone(tiny_loaded, "float32", prompts, GREEDY)
+    cfg = dict(dtype="float32", max_num_seqs=4, max_model_len=MAX_LEN, num_speculative_tokens=4,
+               verification="rejection")
+    from workers.proposers.ngram import NgramProposer
+
+    eng = LLMEngine(EngineConfig(**cfg), tiny_loaded, proposers={"ngram": NgramProposer()})
+    assert eng.generate(prompts, GREEDY, speculation="on", proposer="ngram") == ref
+    s1 = eng.generate(prompts, SAMPLED, speculation="on", proposer="ngram")
+    s2 = eng.generate(prompts, SAMPLED, speculation="on", proposer="ngram")
+    assert s1 == s2
+
+
+# ----------------------------------------------------------------------------- the sampler's pieces
+
+
+def test_keyed_noise_is_a_function_of_seed_and_position():
+    keys = [position_key(7, t) for t in range(4)]
+    a = keyed_exponentials(keys, 1000, "cpu")
+    b = keyed_exponentials(list(reversed(keys)), 1000, "cpu").flip(0)
+    assert torch.equal(a, b)  # no stream: order and batch do not matter
+    assert not torch.equal(a[0], a[1])  # positions get different numbers
+    assert position_key(7, 0) != position_key(8, 0)
+    e = keyed_exponentials([position_key(s, 0) for s in range(50)], 1000, "cpu")
+    assert bool((e > 0).all()) and abs(float(e.mean()) - 1.0) < 0.02 and abs(float(e.var()) - 1.0) < 0.05
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+@pytest.mark.parametrize("coupled_draft", [True, False], ids=["draft-with-same-noise", "draft-independent"])
+def test_coupled_verification_samples_the_target_distribution(coupled_draft):
+    """Over many seeds, the first committed token follows the target's processed p exactly (chi-square
+    against p at 99.9%), whatever the draft; a draft that uses the same keyed noise is accepted far more
+    often than an independent one (Gumbel-max coupling)."""
+    gen = torch.Generator().manual_seed(0)
+    V, N = 12, 6000
+    target_logits = torch.randn(3, V, generator=gen) * 1.5  # rows: after draft 0, after draft 1, bonus
+    draft_logits = target_logits + torch.randn(3, V, generator=gen) * 0.8  # a decent but imperfect draft
+    sp = SamplingParams(temperature=1.0, max_tokens=4)
+    ones = torch.ones(3)
+    p = process_logits(target_logits, ones, torch.zeros(3, dtype=torch.long), ones)  # [3, V]
+    q = process_logits(draft_logits, ones, torch.zeros(3, dtype=torch.long), ones)
+    counts = torch.zeros(V)
+    accepted_first = 0
+    for seed in range(N):
+        keys = [position_key(seed, t) for t in range(3)]
+        dkeys = keys if coupled_draft else [position_key(seed + 10**9, t) for t in range(3)]
+        drafts = keyed_sample(q[:2], dkeys[:2]).tolist()
+        out = verify_coupled(target_logits, [drafts], [sp], [keys])
+        counts[out.output_token_ids[0][0]] += 1
+        accepted_first += out.num_accepted[0] >= 1
+    # 11 degrees of freedom: the 99.9% quantile is 31.3
+    assert _chi_square(counts, p[0]) < 31.3
+    overlap = float(torch.minimum(p[0], q[0]).sum())  # the best any coupling can do: 1 - TV
+    rate = accepted_first / N
+    if coupled_draft:
+        assert rate > 0.8 * overlap
+    else:
+        assert abs(rate - float((p[0] * q[0]).sum())) < 0.03  # independent draws agree with prob sum p q
+
+
+# ----------------------------------------------------------------------------- the real model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_smollm2_every_proposer_writes_the_alone_plain_tokens(smollm2_loaded, dtype):
+    """SmolLM2 with the shipped draft model and EAGLE head, the n-gram and suffix proposers: greedy and
+    seeded (T=0.8, top-p 0.95) chat requests, K switched every step, 8 neighbours sharing the batch and
+    the chat template's cached prefix: every token equals the request decoded alone and plainly."""
+    from training.common import DRAFT_DIR, EAGLE_DIR
+    from workers.model_loader import load_model
+    from workers.proposers.draft_model import DraftModelProposer
+    from workers.proposers.eagle import EagleProposer
+    from workers.proposers.ngram import NgramProposer
+    from workers.proposers.suffix import SuffixProposer
+
+    if not (DRAFT_DIR / "config.json").exists() or not (EAGLE_DIR / "model.safetensors").exists():
+        pytest.skip("trained drafts not present")
+    target = smollm2_loaded.model
+    draft = load_model("models/smollm2-draft")
+    n = 12
+    proposers = {
+        "ngram": NgramProposer(), "suffix": SuffixProposer(),
+        "draft_model": DraftModelProposer(draft.model, num_slots=n, max_model_len=512,
+                                          target_vocab_size=target.config.vocab_size, vocab_ids=draft.draft_vocab),
+        "eagle": EagleProposer("models/smollm2-eagle", target, num_slots=n, max_model_len=512),
+    }
+    sw = Switcher()
+    eng = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=n, max_model_len=512, num_speculative_tokens=8,
+                                 proposers=[{"name": k} for k in proposers]), smollm2_loaded,
+                    proposers=proposers, decide=sw)
+    chat = lambda m: eng.tokenize_chat([{"role": "user", "content": m}])  # noqa: E731
+    ours = [chat("Repeat exactly: the quick brown fox jumps over the lazy dog, twice."), chat("Name three rivers.")]
+    others = [chat(m) for m in ("What is 7 times 8?", "Write a haiku about snow.", "Say hello in French.",
+                                "List the planets.", "What is a prime number?", "Spell 'banana' backwards.",
+                                "Give me a color.", "Count to five.")]
+    cases = [{"max_tokens": 32}, {"max_tokens": 32, "temperature": 0.8, "top_p": 0.95, "seed": 7}]
+    refs = [alone(smollm2_loaded, dtype, ours, sp) for sp in cases]
+    assert refs[0] != refs[1]
+    for name in proposers:
+        for j, p in enumerate(others):
+            eng.add_request(f"{name}-n{j}", p, {"max_tokens": 24, "temperature": 0.7 * (j % 2), "seed": j},
+                            speculation="on", proposer=name)
+        for c, sp in enumerate(cases):
+            for i, p in enumerate(ours):
+                eng.add_request(f"{name}-{c}-{i}", p, sp, speculation="on", proposer=name)
+        tokens: dict[str, list[int]] = {}
+        while eng.has_work():
+            for o in eng.step():
+                tokens.setdefault(o.request_id, []).extend(o.token_ids)
+        for c in range(len(cases)):
+            assert [tokens[f"{name}-{c}-{i}"] for i in range(len(ours))] == refs[c], (name, cases[c])
+        assert eng.stats[name].num_draft_tokens > 0, name
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_logprobs_identical_with_speculation_on_and_off(tiny_loaded, draft_loaded, dtype):
+    """Logprobs come from the rows that decided each token (verify rows under speculation): with
+    invariant kernels they equal plain decoding's bit for bit, top alternatives included."""
+    prompts = copy_prompts(4, seed=41)
+
+    def collect(kind: str | None, params: dict) -> dict[str, list]:
+        if kind is None:
+            eng = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=1, max_model_len=MAX_LEN, proposers=[]), tiny_loaded)
+            name = None
+        else:
+            name, prop = make_proposer(kind, tiny_loaded, draft_loaded, num_slots=8)
+            eng = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=8, max_model_len=MAX_LEN, num_speculative_tokens=4,
+                                         proposers=[{"name": name}]), tiny_loaded, proposers={name: prop},
+                            decide=Switcher())
+        got: dict[str, list] = {}
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", p, params, speculation="on" if name else "off", proposer=name)
+            if kind is None:  # alone: one request at a time
+                while eng.has_work():
+                    for o in eng.step():
+                        got.setdefault(o.request_id, []).extend(o.logprobs or [])
+        while eng.has_work():
+            for o in eng.step():
+                got.setdefault(o.request_id, []).extend(o.logprobs or [])
+        if name and (kind.startswith("draft") or "temperature" not in params):  # hot samples: lookups find nothing
+            assert eng.stats[name].num_draft_tokens > 0
+        return got
+
+    for params in ({**GREEDY, "logprobs": 5}, {**SAMPLED, "logprobs": 3}):
+        ref = collect(None, params)
+        assert all(len(v) == params["max_tokens"] for v in ref.values())
+        for entry in ref["r0"]:
+            assert len(entry.top) == params["logprobs"] and entry.logprob <= 0
+            if "temperature" not in params:  # greedy: the chosen token is the most likely one
+                assert entry.top[0] == (entry.token_id, entry.logprob)
+        for kind in ("ngram", "draft_self"):
+            assert collect(kind, params) == ref, kind

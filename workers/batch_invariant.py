@@ -1,0 +1,143 @@
+"""Batch-invariant kernels: a position's numbers do not depend on what else is in the step.
+
+Why: speculation, batching, chunked prefill and the prefix cache all change *how many rows* a
+forward computes and *which keys* an attention call spans. A GEMM library picks its kernel, its
+tiling and sometimes a split of the reduction axis by shape, so the same row summed inside a
+1-row and a 5-row call can round differently; an attention whose key axis is padded to the
+longest request in the step adds the real terms in another order. Then a verify step (K+1 rows)
+and a plain step (1 row) can disagree on a logit, and greedy output depends on load. Thinking
+Machines, "Defeating Nondeterminism in LLM Inference" (2025), and vLLM's ``batch_invariant.py``
+fix the kernels on GPU; this module does it on top of the kernels torch ships, two ways:
+
+* **Weight GEMMs run on fixed row counts.** For a fixed ``(M, N, K)``, dtype and thread count a
+  library runs one fixed kernel, so a row's result can depend only on M (and its position in the
+  call, checked too). :func:`probe_row_blocking` finds, once per weight shape, a smallest row count
+  ``m0`` and a block ``B`` such that every ``M`` in ``[m0, B]`` gives bit-identical rows; a call then
+  runs in blocks of ``B`` rows and pads a short tail block up to ``m0``. Which ``M`` agree is a
+  property of the library and CPU, not of the data, so the probe is run where the model runs.
+* **Attention reduces in fixed blocks aligned at key 0.** Scores are one matmul over the head
+  dimension (its reduction length is always ``head_dim``); the key axis is padded to a multiple of
+  :data:`KEY_BLOCK` (masked keys add exact zeros to lanes fixed from key 0); ``P @ V`` is computed
+  per block of :data:`KEY_BLOCK` keys (a GEMM whose reduction length is always the block) and the
+  blocks are summed by a sequential ``cumsum``, so extra masked blocks after a request's own keys
+  add ``+0`` at the end instead of changing a GEMM's reduction length. Computed in fp32 whatever
+  the model dtype.
+
+Everything else on the path is row-wise (RMSNorm's mean over ``hidden``, softmax over the vocab) or
+elementwise on rows whose widths are multiples of the vector width, which does not depend on the
+batch. ``tests/test_batch_invariance.py`` checks the whole forward with ``torch.equal``.
+
+A CUDA port keeps the same interface: :func:`blocked` wraps any linear (cuBLAS with a
+deterministic workspace, ``CUBLAS_WORKSPACE_CONFIG``) and the probe holds there too, and the
+attention needs the same fixed key blocking (a split-KV decode kernel with a split size chosen by
+shape is exactly what must not happen).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+KEY_BLOCK = 64  # keys per attention reduction block; a multiple of every CPU's vector width
+MAX_ROW_BLOCK = 64  # largest GEMM row block probed
+
+LinearFn = Callable[[torch.Tensor], torch.Tensor]  # [M, in] -> [M, out]
+
+
+@dataclass(frozen=True)
+class RowBlocking:
+    """How one linear is called so every row sees the same kernel: blocks of ``block`` rows,
+    a shorter tail padded up to ``min_rows``."""
+
+    min_rows: int
+    block: int
+
+    def sizes(self, num_rows: int) -> list[tuple[int, int]]:
+        """``[(rows in the block, rows the kernel is called with)]`` covering ``num_rows`` rows."""
+        out = []
+        left = num_rows
+        while left > 0:
+            n = min(left, self.block)
+            out.append((n, max(n, self.min_rows)))
+            left -= n
+        return out
+
+
+def probe_row_blocking(fn: LinearFn, in_features: int, dtype: torch.dtype, device: torch.device,
+                       max_block: int = MAX_ROW_BLOCK, draws: int = 2) -> RowBlocking:
+    """Find the row counts on which ``fn`` gives bit-identical rows (see the module docstring).
+
+    For each candidate ``m0`` in 1, 2, 4, 8, 16: every row of a random input is computed alone (in
+    an ``m0``-row call, at its first place), then ``fn`` is called with every ``M`` from ``m0`` up
+    and all ``M`` rows must match; the run stops at the first ``M`` that does not. Every row is
+    compared because a kernel change can hide behind the output rounding (in bf16 a different
+    reduction order changes roughly one row in ten). The first ``m0`` whose run reaches 16 rows (or
+    the longest run) wins. A run of one size still gives a valid, slow blocking: always ``m0`` rows.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    xs = [torch.randn(max_block + 16, in_features, generator=gen).to(device=device, dtype=dtype)
+          for _ in range(draws)]  # [max_block + 16, in] each
+
+    best = RowBlocking(1, 1)
+    for m0 in (1, 2, 4, 8, 16):
+        if m0 > max_block:
+            break
+        refs = [torch.stack([fn(x[i : i + m0].contiguous())[0] for i in range(max_block)]) for x in xs]
+        end = m0 - 1
+        for m in range(m0, max_block + 1):
+            if not all(torch.equal(fn(x[:m].contiguous()), ref[:m]) for x, ref in zip(xs, refs)):
+                break
+            end = m
+        if end < m0:
+            continue  # even m0 rows depend on their place in the call
+        if end - m0 > best.block - best.min_rows:
+            best = RowBlocking(m0, end)
+        if end >= min(16, max_block):
+            break
+    return best
+
+
+def blocked(fn: LinearFn, x: torch.Tensor, blocking: RowBlocking) -> torch.Tensor:
+    """``fn(x)`` with every row computed in a call of one of ``blocking``'s row counts."""
+    # x: [M, in] -> [M, out]
+    if x.shape[0] == 0 or blocking.min_rows <= x.shape[0] <= blocking.block:
+        return fn(x.contiguous())
+    parts = []
+    start = 0
+    for n, call_rows in blocking.sizes(x.shape[0]):
+        xb = x[start : start + n]
+        if call_rows > n:
+            xb = torch.cat([xb, xb.new_zeros(call_rows - n, x.shape[1])])  # [call_rows, in]
+        parts.append(fn(xb.contiguous())[:n])
+        start += n
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def padded_keys(num_keys: int) -> int:
+    """Key-axis length of an invariant attention call: the next multiple of :data:`KEY_BLOCK`."""
+    return -(-num_keys // KEY_BLOCK) * KEY_BLOCK
+
+
+def attention(
+    q: torch.Tensor,  # [S, n, H, D] queries of S requests with n new tokens each
+    k: torch.Tensor,  # [S, Hkv, L, D] keys, L a multiple of KEY_BLOCK
+    v: torch.Tensor,  # [S, Hkv, L, D] values
+    mask: torch.Tensor,  # [S, n, L] bool, True = visible; every query row sees at least one key
+    scale: float,
+) -> torch.Tensor:  # [S, n, H, D] in q's dtype
+    """Causal GQA attention whose result for a query row depends only on that row's visible keys."""
+    S, n, H, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    G = H // Hkv
+    if L % KEY_BLOCK:
+        raise ValueError(f"key axis {L} is not a multiple of {KEY_BLOCK}")
+    qg = q.float().view(S, n, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(S, Hkv, G * n, D)  # [S, Hkv, G*n, D]
+    scores = (qg @ k.float().transpose(-1, -2)) * scale  # [S, Hkv, G*n, L]: reduction over D only
+    scores = scores.view(S, Hkv, G, n, L).masked_fill(~mask[:, None, None], float("-inf"))
+    probs = scores.softmax(-1).view(S, Hkv, G * n, L // KEY_BLOCK, KEY_BLOCK).transpose(2, 3)  # [S, Hkv, nb, G*n, KB]
+    vb = v.float().view(S, Hkv, L // KEY_BLOCK, KEY_BLOCK, D)  # [S, Hkv, nb, KB, D]
+    partial = probs @ vb  # [S, Hkv, nb, G*n, D]: each a KEY_BLOCK-long reduction
+    out = partial.cumsum(2)[:, :, -1]  # [S, Hkv, G*n, D]: blocks added left to right, masked blocks add 0
+    return out.view(S, Hkv, G, n, D).permute(0, 3, 1, 2, 4).reshape(S, n, H, D).to(q.dtype)
