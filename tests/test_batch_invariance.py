@@ -73,7 +73,7 @@ def test_attention_row_depends_only_on_its_visible_keys(dtype):
             mask = torch.rand(S, n, pad, generator=gen) < 0.5
             mask[..., 0] = True
             mask[pos, 0] = torch.arange(pad) < visible
-            outs.append(bi.attention(q, k, v, mask, D**-0.5)[pos, 0])
+            outs.append(bi.attention(q, k, v, ~mask[:, None, None], D**-0.5)[pos, 0])
         for o in outs[1:]:
             assert torch.equal(o, outs[0]), visible
 

@@ -19,7 +19,7 @@ fix the kernels on GPU; this module does it on top of the kernels torch ships, t
   dimension (its reduction length is always ``head_dim``); the key axis is padded to a multiple of
   :data:`KEY_BLOCK` (masked keys add exact zeros to lanes fixed from key 0); ``P @ V`` is computed
   per block of :data:`KEY_BLOCK` keys (a GEMM whose reduction length is always the block) and the
-  blocks are summed by a sequential ``cumsum``, so extra masked blocks after a request's own keys
+  blocks are summed left to right, so extra masked blocks after a request's own keys
   add ``+0`` at the end instead of changing a GEMM's reduction length. Computed in fp32 whatever
   the model dtype.
 
@@ -124,7 +124,7 @@ def attention(
     q: torch.Tensor,  # [S, n, H, D] queries of S requests with n new tokens each
     k: torch.Tensor,  # [S, Hkv, L, D] keys, L a multiple of KEY_BLOCK
     v: torch.Tensor,  # [S, Hkv, L, D] values
-    mask: torch.Tensor,  # [S, n, L] bool, True = visible; every query row sees at least one key
+    masked_out: torch.Tensor,  # [S, 1, 1, n, L] bool, True = hidden; every query row sees at least one key
     scale: float,
 ) -> torch.Tensor:  # [S, n, H, D] in q's dtype
     """Causal GQA attention whose result for a query row depends only on that row's visible keys."""
@@ -133,11 +133,16 @@ def attention(
     G = H // Hkv
     if L % KEY_BLOCK:
         raise ValueError(f"key axis {L} is not a multiple of {KEY_BLOCK}")
-    qg = q.float().view(S, n, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(S, Hkv, G * n, D)  # [S, Hkv, G*n, D]
-    scores = (qg @ k.float().transpose(-1, -2)) * scale  # [S, Hkv, G*n, L]: reduction over D only
-    scores = scores.view(S, Hkv, G, n, L).masked_fill(~mask[:, None, None], float("-inf"))
-    probs = scores.softmax(-1).view(S, Hkv, G * n, L // KEY_BLOCK, KEY_BLOCK).transpose(2, 3)  # [S, Hkv, nb, G*n, KB]
-    vb = v.float().view(S, Hkv, L // KEY_BLOCK, KEY_BLOCK, D)  # [S, Hkv, nb, KB, D]
-    partial = probs @ vb  # [S, Hkv, nb, G*n, D]: each a KEY_BLOCK-long reduction
-    out = partial.cumsum(2)[:, :, -1]  # [S, Hkv, G*n, D]: blocks added left to right, masked blocks add 0
+    nb = L // KEY_BLOCK
+    qg = (q.float() * scale).view(S, n, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(S, Hkv, G * n, D)  # [S, Hkv, G*n, D]
+    scores = qg @ k.float().transpose(-1, -2)  # [S, Hkv, G*n, L]: reduction over D only
+    scores = scores.view(S, Hkv, G, n, L).masked_fill_(masked_out, float("-inf"))
+    probs = scores.softmax(-1).view(S, Hkv, G * n, L)
+    v = v.float()
+    # P @ V one KEY_BLOCK at a time (each GEMM a KEY_BLOCK-long reduction), blocks added left to right:
+    # masked blocks past a request's keys add exact zeros at the end. Slicing keys keeps every operand a
+    # strided view of the cache, so no block is copied.
+    out = probs[..., :KEY_BLOCK] @ v[:, :, :KEY_BLOCK]  # [S, Hkv, G*n, D]
+    for b in range(1, nb):
+        out = out + probs[..., b * KEY_BLOCK : (b + 1) * KEY_BLOCK] @ v[:, :, b * KEY_BLOCK : (b + 1) * KEY_BLOCK]
     return out.view(S, Hkv, G, n, D).permute(0, 3, 1, 2, 4).reshape(S, n, H, D).to(q.dtype)

@@ -55,10 +55,13 @@ class _AttnGroup:
     hi: int
     n: int  # new tokens per request (query rows)
     max_kv: int  # longest context in the group, after this step's tokens
-    mask: torch.Tensor  # [hi - lo, 1, n, max_kv] bool, True = visible
+    mask: torch.Tensor  # [hi - lo, 1, n, max_kv] bool, True = visible; with pad_keys [hi - lo, 1, 1, n, max_kv], True = hidden
     tok: torch.Tensor  # [T_g] rows of the step's flat token matrix that belong to the group
     sl: torch.Tensor  # [T_g] slot - lo of each of those rows
     qrow: torch.Tensor  # [T_g] query row of each within its request
+    # The group's rows are rows [row0, row0 + (hi - lo) * n) of the flat matrix, slot by slot from lo
+    # (every slot in the range is the group's, in order): queries and outputs are views, no gather.
+    dense_row0: int | None = None
 
 
 # bf16 runners on CPUs without native bf16 GEMMs switch to fp32 packed weights from this many rows
@@ -199,8 +202,11 @@ class ModelRunner:
         # The invariant attention reads whole KEY_BLOCKs of keys, so the cache is that much longer.
         kv_len = bi.padded_keys(max_model_len) if batch_invariant else max_model_len
         kv_shape = (num_slots, self.num_kv_heads, kv_len, self.head_dim)
-        self.k_cache = [torch.zeros(kv_shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
-        self.v_cache = [torch.zeros(kv_shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
+        # The invariant attention computes in fp32; a bf16 runner then keeps its (bf16-rounded) keys and
+        # values in fp32 too, so no step converts the whole context again in every layer.
+        kv_dtype = torch.float32 if batch_invariant else dtype
+        self.k_cache = [torch.zeros(kv_shape, dtype=kv_dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v_cache = [torch.zeros(kv_shape, dtype=kv_dtype, device=self.device) for _ in range(self.num_layers)]
         # One row blocking per weight shape (all layers share them), probed with the thread count the
         # steps run with (a library partitions work by thread count too): re-probed if that changes.
         self.row_blocking: dict[str, bi.RowBlocking] = {}
@@ -243,7 +249,10 @@ class ModelRunner:
     def _linear(self, x: torch.Tensor, L: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         # x: [T, in] -> [T, out]
         if self.batch_invariant:
-            return bi.blocked(lambda xb: self._linear_kernel(xb, L, name), x, self.row_blocking[name])
+            b = self.row_blocking[name]
+            if b.min_rows <= x.shape[0] <= b.block:  # one call already has an agreed row count
+                return self._linear_kernel(x, L, name)
+            return bi.blocked(lambda xb: self._linear_kernel(xb, L, name), x, b)
         return self._linear_kernel(x, L, name)
 
     def _linear_kernel(self, x: torch.Tensor, L: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -318,17 +327,22 @@ class ModelRunner:
                 kc[lo, :, p0] = k[0]  # plain slice write, [Hkv, D]
                 vc[lo, :, p0] = v[0]
             else:
-                kc[slot_of_tok, :, positions] = k  # in-place write, [T, Hkv, D] at (slot, :, pos)
-                vc[slot_of_tok, :, positions] = v
+                kc[slot_of_tok, :, positions] = k.to(kc.dtype)  # in-place write, [T, Hkv, D] at (slot, :, pos)
+                vc[slot_of_tok, :, positions] = v.to(vc.dtype)
             if self.batch_invariant:
-                o = q.new_empty(total, H, D)
-                for g in groups:
-                    qp = q.new_zeros(g.hi - g.lo, g.n, H, D)
-                    qp[g.sl, g.qrow] = q[g.tok]
-                    attn = bi.attention(qp, kc[g.lo : g.hi, :, : g.max_kv], vc[g.lo : g.hi, :, : g.max_kv],
-                                        g.mask[:, 0], D ** -0.5)  # [S_g, n_g, H, D]
-                    o[g.tok] = attn[g.sl, g.qrow]
-                o = o.reshape(total, H * D)
+                if len(groups) == 1 and groups[0].dense_row0 == 0 and groups[0].tok.numel() == total:
+                    g = groups[0]  # every row in one dense group (a decode batch, a lone prefill): views only
+                    o = bi.attention(q.reshape(g.hi - g.lo, g.n, H, D), kc[g.lo : g.hi, :, : g.max_kv],
+                                     vc[g.lo : g.hi, :, : g.max_kv], g.mask, D**-0.5).reshape(total, H * D)
+                else:
+                    o = q.new_empty(total, H, D)
+                    for g in groups:
+                        qp = q.new_zeros(g.hi - g.lo, g.n, H, D)
+                        qp[g.sl, g.qrow] = q[g.tok]
+                        attn = bi.attention(qp, kc[g.lo : g.hi, :, : g.max_kv], vc[g.lo : g.hi, :, : g.max_kv],
+                                            g.mask, D**-0.5)  # [S_g, n_g, H, D]
+                        o[g.tok] = attn[g.sl, g.qrow]
+                    o = o.reshape(total, H * D)
             elif nreq == 1:
                 qp = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
                 attn = F.scaled_dot_product_attention(
@@ -392,8 +406,11 @@ class ModelRunner:
             start[torch.tensor(slots, device=dev) - lo] = torch.tensor([batch.start_pos[i] for i in idxs], device=dev)
             qpos = start[:, None] + torch.arange(n, device=dev)[None, :]  # [S_g, n]
             mask = (torch.arange(max_kv, device=dev)[None, None, :] <= qpos[:, :, None]).unsqueeze(1)  # [S_g, 1, n, kv]
+            if pad_keys:
+                mask = ~mask.unsqueeze(1)  # [S_g, 1, 1, n, kv]: the form bi.attention masks with
+            dense = slots == list(range(lo, hi)) and idxs == list(range(idxs[0], idxs[0] + len(idxs)))
             groups.append(_AttnGroup(
-                lo=lo, hi=hi, n=n, max_kv=max_kv, mask=mask,
+                lo=lo, hi=hi, n=n, max_kv=max_kv, mask=mask, dense_row0=offsets[idxs[0]] if dense else None,
                 tok=torch.tensor([offsets[i] + r for i in idxs for r in range(n)], dtype=torch.long, device=dev),
                 sl=torch.tensor([batch.slots[i] - lo for i in idxs for _ in range(n)], dtype=torch.long, device=dev),
                 qrow=torch.tensor([r for _ in idxs for r in range(n)], dtype=torch.long, device=dev),
