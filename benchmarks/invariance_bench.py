@@ -96,9 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     inv_bf16_c1 = next(r["inv_tok_s"] for r in rows if r["dtype"] == "bfloat16" and r["c"] == 1)
     inv_f32_c1 = next(r["inv_tok_s"] for r in rows if r["dtype"] == "float32" and r["c"] == 1)
     table = format_table(rows, [
-        ("dtype", "dtype", "s"), ("c", "c", "d"), ("invariant tok/s", "inv_tok_s", ".1f"),
-        ("fast tok/s", "fast_tok_s", ".1f"), ("inv/fast (median)", "ratio", ".3f"),
-        ("min", "ratio_min", ".3f"), ("max", "ratio_max", ".3f"), ("cost %", "cost_pct", ".1f"),
+        ("dtype", "dtype", "s"), ("c", "c", "d"), ("inv_tok_s", "invariant tok/s", ".1f"),
+        ("fast_tok_s", "fast tok/s", ".1f"), ("ratio", "inv/fast (median)", ".3f"),
+        ("ratio_min", "min", ".3f"), ("ratio_max", "max", ".3f"), ("cost_pct", "cost %", ".1f"),
     ], title=f"Batch-invariant vs fastest kernels, plain greedy decode, {args.rounds} interleaved rounds")
     env = env_info()
     summary = (f"HF generate batch 1: fp32 {hf_med['float32']:.1f} tok/s, bf16 {hf_med['bfloat16']:.1f}; "
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         "raw_step_s": {f"{dt}/{'inv' if inv else 'fast'}/c{c}": v for (dt, inv, c), v in step_s.items()},
         "raw_hf_tok_s": hf,
     })
-    fig, axes = figure(ncols=2, width=11)
+    fig, axes = figure(ncols=2, width=6)
     for ax, dt in zip(axes, DTYPES):
         sel = [r for r in rows if r["dtype"] == dt]
         bar_panel(ax, [f"c={r['c']}" for r in sel],
