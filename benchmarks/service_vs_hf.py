@@ -54,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model("smollm2")
     hf = {"float32": loaded.model, "bfloat16": copy.deepcopy(loaded.model).to(torch.bfloat16)}
     texts = CHAT_PROMPTS[:3]
-    prompts = [loaded.tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
+    tok = loaded.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                                  add_generation_prompt=True), add_special_tokens=False)
                for t in texts]
     rates: dict[str, list[float]] = {"http": [], "hf_float32": [], "hf_bfloat16": []}
     with tempfile.TemporaryDirectory() as tmp:

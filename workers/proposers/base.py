@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from workers.sampler import position_key
+from workers.sampler import keyed_sample, position_key, sample
 from workers.sampling_params import SamplingParams
 
 
@@ -74,6 +74,24 @@ def coupled_key(r: ProposalRequest, num_drafted: int) -> int | None:
         return None
     assert r.sampling.seed is not None, "the engine resolves every request's seed"
     return position_key(r.sampling.seed, len(r.token_ids) - r.num_prompt_tokens + num_drafted)
+
+
+def draw_drafts(
+    q: torch.Tensor,  # [S, V] processed draft probabilities of the sampled rows
+    keys: list[int | None],  # [S] coupled_key of each row (None: the draft's own stream)
+    generator_of: Callable[[int], torch.Generator | None],  # row -> that request's draft generator
+) -> tuple[torch.Tensor, list[int]]:  # [S] drafted token ids; the rows whose q must be sent
+    """Sample one draft token per row. Coupled rows take the keyed sample of the position they would
+    fill (the target's own noise there) and send no q; the others draw from the draft's stream and
+    send q for rejection sampling."""
+    picked = torch.empty(q.shape[0], dtype=torch.long, device=q.device)  # [S]
+    tied = [a for a, k in enumerate(keys) if k is not None]
+    own = [a for a, k in enumerate(keys) if k is None]
+    if tied:
+        picked[tied] = keyed_sample(q[tied], [keys[a] for a in tied])  # type: ignore[misc]
+    if own:
+        picked[own] = sample(q[own], [generator_of(a) for a in own])
+    return picked, own
 
 
 def stack_draft_probs(

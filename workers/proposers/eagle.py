@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from workers.eagle_head import EagleHead, load_head
-from workers.proposers.base import coupled_key, Proposals, ProposalRequest, Proposer, stack_draft_probs
+from workers.proposers.base import coupled_key, draw_drafts, Proposals, ProposalRequest, Proposer, stack_draft_probs
 from workers.proposers.draft_model import DRAFT_SEED_SALT
-from workers.sampler import keyed_sample, make_generator, process_logits, sample, sampling_tensors
+from workers.sampler import make_generator, process_logits, sampling_tensors
 from workers.sampling_params import SamplingParams
 
 
@@ -243,16 +243,10 @@ class EagleProposer(Proposer):
             full[:, d2t] = logits[idx]
             sp_rows = [params[j] for j in sampled]
             q = process_logits(full, *sampling_tensors(sp_rows, logits.device))  # [S, V] q: draft probs
-            own = [a for a, j in enumerate(sampled) if keys[j] is None]
-            tied = [a for a, j in enumerate(sampled) if keys[j] is not None]
-            picked = torch.empty(len(sampled), dtype=torch.long, device=logits.device)  # [S]
-            if tied:  # coupled: the keyed sample at the position this draft would fill; no q to send
-                picked[tied] = keyed_sample(q[tied], [keys[sampled[a]] for a in tied])
-            if own:
-                gens = [self._generator(states[sampled[a]], params[sampled[a]]) for a in own]  # type: ignore[arg-type]
-                picked[own] = sample(q[own], gens)
-                for a in own:
-                    q_out[sampled[a]] = q[a]
+            picked, sent = draw_drafts(q, [keys[j] for j in sampled],
+                                       lambda a: self._generator(states[sampled[a]], params[sampled[a]]))  # type: ignore[arg-type]
+            for a in sent:
+                q_out[sampled[a]] = q[a]
             chosen[idx] = picked
         return chosen.tolist(), q_out
 
