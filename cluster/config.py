@@ -77,6 +77,8 @@ class IngressConfig(BaseModel):
         None, description="If set (or env SPECSERVE_API_KEY), every route but /health needs 'Authorization: Bearer'."
     )
     request_timeout_s: float = Field(300.0, gt=0, description="A request running longer is cancelled with 408.")
+    max_n: int = Field(8, ge=1, le=128, description="Largest n (choices per prompt) a request may ask for.")
+    max_prompts: int = Field(32, ge=1, le=1024, description="Most prompts in one batched completions request.")
     num_replicas: int = Field(1, ge=1, description="Ingress replicas (HTTP parsing, SSE framing).")
     max_ongoing_requests: int = Field(
         256, ge=1, description="Requests one ingress replica streams at once. Serve's own default (5) would cap the "

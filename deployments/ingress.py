@@ -24,6 +24,7 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.config import DRAFT_WORKER_PROPOSERS, AppConfig
 from cluster.telemetry import render_prometheus, spec_decode_summary
+from deployments import choices as C
 from deployments import protocol as P
 from deployments.ingress_telemetry import IngressTelemetry, RequestTelemetry, gather_cluster_samples
 
@@ -75,6 +76,7 @@ class Ingress:
         ctx = serve.get_replica_context()
         self.telemetry = IngressTelemetry(self.cfg, ctx.replica_id.unique_id if ctx is not None else "ingress")
         self.api_key = self.cfg.ingress.api_key or os.environ.get("SPECSERVE_API_KEY") or None
+        self.started = int(time.time())  # /v1/models "created": when this server started serving the model
         self.proposers = [p.name for p in self.cfg.engine.proposers if p.name not in DRAFT_WORKER_PROPOSERS or self.cfg.draft.enabled]
 
     # ------------------------------------------------------------------ plumbing
@@ -119,6 +121,11 @@ class Ingress:
 
     def _params(self, req: Any) -> dict[str, Any]:
         ing = self.cfg.ingress
+        bad = P.unsupported(req)
+        if bad is not None:
+            raise HTTPError(400, f"'{bad}' is not supported by this server", bad, code="unsupported_parameter")
+        if req.n > ing.max_n:
+            raise HTTPError(400, f"n {req.n} is above this server's limit of {ing.max_n}", "n")
         max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
         if max_tokens is not None and max_tokens > ing.max_tokens_cap:
             raise HTTPError(400, f"max_tokens {max_tokens} is above the cap of {ing.max_tokens_cap}", "max_tokens")
@@ -128,15 +135,22 @@ class Ingress:
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
         else:
             logprobs = req.logprobs
+        if max_tokens == 0 and not getattr(req, "echo", False):
+            raise HTTPError(400, "max_tokens must be at least 1 (0 only with echo, to score the prompt)", "max_tokens")
+        echo_scores = getattr(req, "echo", False) and logprobs is not None
         return {
+            "prompt_logprobs": logprobs if echo_scores else None,
             "logprobs": logprobs,
-            "max_tokens": max_tokens or ing.default_max_tokens,
+            "max_tokens": ing.default_max_tokens if max_tokens is None else max_tokens,
             "temperature": req.temperature,
             "top_p": req.top_p,
             "top_k": req.top_k,
             "seed": req.seed,
             "stop": list(req.stop),
             "ignore_eos": req.ignore_eos,
+            "presence_penalty": req.presence_penalty,
+            "frequency_penalty": req.frequency_penalty,
+            "repetition_penalty": req.repetition_penalty,
         }
 
     def _check_len(self, prompt_ids: list[int], params: dict[str, Any], explicit: bool) -> None:
@@ -176,106 +190,198 @@ class Ingress:
             raise HTTPError(400, first["error"]["message"], first["error"].get("param"))
         return gen, first
 
+    def _prompts(self, req: Any, is_chat: bool) -> list[list[int]]:
+        if is_chat:
+            text = self.tokenizer.apply_chat_template([m.for_template() for m in req.messages], tokenize=False,
+                                                      add_generation_prompt=True)
+            return [self.tokenizer.encode(text, add_special_tokens=False)]
+        out = []
+        if len(req.prompts()) > self.cfg.ingress.max_prompts:
+            raise HTTPError(400, f"{len(req.prompts())} prompts in one request; the limit is "
+                            f"{self.cfg.ingress.max_prompts}", "prompt")
+        for p in req.prompts():
+            if isinstance(p, str):
+                out.append(self.tokenizer.encode(p, add_special_tokens=False))
+            else:
+                if any(t < 0 or t >= len(self.tokenizer) for t in p):
+                    raise HTTPError(400, f"prompt has token ids outside [0, {len(self.tokenizer)})", "prompt")
+                out.append(list(p))
+        return out
+
     async def _run(self, request: Request, kind: str, rt: RequestTelemetry) -> Response:
         is_chat = kind == "chat"
         req = await self._body(request, P.ChatCompletionRequest if is_chat else P.CompletionRequest)
         params = self._params(req)
         explicit = (getattr(req, "max_completion_tokens", None) or req.max_tokens) is not None
-        if is_chat:
-            text = self.tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in req.messages],
-                                                      tokenize=False, add_generation_prompt=True)
-            prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
-        elif isinstance(req.prompt, str):
-            prompt_ids = self.tokenizer.encode(req.prompt, add_special_tokens=False)
-        else:
-            prompt_ids = list(req.prompt)
-            if any(t < 0 or t >= len(self.tokenizer) for t in prompt_ids):
-                raise HTTPError(400, f"prompt has token ids outside [0, {len(self.tokenizer)})", "prompt")
-        self._check_len(prompt_ids, params, explicit)
+        prompts = self._prompts(req, is_chat)
+        for prompt_ids in prompts:
+            self._check_len(prompt_ids, params, explicit)
         rid = P.new_id("chatcmpl" if is_chat else "cmpl")
         deadline = time.monotonic() + self.cfg.ingress.request_timeout_s
-        gen, first = await asyncio.wait_for(self._start(req, prompt_ids, params, rid, rt),
-                                            self.cfg.ingress.request_timeout_s)
-        rt.on_chunk(first)
+        choices = [C.Choice(index=pi * req.n + i, prompt_index=pi) for pi in range(len(prompts)) for i in range(req.n)]
+        started = await asyncio.wait_for(asyncio.gather(*[
+            self._start(req, prompts[c.prompt_index], C.seeded(params, c.index % req.n),
+                        rid if len(choices) == 1 else f"{rid}-{c.index}", rt) for c in choices],
+            return_exceptions=True), self.cfg.ingress.request_timeout_s)
+        failed = [x for x in started if isinstance(x, BaseException)]
+        if failed:  # one choice refused: the request is refused, and the choices that started are cancelled
+            for x in started:
+                if not isinstance(x, BaseException):
+                    x[0].cancel()
+            raise failed[0]
+        gens = [g for g, _ in started]
+        for c, (_, first) in zip(choices, started):
+            rt.on_chunk(first)
+            c.add(first, prompts[c.prompt_index])
+        echo = [self._echo_text(req, p) for p in prompts]
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._sse(gen, first, rid, is_chat, include_usage, deadline, rt,
-                                               params["logprobs"] is not None),
-                                     media_type="text/event-stream")
-        parts, last = [first["text"]], first
-        lps = list(first.get("logprobs") or [])
+            so = req.stream_options
+            return StreamingResponse(self._sse(gens, choices, rid, is_chat, deadline, rt, params["logprobs"] is not None,
+                                               bool(so and so.include_usage), bool(so and so.continuous_usage_stats),
+                                               echo), media_type="text/event-stream")
         try:
-            while not last["finished"]:
-                last = await asyncio.wait_for(gen.__anext__(), max(0.0, deadline - time.monotonic()))
-                rt.on_chunk(last)
-                parts.append(last["text"])
-                lps.extend(last.get("logprobs") or [])
+            await asyncio.gather(*[self._drain(g, c, deadline, rt) for g, c in zip(gens, choices)])
+        except BaseException:
+            for g in gens:
+                g.cancel()
+            raise
+        body = (P.chat_response if is_chat else P.completion_response)(rid, self.model_name, "", None, choices[0].last)
+        body["choices"] = [self._choice_body(c, is_chat, params["logprobs"] is not None, echo[c.prompt_index])
+                           for c in choices]
+        body["usage"] = C.usage(choices)
+        body["system_fingerprint"] = choices[0].last.get("system_fingerprint")
+        return JSONResponse(body)
+
+    def _echo_text(self, req: Any, prompt_ids: list[int]) -> str:
+        """The prompt as text, for completions with ``echo``; empty otherwise."""
+        if not getattr(req, "echo", False):
+            return ""
+        return self.tokenizer.decode(prompt_ids)
+
+    def _choice_body(self, c: C.Choice, is_chat: bool, want_logprobs: bool, echo: str) -> dict[str, Any]:
+        assert c.last is not None
+        if is_chat:
+            out = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                   "finish_reason": c.last["finish_reason"], "logprobs": None}
+            if want_logprobs:
+                out["logprobs"] = P.chat_logprobs(c.logprobs, self.tokenizer)
+            return out
+        out = {"index": c.index, "text": echo + c.text, "finish_reason": c.last["finish_reason"], "logprobs": None}
+        if want_logprobs:  # with echo: the prompt's tokens first, from offset 0
+            out["logprobs"] = P.completion_logprobs((c.prompt_logprobs or []) + c.logprobs, self.tokenizer,
+                                                    0 if c.prompt_logprobs else len(echo))
+        return out
+
+    async def _drain(self, gen, c: C.Choice, deadline: float, rt: RequestTelemetry) -> None:
+        """Read one choice to its end (non-streaming)."""
+        try:
+            while not c.last["finished"]:  # type: ignore[index]
+                chunk = await asyncio.wait_for(gen.__anext__(), max(0.0, deadline - time.monotonic()))
+                rt.on_chunk(chunk)
+                c.add(chunk)
         except asyncio.TimeoutError:
             gen.cancel()
             raise HTTPError(408, f"request exceeded the {self.cfg.ingress.request_timeout_s}s timeout",
                             type_="timeout_error", code="timeout") from None
         except StopAsyncIteration:
             raise HTTPError(500, "the engine stream ended early", type_="server_error") from None
+        except HTTPError:
+            raise
         except Exception as e:  # the target replica died mid-request (ActorDiedError, ...)
             raise HTTPError(503, f"target worker failed mid-request: {type(e).__name__}", type_="server_error",
                             headers={"Retry-After": "1"}) from None
-        build = P.chat_response if is_chat else P.completion_response
-        body = build(rid, self.model_name, "".join(parts), last["finish_reason"], last)
-        if params["logprobs"] is not None:
-            body["choices"][0]["logprobs"] = (P.chat_logprobs(lps, self.tokenizer) if is_chat
-                                              else P.completion_logprobs(lps, self.tokenizer))
-        return JSONResponse(body)
 
-    async def _sse(self, gen, first: dict, rid: str, is_chat: bool, include_usage: bool,
-                   deadline: float, rt: RequestTelemetry, want_logprobs: bool = False) -> AsyncIterator[bytes]:
+    async def _sse(self, gens: list, choices: list[C.Choice], rid: str, is_chat: bool, deadline: float,
+                   rt: RequestTelemetry, want_logprobs: bool, include_usage: bool, continuous_usage: bool,
+                   echo: list[str]) -> AsyncIterator[bytes]:
+        """One SSE stream for every choice: chunks carry ``index``; choices interleave as they come."""
         created = int(time.time())
-        text_offset = 0
+        # where the next token's text starts in the returned text: after the echoed prompt, or at 0 when the
+        # prompt's own tokens lead the logprobs (echo + logprobs)
+        offsets = [0 if c.prompt_logprobs else len(echo[c.prompt_index]) for c in choices]
+        fingerprint = choices[0].last.get("system_fingerprint") if choices[0].last else None
 
         def ev(obj: dict) -> bytes:
             return f"data: {json.dumps(obj)}\n\n".encode()
 
-        def chunk(text: str, finish: str | None, role: bool, lps: list) -> bytes:
-            nonlocal text_offset
+        def chunk(j: int, text: str, finish: str | None, role: bool, lps: list) -> bytes:
+            c = choices[j]
             if is_chat:
                 delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
                 obj = P.chat_chunk(rid, self.model_name, delta, finish, created)
                 if want_logprobs:
                     obj["choices"][0]["logprobs"] = P.chat_logprobs(lps, self.tokenizer)
             else:
-                obj = P.completion_chunk(rid, self.model_name, text, finish, created)
+                obj = P.completion_chunk(rid, self.model_name, (echo[c.prompt_index] if role else "") + text, finish,
+                                         created)
                 if want_logprobs:
-                    obj["choices"][0]["logprobs"] = P.completion_logprobs(lps, self.tokenizer, text_offset)
-            text_offset += len(text)
+                    obj["choices"][0]["logprobs"] = P.completion_logprobs(lps, self.tokenizer, offsets[j])
+            obj["choices"][0]["index"] = c.index
+            obj["system_fingerprint"] = fingerprint
+            offsets[j] += len(text) + (len(echo[c.prompt_index]) if role and c.prompt_logprobs else 0)
+            if continuous_usage:
+                obj["usage"] = C.usage(choices)
             return ev(obj)
 
-        item, role = first, True
-        pending: list = []  # logprobs of tokens whose text the detokenizer still holds back
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(j: int) -> None:  # one choice's chunks into the shared queue
+            try:
+                while True:
+                    item = await gens[j].__anext__()
+                    await queue.put((j, item, None))
+                    if item["finished"]:
+                        return
+            except StopAsyncIteration:
+                await queue.put((j, None, RuntimeError("the engine stream ended early")))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                await queue.put((j, None, e))
+
+        pending: dict[int, list] = {j: (c.prompt_logprobs or []) + list(c.logprobs) for j, c in enumerate(choices)}
+        role = [True] * len(choices)
+        firsts = [(j, c.last) for j, c in enumerate(choices)]
+        pumps = [asyncio.ensure_future(pump(j)) for j, c in enumerate(choices) if not c.last["finished"]]
+        open_choices = len(choices)
         try:
-            while True:
-                pending.extend(item.get("logprobs") or [])
-                if item["text"] or role or item["finished"] or (want_logprobs and pending):
-                    yield chunk(item["text"], item["finish_reason"] if item["finished"] else None, role, pending)
-                    role, pending = False, []
-                if item["finished"]:
-                    break
-                item = await asyncio.wait_for(gen.__anext__(), max(0.0, deadline - time.monotonic()))
+            for j, item in firsts:  # first chunks were read by _start
+                if item["text"] or role[j] or item["finished"] or (want_logprobs and pending[j]):
+                    yield chunk(j, item["text"], item["finish_reason"] if item["finished"] else None, role[j],
+                                pending[j])
+                    role[j], pending[j] = False, []
+                open_choices -= bool(item["finished"])
+            while open_choices:
+                j, item, err = await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
+                if err is not None:
+                    raise err
                 rt.on_chunk(item)
+                choices[j].add(item)
+                pending[j].extend(item.get("logprobs") or [])
+                if item["text"] or item["finished"] or (want_logprobs and pending[j]):
+                    yield chunk(j, item["text"], item["finish_reason"] if item["finished"] else None, role[j],
+                                pending[j])
+                    role[j], pending[j] = False, []
+                open_choices -= bool(item["finished"])
             if include_usage:
-                u = {"id": rid, "object": "chat.completion.chunk" if is_chat else "text_completion",
-                     "created": created, "model": self.model_name, "choices": [], "usage": P.usage(item)}
-                yield ev(u)
+                yield ev({"id": rid, "object": "chat.completion.chunk" if is_chat else "text_completion",
+                          "created": created, "model": self.model_name, "system_fingerprint": fingerprint,
+                          "choices": [], "usage": C.usage(choices)})
         except asyncio.TimeoutError:
-            gen.cancel()
             rt.end(200, error="timeout")
             yield ev(P.error_body("request timed out", "timeout_error", code="timeout"))
         except asyncio.CancelledError:  # client went away: cancel the request end to end
-            gen.cancel()
             rt.end(499, error="client disconnected")
             raise
         except Exception as e:  # the target replica died mid-stream: end the stream with an error event
             rt.end(503, error="target worker failed")
             yield ev(P.error_body(f"target worker failed mid-request: {type(e).__name__}", "server_error"))
         finally:
+            for p in pumps:
+                p.cancel()
+            if open_choices:  # ended early (client gone, timeout, failure): free every choice's engine slot
+                for g in gens:
+                    g.cancel()
             rt.end(200)
         yield b"data: [DONE]\n\n"
 
@@ -316,8 +422,23 @@ class Ingress:
             self._auth(request)
         except HTTPError as e:
             return self._counted("/v1/models", e.response())
-        return self._counted("/v1/models", JSONResponse({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "specserve"}]}))
+        return self._counted("/v1/models", JSONResponse({"object": "list", "data": [self._model_card()]}))
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "specserve",
+                "root": self.cfg.engine.model, "parent": None, "max_model_len": self.cfg.engine.max_model_len}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request) -> Response:
+        try:
+            self._auth(request)
+        except HTTPError as e:
+            return self._counted("/v1/models/{id}", e.response())
+        if model_id != self.model_name:
+            return self._counted("/v1/models/{id}", HTTPError(
+                404, f"model '{model_id}' does not exist; available: ['{self.model_name}']", "model",
+                code="model_not_found").response())
+        return self._counted("/v1/models/{id}", JSONResponse(self._model_card()))
 
     @app.get("/health")
     async def health(self) -> Response:

@@ -15,39 +15,84 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-Role = Literal["system", "user", "assistant"]
+Role = Literal["system", "developer", "user", "assistant"]
+# Content part types OpenAI defines that this (text-only) model cannot take: a 400 says so, not "unknown".
+NON_TEXT_PARTS = ("image_url", "input_audio", "file", "image", "audio", "video", "refusal")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Role
-    content: str
+    content: Any = Field(description="A string, or a list of text parts.")
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v: object) -> object:
+        # One validator instead of a pydantic union, so that an error names 'messages.N.content' itself.
+        if isinstance(v, str):
+            return v
+        if not isinstance(v, list):
+            raise ValueError("must be a string or a list of text parts")
+        parts = []
+        for i, part in enumerate(v):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in NON_TEXT_PARTS:
+                raise ValueError(f"content part {i} is of type '{kind}', which this model does not support "
+                                 f"(text only)")
+            if kind != "text" or not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                raise ValueError(f"content part {i} must be {{'type': 'text', 'text': <string>}}")
+            parts.append(TextPart(type="text", text=part["text"]))
+        return parts
+
+    def text(self) -> str:
+        """The message's text: a string, or its text parts joined (as OpenAI concatenates them)."""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, str]:
+        """What the chat template gets: ``developer`` is OpenAI's newer name for ``system``."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM: usage on every chunk.")
+
+
+# Real OpenAI fields this server does not implement: accepted by the schema so that the 400 can say
+# "not supported" (a feature gap) instead of "unknown field" (a typo). Checked by ``unsupported``.
+UNSUPPORTED_CHAT = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
+                    "logit_bias", "audio", "modalities", "prediction", "web_search_options", "reasoning_effort")
+UNSUPPORTED_COMPLETION = ("suffix", "best_of", "logit_bias")
 
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0, description="0 only with echo (score the prompt).")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
-    n: Literal[1] = Field(1, description="Only n=1 is supported.")
+    n: int = Field(1, ge=1, description="Choices per prompt, each its own engine request (seed + i when seeded).")
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: list[str] = Field(default_factory=list, description="A string or a list of strings.")
     seed: int | None = None
     user: str | None = None
-    presence_penalty: Literal[0, 0.0] = 0.0
-    frequency_penalty: Literal[0, 0.0] = 0.0
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="vLLM's multiplicative penalty; 1 = off.")
     ignore_eos: bool = False
     # extensions
     speculation: Literal["auto", "on", "off"] = "auto"
@@ -63,21 +108,69 @@ class _Common(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    response_format: Any = None
+    logit_bias: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = Field(False, description="Return each output token's log probability.")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="Most likely alternatives per token (needs logprobs).")
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] = Field(description="Text, or token ids.")
+    prompt: Any = Field(description="Text, token ids, or a list of either (one choice set per prompt).")
+    echo: bool = Field(False, description="Return the prompt before the completion.")
+    suffix: Any = None
+    best_of: Any = None
+    logit_bias: Any = None
     logprobs: int | None = Field(None, ge=0, le=20, description="Log probability of each token and this many alternatives.")
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _nonempty(cls, v: str | list[int]) -> str | list[int]:
-        if len(v) == 0:
+    def _prompt_shape(cls, v: Any) -> Any:
+        # One validator instead of a pydantic union, so that an error names 'prompt' itself.
+        def ids(x: Any) -> bool:
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        ok = isinstance(v, str) or ids(v) or (isinstance(v, list) and (all(isinstance(p, str) for p in v)
+                                                                        or all(ids(p) for p in v)))
+        if not ok:
+            raise ValueError("must be a string, a list of token ids, or a list of strings or of token-id lists")
+        if len(v) == 0 or (isinstance(v, list) and any(isinstance(p, (str, list)) and len(p) == 0 for p in v)):
             raise ValueError("prompt must not be empty")
         return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of a (possibly batched) request."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+
+def unsupported(req: BaseModel) -> str | None:
+    """The first real-but-unimplemented field the request sets, or None."""
+    names = UNSUPPORTED_CHAT if isinstance(req, ChatCompletionRequest) else UNSUPPORTED_COMPLETION
+    for name in names:
+        v = getattr(req, name, None)
+        if v is None:
+            continue
+        if name == "response_format" and isinstance(v, dict) and v.get("type") == "text":
+            continue  # plain text is what every response is
+        if name == "best_of" and v == getattr(req, "n", 1):
+            continue  # best_of == n: nothing to pick among
+        if name in ("parallel_tool_calls",) and getattr(req, "tools", None) is None:
+            continue  # a flag about tools, meaningless without them
+        return name
+    return None
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None, code: Any = None) -> dict:
@@ -135,8 +228,8 @@ def completion_logprobs(entries: list[LogprobEntry], tokenizer: Any, text_offset
     for tid, lp, top in entries:
         text, _ = _token(tokenizer, tid)
         out["tokens"].append(text)
-        out["token_logprobs"].append(lp)
-        out["top_logprobs"].append({_token(tokenizer, aid)[0]: alp for aid, alp in top})
+        out["token_logprobs"].append(lp)  # None for the first prompt token (nothing before it)
+        out["top_logprobs"].append(None if top is None else {_token(tokenizer, aid)[0]: alp for aid, alp in top})
         out["text_offset"].append(text_offset)
         text_offset += len(text)
     return out

@@ -36,8 +36,9 @@ log = logging.getLogger("ray.serve")
 TRACE_STEPS = 4096  # engine steps policy_trace keeps
 
 
-def output_dict(o: RequestOutput) -> dict[str, Any]:
+def output_dict(o: RequestOutput, fingerprint: str | None = None) -> dict[str, Any]:
     return {
+        "system_fingerprint": fingerprint,
         "text": o.text,
         "token_ids": o.token_ids,
         "finished": o.finished,
@@ -48,6 +49,9 @@ def output_dict(o: RequestOutput) -> dict[str, Any]:
         "proposer": o.proposer,
         "spec": o.spec.as_dict(),
         "logprobs": None if o.logprobs is None else [[e.token_id, e.logprob, [list(t) for t in e.top]] for e in o.logprobs],
+        # the first prompt token has nothing before it: its entry is None
+        "prompt_logprobs": None if o.prompt_logprobs is None else [
+            None if e is None else [e.token_id, e.logprob, [list(t) for t in e.top]] for e in o.prompt_logprobs],
     }
 
 
@@ -77,6 +81,7 @@ class TargetWorker:
         self._pending_why: dict[str, Any] = {}  # the policy's step_detail() for the step in flight
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id if ctx is not None else f"local-{os.getpid()}"
+        self._fp: str | None = None  # system_fingerprint, computed once the engine has started
         draft_proxy = proposers.get("draft_model")
         self.telemetry = TargetTelemetry(
             cfg, self.replica_id, list(proposers), snapshot=lambda: self.engine.snapshot(), draft_proxy=draft_proxy
@@ -158,7 +163,7 @@ class TargetWorker:
                             "num_output_tokens": o.num_output_tokens, "num_draft_tokens": o.spec.num_draft_tokens,
                             "num_accepted_tokens": o.spec.num_accepted_tokens,
                         })
-                yield output_dict(o)
+                yield output_dict(o, self._fingerprint())
         except InvalidRequestError as e:
             finish_reason = "invalid"
             yield {"error": {"message": e.message, "param": e.param}}
@@ -167,6 +172,21 @@ class TargetWorker:
             raise
         finally:
             self.telemetry.requests.add(1, {"finish_reason": finish_reason})
+
+    def _fingerprint(self) -> str:
+        """OpenAI's ``system_fingerprint``: the configuration that, with the seed, fixes the output (the
+        served model, resolved dtype, invariant kernels, verification rule, torch, CPU/GPU kind)."""
+        if self._fp is None:
+            import hashlib
+
+            import torch
+
+            snap = self.engine.snapshot()
+            e = self.cfg.engine
+            kind = torch.cuda.get_device_name() if torch.cuda.is_available() else torch.backends.cpu.get_cpu_capability()
+            key = f"{e.model}|{e.served_model_name}|{snap.dtype}|{snap.batch_invariant}|{e.verification}|{torch.__version__}|{kind}"
+            self._fp = "fp_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+        return self._fp
 
     def load(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, **self.engine.snapshot().as_dict()}

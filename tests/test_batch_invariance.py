@@ -41,6 +41,24 @@ def test_probe_finds_the_row_counts_a_kernel_agrees_on():
     assert plain == bi.RowBlocking(1, 24)
 
 
+def test_probe_finds_a_tile_granule():
+    """An AVX2-like sgemm: rows in tiles of 6, a tile's tail of 1-3 rows summed another way. No
+    contiguous range of row counts agrees, but every multiple of 6 does: granule 6."""
+    w = torch.randn(16, 32, dtype=torch.float64).float()  # [out, in]
+
+    def tiled(x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
+        out = (x[:, None, :] * w[None]).sum(-1)
+        tail = x.shape[0] % 6
+        if 1 <= tail <= 3:
+            out[-tail:] = (x[-tail:, None, :] * w[None]).flip(-1).sum(-1)
+        return out
+
+    got = bi.probe_row_blocking(tiled, 32, torch.float32, torch.device("cpu"))
+    assert got.granule == 6 and got.block >= 32 and got.min_rows % 6 == 0
+    x = torch.randn(13, 32)
+    assert torch.equal(bi.blocked(tiled, x, got)[:1], bi.blocked(tiled, x[:1], got))
+
+
 def test_blocking_sizes_cover_rows_in_fixed_calls():
     b = bi.RowBlocking(min_rows=2, block=8)
     assert b.sizes(1) == [(1, 2)]
@@ -50,6 +68,7 @@ def test_blocking_sizes_cover_rows_in_fixed_calls():
     calls = []
     out = bi.blocked(lambda x: calls.append(x.shape[0]) or x * 2, torch.arange(17.0)[:, None], b)
     assert calls == [8, 8, 2] and torch.equal(out, torch.arange(17.0)[:, None] * 2)
+    assert bi.RowBlocking(6, 60, 6).sizes(3) == [(3, 6)] and bi.RowBlocking(6, 60, 6).sizes(61) == [(60, 60), (1, 6)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -61,6 +80,7 @@ def test_attention_row_depends_only_on_its_visible_keys(dtype):
     keys = torch.randn(Hkv, L, D, generator=gen).to(dtype)
     vals = torch.randn(Hkv, L, D, generator=gen).to(dtype)
     q0 = torch.randn(H, D, generator=gen).to(dtype)
+    blocking = bi.probe_attention_blocking(D, torch.device("cpu"))
     for visible in (1, 13, 64, 65, 150):
         outs = []
         for n, S, pos, pad in ((1, 1, 0, bi.padded_keys(visible)), (5, 1, 0, 256), (3, 4, 2, 192), (9, 7, 6, 256)):
@@ -73,7 +93,7 @@ def test_attention_row_depends_only_on_its_visible_keys(dtype):
             mask = torch.rand(S, n, pad, generator=gen) < 0.5
             mask[..., 0] = True
             mask[pos, 0] = torch.arange(pad) < visible
-            outs.append(bi.attention(q, k, v, ~mask[:, None, None], D**-0.5)[pos, 0])
+            outs.append(bi.attention(q, k, v, ~mask[:, None, None], D**-0.5, blocking)[pos, 0])
         for o in outs[1:]:
             assert torch.equal(o, outs[0]), visible
 

@@ -249,3 +249,36 @@ def test_logprobs_identical_with_speculation_on_and_off(tiny_loaded, draft_loade
                 assert entry.top[0] == (entry.token_id, entry.logprob)
         for kind in ("ngram", "draft_self"):
             assert collect(kind, params) == ref, kind
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompt_logprobs_independent_of_chunking_and_batch(tiny_loaded, dtype):
+    """Scoring a prompt (prompt_logprobs, max_tokens 0: what eval harnesses send) gives the same numbers
+    prefilled in one step or in chunks of 7 beside other requests, and equal to the logits of one
+    forward over the whole prompt."""
+    from workers.runner import ModelRunner, StepBatch
+
+    prompt = copy_prompts(1, seed=61)[0] + copy_prompts(1, seed=62)[0]
+    one = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=1, max_model_len=MAX_LEN, max_num_batched_tokens=256,
+                                 proposers=[]), tiny_loaded)
+    [o] = [x for x in _run_all(one, [("s", prompt, {"max_tokens": 0, "prompt_logprobs": 3})])]
+    assert o.finish_reason == "length" and o.token_ids == [] and o.prompt_logprobs[0] is None
+    assert len(o.prompt_logprobs) == len(prompt) and [e.token_id for e in o.prompt_logprobs[1:]] == prompt[1:]
+    chunked = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=8, max_model_len=MAX_LEN, max_num_batched_tokens=16,
+                                     max_prefill_tokens_while_decoding=7, proposers=[]), tiny_loaded)
+    others = [(f"n{i}", p, {"max_tokens": 12, "ignore_eos": True}) for i, p in enumerate(copy_prompts(4, seed=63))]
+    outs = _run_all(chunked, others + [("s", prompt, {"max_tokens": 2, "prompt_logprobs": 3})])
+    got = next(x for x in outs if x.request_id == "s" and x.prompt_logprobs is not None)
+    assert got.prompt_logprobs == o.prompt_logprobs
+    r = ModelRunner(tiny_loaded.model, 1, MAX_LEN, getattr(torch, dtype), batch_invariant=True)
+    lp = r.forward(StepBatch([0], [0], [prompt], [list(range(len(prompt)))])).logits.log_softmax(-1)
+    assert [e.logprob for e in o.prompt_logprobs[1:]] == [float(lp[j, prompt[j + 1]]) for j in range(len(prompt) - 1)]
+
+
+def _run_all(eng: LLMEngine, reqs: list) -> list:
+    for rid, p, sp in reqs:
+        eng.add_request(rid, p, sp)
+    outs = []
+    while eng.has_work():
+        outs.extend(eng.step())
+    return [o for o in outs if o.finished or o.prompt_logprobs is not None]

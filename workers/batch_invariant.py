@@ -16,7 +16,7 @@ fix the kernels on GPU; this module does it on top of the kernels torch ships, t
   runs in blocks of ``B`` rows and pads a short tail block up to ``m0``. Which ``M`` agree is a
   property of the library and CPU, not of the data, so the probe is run where the model runs.
 * **Attention reduces in fixed blocks aligned at key 0.** Scores are one matmul over the head
-  dimension (its reduction length is always ``head_dim``); the key axis is padded to a multiple of
+  dimension (its reduction length is always ``head_dim``; query rows in probed row blocks, as above); the key axis is padded to a multiple of
   :data:`KEY_BLOCK` (masked keys add exact zeros to lanes fixed from key 0); ``P @ V`` is computed
   per block of :data:`KEY_BLOCK` keys (a GEMM whose reduction length is always the block) and the
   blocks are summed left to right, so extra masked blocks after a request's own keys
@@ -48,11 +48,14 @@ LinearFn = Callable[[torch.Tensor], torch.Tensor]  # [M, in] -> [M, out]
 
 @dataclass(frozen=True)
 class RowBlocking:
-    """How one linear is called so every row sees the same kernel: blocks of ``block`` rows,
-    a shorter tail padded up to ``min_rows``."""
+    """How one GEMM is called so every row sees the same kernel: blocks of at most ``block`` rows; a
+    block's row count is rounded up to a multiple of ``granule`` and to at least ``min_rows`` (zero rows
+    pad it). E.g. an AVX2 sgemm computes rows in tiles of 6 and a tile's tail of 1-3 rows another way:
+    granule 6 makes every row a full-tile row."""
 
     min_rows: int
     block: int
+    granule: int = 1
 
     def sizes(self, num_rows: int) -> list[tuple[int, int]]:
         """``[(rows in the block, rows the kernel is called with)]`` covering ``num_rows`` rows."""
@@ -60,41 +63,50 @@ class RowBlocking:
         left = num_rows
         while left > 0:
             n = min(left, self.block)
-            out.append((n, max(n, self.min_rows)))
+            out.append((n, max(-(-n // self.granule) * self.granule, self.min_rows)))
             left -= n
         return out
+
+    def direct(self, num_rows: int) -> bool:
+        """Whether ``num_rows`` rows can be one call as they are (no split, no padding)."""
+        return self.min_rows <= num_rows <= self.block and num_rows % self.granule == 0
+
+
+# (min_rows, granule) candidates, in order of preference: no padding first
+_CANDIDATES = ((1, 1), (2, 1), (4, 1), (8, 1), (16, 1), (2, 2), (4, 4), (6, 6), (8, 8), (12, 12), (16, 16))
 
 
 def probe_row_blocking(fn: LinearFn, in_features: int, dtype: torch.dtype, device: torch.device,
                        max_block: int = MAX_ROW_BLOCK, draws: int = 2) -> RowBlocking:
     """Find the row counts on which ``fn`` gives bit-identical rows (see the module docstring).
 
-    For each candidate ``m0`` in 1, 2, 4, 8, 16: every row of a random input is computed alone (in
-    an ``m0``-row call, at its first place), then ``fn`` is called with every ``M`` from ``m0`` up
-    and all ``M`` rows must match; the run stops at the first ``M`` that does not. Every row is
-    compared because a kernel change can hide behind the output rounding (in bf16 a different
-    reduction order changes roughly one row in ten). The first ``m0`` whose run reaches 16 rows (or
-    the longest run) wins. A run of one size still gives a valid, slow blocking: always ``m0`` rows.
+    For each candidate (``m0``, granule ``g``): every row of a random input is computed alone (in an
+    ``m0``-row call, at its first place), then ``fn`` is called with ``m0``, ``m0 + g``, ... rows and all
+    of them must match; the run stops at the first count that does not. Every row is compared because a
+    kernel change can hide behind the output rounding (in bf16 a different reduction order changes
+    roughly one row in ten). The first candidate whose calls may hold 32 rows (or ``max_block``) wins,
+    else the one with the largest calls. A run of one size still gives a valid, slow blocking: always
+    ``m0`` rows.
     """
     gen = torch.Generator(device="cpu").manual_seed(0)
     xs = [torch.randn(max_block + 16, in_features, generator=gen).to(device=device, dtype=dtype)
           for _ in range(draws)]  # [max_block + 16, in] each
-
     best = RowBlocking(1, 1)
-    for m0 in (1, 2, 4, 8, 16):
+    for m0, g in _CANDIDATES:
         if m0 > max_block:
             break
-        refs = [torch.stack([fn(x[i : i + m0].contiguous())[0] for i in range(max_block)]) for x in xs]
+        pad = xs[0].new_zeros(m0 - 1, in_features)
+        refs = [torch.stack([fn(torch.cat([x[i : i + 1], pad]))[0] for i in range(max_block)]) for x in xs]
         end = m0 - 1
-        for m in range(m0, max_block + 1):
+        for m in range(m0, max_block + 1, g):
             if not all(torch.equal(fn(x[:m].contiguous()), ref[:m]) for x, ref in zip(xs, refs)):
                 break
             end = m
         if end < m0:
             continue  # even m0 rows depend on their place in the call
-        if end - m0 > best.block - best.min_rows:
-            best = RowBlocking(m0, end)
-        if end >= min(16, max_block):
+        if end > best.block:
+            best = RowBlocking(m0, end, g)
+        if end >= min(32, max_block):
             break
     return best
 
@@ -102,7 +114,7 @@ def probe_row_blocking(fn: LinearFn, in_features: int, dtype: torch.dtype, devic
 def blocked(fn: LinearFn, x: torch.Tensor, blocking: RowBlocking) -> torch.Tensor:
     """``fn(x)`` with every row computed in a call of one of ``blocking``'s row counts."""
     # x: [M, in] -> [M, out]
-    if x.shape[0] == 0 or blocking.min_rows <= x.shape[0] <= blocking.block:
+    if x.shape[0] == 0 or blocking.direct(x.shape[0]):
         return fn(x.contiguous())
     parts = []
     start = 0
@@ -120,12 +132,54 @@ def padded_keys(num_keys: int) -> int:
     return -(-num_keys // KEY_BLOCK) * KEY_BLOCK
 
 
+@dataclass(frozen=True)
+class AttentionBlocking:
+    """Row blockings of attention's two GEMMs: scores ``[M, D] @ [D, L]`` and ``P @ V`` per key block
+    ``[M, KEY_BLOCK] @ [KEY_BLOCK, D]``, where M = query rows per (request, kv head)."""
+
+    scores: RowBlocking
+    pv: RowBlocking
+
+
+def probe_attention_blocking(head_dim: int, device: torch.device) -> AttentionBlocking:
+    """Like :func:`probe_row_blocking`, for attention's batched GEMMs: which query-row counts give
+    bit-identical rows. Called batched (distinct memory per batch entry), as the forward calls them;
+    the key count L only sets the number of output columns, which every kernel computes alike."""
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    kt = torch.randn(4, head_dim, 2 * KEY_BLOCK, generator=gen).to(device)  # [4, D, L]
+    vb = torch.randn(4, KEY_BLOCK, head_dim, generator=gen).to(device)  # [4, KB, D]
+
+    def batched(w: torch.Tensor) -> LinearFn:
+        return lambda x: (x.unsqueeze(0).repeat(4, 1, 1) @ w)[2]  # [M, in] -> [M, out] via a batch-4 bmm
+
+    return AttentionBlocking(
+        scores=probe_row_blocking(batched(kt), head_dim, torch.float32, device),
+        pv=probe_row_blocking(batched(vb), KEY_BLOCK, torch.float32, device),
+    )
+
+
+def blocked_matmul(a: torch.Tensor, b: torch.Tensor, blocking: RowBlocking) -> torch.Tensor:
+    """``a @ b`` for batched ``a: [..., M, K]``, every GEMM run on one of ``blocking``'s row counts."""
+    m = a.shape[-2]
+    if blocking.direct(m):
+        return a @ b
+    parts, start = [], 0
+    for n, call_rows in blocking.sizes(m):
+        ab = a[..., start : start + n, :]
+        if call_rows > n:
+            ab = torch.cat([ab, ab.new_zeros(*ab.shape[:-2], call_rows - n, ab.shape[-1])], dim=-2)
+        parts.append((ab @ b)[..., :n, :])
+        start += n
+    return torch.cat(parts, dim=-2)
+
+
 def attention(
     q: torch.Tensor,  # [S, n, H, D] queries of S requests with n new tokens each
     k: torch.Tensor,  # [S, Hkv, L, D] keys, L a multiple of KEY_BLOCK
     v: torch.Tensor,  # [S, Hkv, L, D] values
     masked_out: torch.Tensor,  # [S, 1, 1, n, L] bool, True = hidden; every query row sees at least one key
     scale: float,
+    blocking: AttentionBlocking,
 ) -> torch.Tensor:  # [S, n, H, D] in q's dtype
     """Causal GQA attention whose result for a query row depends only on that row's visible keys."""
     S, n, H, D = q.shape
@@ -135,14 +189,15 @@ def attention(
         raise ValueError(f"key axis {L} is not a multiple of {KEY_BLOCK}")
     nb = L // KEY_BLOCK
     qg = (q.float() * scale).view(S, n, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(S, Hkv, G * n, D)  # [S, Hkv, G*n, D]
-    scores = qg @ k.float().transpose(-1, -2)  # [S, Hkv, G*n, L]: reduction over D only
+    scores = blocked_matmul(qg, k.float().transpose(-1, -2), blocking.scores)  # [S, Hkv, G*n, L]: reduction over D
     scores = scores.view(S, Hkv, G, n, L).masked_fill_(masked_out, float("-inf"))
     probs = scores.softmax(-1).view(S, Hkv, G * n, L)
     v = v.float()
     # P @ V one KEY_BLOCK at a time (each GEMM a KEY_BLOCK-long reduction), blocks added left to right:
     # masked blocks past a request's keys add exact zeros at the end. Slicing keys keeps every operand a
     # strided view of the cache, so no block is copied.
-    out = probs[..., :KEY_BLOCK] @ v[:, :, :KEY_BLOCK]  # [S, Hkv, G*n, D]
+    out = blocked_matmul(probs[..., :KEY_BLOCK], v[:, :, :KEY_BLOCK], blocking.pv)  # [S, Hkv, G*n, D]
     for b in range(1, nb):
-        out = out + probs[..., b * KEY_BLOCK : (b + 1) * KEY_BLOCK] @ v[:, :, b * KEY_BLOCK : (b + 1) * KEY_BLOCK]
+        out = out + blocked_matmul(probs[..., b * KEY_BLOCK : (b + 1) * KEY_BLOCK],
+                                   v[:, :, b * KEY_BLOCK : (b + 1) * KEY_BLOCK], blocking.pv)
     return out.view(S, Hkv, G, n, D).permute(0, 3, 1, 2, 4).reshape(S, n, H, D).to(q.dtype)

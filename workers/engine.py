@@ -35,6 +35,7 @@ from workers.proposers.draft_model import common_prefix_len
 from workers.rejection_sampler import verify, verify_coupled
 from workers.request import Request, RequestOutput, Status, StepEvent, TokenLogprob
 from workers.hardware import resolve_dtype
+from workers.penalties import penalize_rows
 from workers.runner import ModelRunner, StepBatch, pick_device
 from workers.sampler import make_generator, position_key
 from workers.sampling_params import SamplingParams
@@ -189,6 +190,7 @@ class LLMEngine:
             generator=None,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             seed=params.seed if params.seed is not None else secrets.randbits(64),
+            prompt_logprobs=None if params.prompt_logprobs is None else [None],
         )
         if self.config.verification == "rejection" and not params.greedy:
             req.generator = make_generator(req.seed, self.runner.device)
@@ -241,11 +243,17 @@ class LLMEngine:
         frontier_drafts = {id(r): d for r, d in zip(decoding, drafts)}
         frontier_probs = {id(r): p for r, p in zip(decoding, draft_probs)}
 
+        # Logits: the frontier rows (the last fed token, plus one per draft), and every prompt row of a
+        # request that scores its prompt (prompt_logprobs).
+        scoring = [r.params.prompt_logprobs is not None and r.in_prefill for r, _, _ in sched]
+        logits_rows = [list(range(len(toks))) if sc else
+                       list(range(len(toks)))[-(len(frontier_drafts.get(id(r), [])) + 1):] if f else []
+                       for (r, toks, f), sc in zip(sched, scoring)]
         batch = StepBatch(
             slots=[r.slot for r, _, _ in sched],
             start_pos=[r.num_computed for r, _, _ in sched],
             token_ids=[toks for _, toks, _ in sched],
-            logits_rows=[list(range(len(toks)))[-(len(frontier_drafts.get(id(r), [])) + 1) :] if f else [] for r, toks, f in sched],
+            logits_rows=logits_rows,
         )
         want_hidden = [r.proposer in self._hidden_proposers for r, _, _ in sched] if self._hidden_proposers else []
         if any(want_hidden):
@@ -253,6 +261,8 @@ class LLMEngine:
         out = self.runner.forward(batch)
         if out.extra_hidden is not None:
             self._keep_hidden(sched, want_hidden, out.extra_hidden)
+        if any(scoring):  # take the prompt rows out: verify sees only the frontier rows
+            out.logits = self._score_prompts(sched, scoring, logits_rows, out.logits)
 
         at_frontier = [(r, toks) for r, toks, f in sched if f]
         for r, toks, f in sched:
@@ -260,16 +270,17 @@ class LLMEngine:
                 r.num_computed += len(toks)
                 if rec and r.events is not None:
                     r.events.append(StepEvent(t0_ns, time.time_ns(), "prefill", 0, 0, t_prop_ns))
+        logits = self._penalized(out.logits, at_frontier, frontier_drafts)
         if self.config.verification == "coupled":
             result = verify_coupled(
-                out.logits,
+                logits,
                 [frontier_drafts.get(id(r), []) for r, _ in at_frontier],
                 [r.params for r, _ in at_frontier],
                 [self._row_keys(r, len(frontier_drafts.get(id(r), []))) for r, _ in at_frontier],
             )
         else:
             result = verify(
-                out.logits,
+                logits,
                 [frontier_drafts.get(id(r), []) for r, _ in at_frontier],
                 [frontier_probs.get(id(r)) for r, _ in at_frontier],
                 [r.params for r, _ in at_frontier],
@@ -313,7 +324,8 @@ class LLMEngine:
             self.free_slots.sort()
             r.slot = self.free_slots.pop(0)
             r.status = Status.RUNNING
-            if self.config.enable_prefix_caching and r.proposer not in self._hidden_proposers:
+            if (self.config.enable_prefix_caching and r.proposer not in self._hidden_proposers
+                    and r.params.prompt_logprobs is None):  # scoring needs every prompt row computed
                 self._reuse_prefix(r)
             self.running.append(r)
 
@@ -424,6 +436,57 @@ class LLMEngine:
         elif r.proposer:
             self.stats[r.proposer].plain_steps += 1
 
+    def _score_prompts(
+        self,
+        sched: list[tuple[Request, list[int], bool]],
+        scoring: list[bool],
+        logits_rows: list[list[int]],
+        logits: torch.Tensor,  # [sum_i len(logits_rows_i), vocab]
+    ) -> torch.Tensor:  # the frontier rows only, in order
+        """Log probability of each prompt token given the ones before it, from the rows that fed them
+        (with batch-invariant kernels, the same numbers whatever the chunking)."""
+        keep: list[int] = []
+        pos = 0
+        for (r, toks, f), sc, rows in zip(sched, scoring, logits_rows):
+            if sc:
+                k = r.params.prompt_logprobs or 0
+                lp = logits[pos : pos + len(rows)].float().log_softmax(dim=-1)  # [n, vocab]
+                assert r.prompt_logprobs is not None
+                for j in range(len(rows)):
+                    nxt = r.num_computed + j + 1  # the prompt token this row predicts
+                    if nxt < len(r.prompt_ids):
+                        tid = r.prompt_ids[nxt]
+                        top = lp[j].topk(k) if k else None
+                        r.prompt_logprobs.append(TokenLogprob(
+                            tid, float(lp[j, tid]),
+                            () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist()))))
+                if f:
+                    keep.append(pos + len(rows) - 1)  # the last prompt row decides the first output token
+            elif f:
+                keep.extend(range(pos, pos + len(rows)))
+            pos += len(rows)
+        return logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+
+    @staticmethod
+    def _penalized(
+        logits: torch.Tensor,  # [sum_i (num_draft_i + 1), vocab] the frontier requests' rows
+        at_frontier: list[tuple[Request, list[int]]],
+        drafts: dict[int, list[int]],
+    ) -> torch.Tensor:
+        """The rows the tokens are chosen from: penalized where a request asks (workers/penalties.py).
+        Logprobs stay those of the raw logits."""
+        if not any(r.params.penalized for r, _ in at_frontier):
+            return logits
+        logits = logits.clone()
+        start = 0
+        for r, _ in at_frontier:
+            d = drafts.get(id(r), [])
+            if r.params.penalized:
+                logits[start : start + len(d) + 1] = penalize_rows(
+                    logits[start : start + len(d) + 1], r.prompt_ids, r.output_ids, d, r.params)
+            start += len(d) + 1
+        return logits
+
     def _logprobs(
         self,
         logits: torch.Tensor,  # [sum_i (num_draft_i + 1), vocab] the verify rows of the frontier requests
@@ -460,6 +523,9 @@ class LLMEngine:
 
     def _commit(self, r: Request, new_ids: Iterable[int], logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         committed: list[int] = []
+        if r.params.max_tokens == 0:  # scoring only: the prompt is read, nothing is written
+            self._finish(r, "length")
+            return self._output(r, [], final=True)
         if r.first_token_time is None:
             r.first_token_time = time.monotonic()
         for t in new_ids:
@@ -494,7 +560,16 @@ class LLMEngine:
             arrival_time=r.arrival_time,
             events=r.events if final else None,
             logprobs=logprobs,
+            prompt_logprobs=self._take_prompt_logprobs(r),
         )
+
+    @staticmethod
+    def _take_prompt_logprobs(r: Request) -> list[TokenLogprob | None] | None:
+        """The prompt's logprobs, once, on the request's first output after its prefill."""
+        if r.prompt_logprobs is None or r.prompt_logprobs_sent or r.in_prefill:
+            return None
+        r.prompt_logprobs_sent = True
+        return r.prompt_logprobs
 
     def _finish(self, r: Request, reason: str) -> None:
         if r.status is Status.FINISHED:

@@ -50,6 +50,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens whose KV was reused from another request (prefix caching)
     events: list[StepEvent] | None = None  # on the final output of a request added with record_events
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when the request asked for logprobs
+    # with prompt_logprobs, on the first output: one per prompt token, None for the first (nothing before it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,8 @@ class Request:
     # [capacity, hidden] the target's final-norm hidden state at every position the target has read
     # (valid up to num_computed); kept only when the request's proposer needs_hidden_states (EAGLE)
     hidden: torch.Tensor | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled during prefill when params ask for them
+    prompt_logprobs_sent: bool = False
 
     @property
     def num_tokens(self) -> int:

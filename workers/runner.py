@@ -223,6 +223,7 @@ class ModelRunner:
                 lambda x, n=name: self._linear_kernel(x, L0, n), width, self.dtype, self.device)
         self.row_blocking["lm_head"] = bi.probe_row_blocking(self._lm_head_kernel, self.hidden_size, self.dtype,
                                                              self.device)
+        self.attn_blocking = bi.probe_attention_blocking(self.head_dim, self.device)
         self._probed_threads = torch.get_num_threads()
 
     @property
@@ -250,7 +251,7 @@ class ModelRunner:
         # x: [T, in] -> [T, out]
         if self.batch_invariant:
             b = self.row_blocking[name]
-            if b.min_rows <= x.shape[0] <= b.block:  # one call already has an agreed row count
+            if b.direct(x.shape[0]):  # one call already has an agreed row count
                 return self._linear_kernel(x, L, name)
             return bi.blocked(lambda xb: self._linear_kernel(xb, L, name), x, b)
         return self._linear_kernel(x, L, name)
@@ -333,14 +334,15 @@ class ModelRunner:
                 if len(groups) == 1 and groups[0].dense_row0 == 0 and groups[0].tok.numel() == total:
                     g = groups[0]  # every row in one dense group (a decode batch, a lone prefill): views only
                     o = bi.attention(q.reshape(g.hi - g.lo, g.n, H, D), kc[g.lo : g.hi, :, : g.max_kv],
-                                     vc[g.lo : g.hi, :, : g.max_kv], g.mask, D**-0.5).reshape(total, H * D)
+                                     vc[g.lo : g.hi, :, : g.max_kv], g.mask, D**-0.5,
+                                     self.attn_blocking).reshape(total, H * D)
                 else:
                     o = q.new_empty(total, H, D)
                     for g in groups:
                         qp = q.new_zeros(g.hi - g.lo, g.n, H, D)
                         qp[g.sl, g.qrow] = q[g.tok]
                         attn = bi.attention(qp, kc[g.lo : g.hi, :, : g.max_kv], vc[g.lo : g.hi, :, : g.max_kv],
-                                            g.mask, D**-0.5)  # [S_g, n_g, H, D]
+                                            g.mask, D**-0.5, self.attn_blocking)  # [S_g, n_g, H, D]
                         o[g.tok] = attn[g.sl, g.qrow]
                     o = o.reshape(total, H * D)
             elif nreq == 1:

@@ -7,7 +7,7 @@ which the engine re-raises as ``InvalidRequestError`` (see ``workers/errors.py``
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
 class SamplingParams(BaseModel):
@@ -21,13 +21,25 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_tokens: int = Field(16, ge=1, description="Maximum number of tokens to generate.")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=20,
+        description="Return each prompt token's log probability given the tokens before it (the first has none) and "
+        "this many alternatives: what eval harnesses score with. The request then prefills without the prefix cache.",
+    )
+    max_tokens: int = Field(16, ge=0, description="Maximum number of tokens to generate; 0 only scores the prompt "
+                            "(with prompt_logprobs).")
     temperature: float = Field(0.0, ge=0.0, le=100.0, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass kept, in (0, 1].")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.")
     seed: int | None = Field(None, description="Per-request RNG seed; same seed + same request = same output.")
     stop: tuple[str, ...] = Field((), description="Stop strings; the matched string is not emitted.")
     ignore_eos: bool = Field(False, description="Keep generating past EOS (benchmarks).")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted once from a token's logit if "
+                                    "it appears in the output so far (OpenAI semantics).")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted per occurrence of a token in "
+                                     "the output so far.")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="vLLM's: a token in the prompt or output "
+                                      "so far has a positive logit divided by it, a negative one multiplied; 1 = off.")
     logprobs: int | None = Field(
         None, ge=0, le=20,
         description="Return each output token's log probability under the target (raw logits, before temperature "
@@ -52,6 +64,18 @@ class SamplingParams(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return v
 
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_tokens_only_to_score(cls, v: int, info: ValidationInfo) -> int:
+        # prompt_logprobs is declared first, so it is validated (and in info.data) by now
+        if v == 0 and info.data.get("prompt_logprobs") is None:
+            raise ValueError("max_tokens must be at least 1 (0 only with prompt_logprobs)")
+        return v
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
