@@ -102,6 +102,9 @@ class Ingress:
             raise HTTPError(400, "body is not valid JSON: nested too deeply") from None
         if not isinstance(data, dict):
             raise HTTPError(400, "body must be a JSON object")
+        bad = P.strip_unsupported(data, chat=model is P.ChatCompletionRequest)
+        if bad is not None:
+            raise HTTPError(400, f"'{bad}' is not supported by this server", bad, code="unsupported_parameter")
         try:
             req = model.model_validate(data)
         except ValidationError as e:
@@ -121,9 +124,6 @@ class Ingress:
 
     def _params(self, req: Any) -> dict[str, Any]:
         ing = self.cfg.ingress
-        bad = P.unsupported(req)
-        if bad is not None:
-            raise HTTPError(400, f"'{bad}' is not supported by this server", bad, code="unsupported_parameter")
         if req.n > ing.max_n:
             raise HTTPError(400, f"n {req.n} is above this server's limit of {ing.max_n}", "n")
         max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens

@@ -69,8 +69,8 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = Field(False, description="vLLM: usage on every chunk.")
 
 
-# Real OpenAI fields this server does not implement: accepted by the schema so that the 400 can say
-# "not supported" (a feature gap) instead of "unknown field" (a typo). Checked by ``unsupported``.
+# Real OpenAI fields this server does not implement, looked for before validation so that the 400 can say
+# "not supported" (a feature gap) instead of "unknown field" (a typo): see ``strip_unsupported``.
 UNSUPPORTED_CHAT = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
                     "logit_bias", "audio", "modalities", "prediction", "web_search_options", "reasoning_effort")
 UNSUPPORTED_COMPLETION = ("suffix", "best_of", "logit_bias")
@@ -108,18 +108,6 @@ class _Common(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    parallel_tool_calls: Any = None
-    response_format: Any = None
-    logit_bias: Any = None
-    audio: Any = None
-    modalities: Any = None
-    prediction: Any = None
-    web_search_options: Any = None
-    reasoning_effort: Any = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = Field(False, description="Return each output token's log probability.")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="Most likely alternatives per token (needs logprobs).")
@@ -128,9 +116,6 @@ class ChatCompletionRequest(_Common):
 class CompletionRequest(_Common):
     prompt: Any = Field(description="Text, token ids, or a list of either (one choice set per prompt).")
     echo: bool = Field(False, description="Return the prompt before the completion.")
-    suffix: Any = None
-    best_of: Any = None
-    logit_bias: Any = None
     logprobs: int | None = Field(None, ge=0, le=20, description="Log probability of each token and this many alternatives.")
 
     @field_validator("prompt", mode="before")
@@ -156,20 +141,21 @@ class CompletionRequest(_Common):
         return list(p)  # type: ignore[arg-type]
 
 
-def unsupported(req: BaseModel) -> str | None:
-    """The first real-but-unimplemented field the request sets, or None."""
-    names = UNSUPPORTED_CHAT if isinstance(req, ChatCompletionRequest) else UNSUPPORTED_COMPLETION
-    for name in names:
-        v = getattr(req, name, None)
-        if v is None:
-            continue
-        if name == "response_format" and isinstance(v, dict) and v.get("type") == "text":
-            continue  # plain text is what every response is
-        if name == "best_of" and v == getattr(req, "n", 1):
-            continue  # best_of == n: nothing to pick among
-        if name in ("parallel_tool_calls",) and getattr(req, "tools", None) is None:
-            continue  # a flag about tools, meaningless without them
-        return name
+def strip_unsupported(data: dict[str, Any], chat: bool) -> str | None:
+    """Before validation: drop the settings that ask for nothing this server does not do anyway
+    (``response_format`` text, ``best_of`` = n, ``parallel_tool_calls`` without tools) and return the
+    first real OpenAI field it does not implement, or None. The 400 then says "not supported" (a
+    feature gap), not "unknown field" (a typo)."""
+    rf = data.get("response_format")
+    if isinstance(rf, dict) and rf.get("type") == "text":
+        data.pop("response_format")
+    if not chat and "best_of" in data and data["best_of"] == data.get("n", 1):
+        data.pop("best_of")
+    if data.get("tools") is None:
+        data.pop("parallel_tool_calls", None)
+    for name in UNSUPPORTED_CHAT if chat else UNSUPPORTED_COMPLETION:
+        if data.get(name) is not None:
+            return name
     return None
 
 
