@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
-from ray.serve._private.request_router.common import PendingRequest
-from ray.serve._private.request_router.replica_wrapper import RunningReplica
-from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 
 class HintedReplicaRouter(FIFOMixin, RequestRouter):
