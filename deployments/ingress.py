@@ -175,9 +175,14 @@ class Ingress:
         carrier = rt.carrier()
         if carrier:
             payload["trace_context"] = carrier  # W3C traceparent: the target's spans join this trace
+        gen = None
         try:
             gen = self.target.generate.remote(payload, replica_id=route.get("replica_id"))
             first = await gen.__anext__()
+        except asyncio.CancelledError:  # timed out or the client left before the first token: free it end to end
+            if gen is not None:
+                gen.cancel()
+            raise
         except BackPressureError:
             raise HTTPError(503, "the service is at capacity; retry later", type_="overloaded_error",
                             code="overloaded", headers={"Retry-After": "1"}) from None
