@@ -18,6 +18,7 @@ Nothing here imports Ray; the Serve target worker drives it through ``AsyncEngin
 from __future__ import annotations
 
 import collections
+import itertools
 import secrets
 import time
 from typing import Any, Callable, Iterable, Sequence
@@ -35,6 +36,7 @@ from workers.proposers.draft_model import common_prefix_len
 from workers.rejection_sampler import verify, verify_coupled
 from workers.request import Request, RequestOutput, Status, StepEvent, TokenLogprob
 from workers.hardware import resolve_dtype
+from workers.logprobs import token_logprobs
 from workers.penalties import penalize_rows
 from workers.runner import ModelRunner, StepBatch, pick_device
 from workers.sampler import make_generator, position_key
@@ -270,7 +272,9 @@ class LLMEngine:
                 r.num_computed += len(toks)
                 if rec and r.events is not None:
                     r.events.append(StepEvent(t0_ns, time.time_ns(), "prefill", 0, 0, t_prop_ns))
-        logits = self._penalized(out.logits, at_frontier, frontier_drafts)
+        row_start = list(itertools.accumulate((len(frontier_drafts.get(id(r), [])) + 1 for r, _ in at_frontier),
+                                              initial=0))[:-1]  # first verify row of each frontier request
+        logits = self._penalized(out.logits, at_frontier, frontier_drafts, row_start)
         if self.config.verification == "coupled":
             result = verify_coupled(
                 logits,
@@ -287,7 +291,7 @@ class LLMEngine:
                 [r.generator for r, _ in at_frontier],
             )
         outputs: list[RequestOutput] = []
-        logprobs = self._logprobs(out.logits, at_frontier, frontier_drafts, result.output_token_ids)
+        logprobs = self._logprobs(out.logits, at_frontier, row_start, result.output_token_ids)
         for (r, toks), new_ids, n_acc, lps in zip(at_frontier, result.output_token_ids, result.num_accepted, logprobs):
             n_draft = len(frontier_drafts.get(id(r), []))
             kind = "prefill" if r.in_prefill else ("spec" if n_draft else "plain")
@@ -449,17 +453,11 @@ class LLMEngine:
         pos = 0
         for (r, toks, f), sc, rows in zip(sched, scoring, logits_rows):
             if sc:
-                k = r.params.prompt_logprobs or 0
-                lp = logits[pos : pos + len(rows)].float().log_softmax(dim=-1)  # [n, vocab]
                 assert r.prompt_logprobs is not None
-                for j in range(len(rows)):
-                    nxt = r.num_computed + j + 1  # the prompt token this row predicts
-                    if nxt < len(r.prompt_ids):
-                        tid = r.prompt_ids[nxt]
-                        top = lp[j].topk(k) if k else None
-                        r.prompt_logprobs.append(TokenLogprob(
-                            tid, float(lp[j, tid]),
-                            () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist()))))
+                first = r.num_computed + 1  # the prompt token the chunk's first row predicts
+                targets = r.prompt_ids[first : first + len(rows)]  # the last prompt row predicts output instead
+                r.prompt_logprobs.extend(token_logprobs(logits[pos : pos + len(targets)], targets,
+                                                        r.params.prompt_logprobs or 0))
                 if f:
                     keep.append(pos + len(rows) - 1)  # the last prompt row decides the first output token
             elif f:
@@ -472,54 +470,32 @@ class LLMEngine:
         logits: torch.Tensor,  # [sum_i (num_draft_i + 1), vocab] the frontier requests' rows
         at_frontier: list[tuple[Request, list[int]]],
         drafts: dict[int, list[int]],
+        row_start: list[int],  # per frontier request: its first row
     ) -> torch.Tensor:
         """The rows the tokens are chosen from: penalized where a request asks (workers/penalties.py).
         Logprobs stay those of the raw logits."""
         if not any(r.params.penalized for r, _ in at_frontier):
             return logits
         logits = logits.clone()
-        start = 0
-        for r, _ in at_frontier:
-            d = drafts.get(id(r), [])
+        for (r, _), start in zip(at_frontier, row_start):
             if r.params.penalized:
+                d = drafts.get(id(r), [])
                 logits[start : start + len(d) + 1] = penalize_rows(
                     logits[start : start + len(d) + 1], r.prompt_ids, r.output_ids, d, r.params)
-            start += len(d) + 1
         return logits
 
+    @staticmethod
     def _logprobs(
-        self,
         logits: torch.Tensor,  # [sum_i (num_draft_i + 1), vocab] the verify rows of the frontier requests
         at_frontier: list[tuple[Request, list[int]]],
-        drafts: dict[int, list[int]],
+        row_start: list[int],  # per frontier request: its first row
         new_ids: list[list[int]],  # per frontier request: the tokens verify committed
     ) -> list[list[TokenLogprob] | None]:
         """Log probabilities of the committed tokens, from the rows that decided them (under speculation,
         the verify rows): with batch-invariant kernels, the same numbers as plain decoding's."""
-        out: list[list[TokenLogprob] | None] = [None] * len(at_frontier)
-        want = [i for i, (r, _) in enumerate(at_frontier) if r.params.logprobs is not None]
-        if not want:
-            return out
-        starts, acc = [], 0
-        for r, _ in at_frontier:
-            starts.append(acc)
-            acc += len(drafts.get(id(r), [])) + 1
-        rows = [starts[i] + j for i in want for j in range(len(new_ids[i]))]
-        lp = logits[torch.tensor(rows, device=logits.device)].float().log_softmax(dim=-1)  # [n, vocab]
-        top_k = max(at_frontier[i][0].params.logprobs or 0 for i in want)
-        top_lp, top_ids = lp.topk(top_k, dim=-1) if top_k else (lp[:, :0], lp[:, :0].long())  # [n, top_k]
-        chosen = torch.tensor([t for i in want for t in new_ids[i]], device=logits.device)
-        chosen_lp = lp.gather(1, chosen[:, None])[:, 0].tolist()
-        top_lp_l, top_ids_l = top_lp.tolist(), top_ids.tolist()
-        n = 0
-        for i in want:
-            k = at_frontier[i][0].params.logprobs or 0
-            entries = []
-            for t in new_ids[i]:
-                entries.append(TokenLogprob(t, chosen_lp[n], tuple(zip(top_ids_l[n][:k], top_lp_l[n][:k]))))
-                n += 1
-            out[i] = entries
-        return out
+        return [None if r.params.logprobs is None else
+                token_logprobs(logits[start : start + len(ids)], ids, r.params.logprobs)
+                for (r, _), start, ids in zip(at_frontier, row_start, new_ids)]
 
     def _commit(self, r: Request, new_ids: Iterable[int], logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         committed: list[int] = []

@@ -250,10 +250,7 @@ class ModelRunner:
     def _linear(self, x: torch.Tensor, L: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         # x: [T, in] -> [T, out]
         if self.batch_invariant:
-            b = self.row_blocking[name]
-            if b.direct(x.shape[0]):  # one call already has an agreed row count
-                return self._linear_kernel(x, L, name)
-            return bi.blocked(lambda xb: self._linear_kernel(xb, L, name), x, b)
+            return bi.blocked(lambda xb: self._linear_kernel(xb, L, name), x, self.row_blocking[name])
         return self._linear_kernel(x, L, name)
 
     def _linear_kernel(self, x: torch.Tensor, L: dict[str, torch.Tensor], name: str) -> torch.Tensor:
