@@ -21,7 +21,7 @@ from ray.serve.handle import DeploymentHandle
 from cluster.config import DRAFT_WORKER_PROPOSERS, AppConfig
 from deployments.remote_draft import RemoteDraftProposer, RemoteEagleProposer
 from deployments.target_telemetry import TargetTelemetry
-from policies.cost_model import StepCostModel
+from workers.cost_model import StepCostModel
 from policies.registry import make_policy
 from workers.async_engine import AsyncEngine
 from workers.engine import LLMEngine
@@ -36,9 +36,11 @@ log = logging.getLogger("ray.serve")
 TRACE_STEPS = 4096  # engine steps policy_trace keeps
 
 
-def output_dict(o: RequestOutput, fingerprint: str | None = None) -> dict[str, Any]:
+def output_dict(o: RequestOutput, fingerprint: str | None = None, replica_id: str | None = None) -> dict[str, Any]:
     return {
         "system_fingerprint": fingerprint,
+        "replica_id": replica_id,  # which replica wrote it: a resubmission after its death avoids it
+        "seed": o.seed,  # the request's noise seed (drawn here if it gave none): a resubmission continues with it
         "text": o.text,
         "token_ids": o.token_ids,
         "finished": o.finished,
@@ -71,8 +73,9 @@ class TargetWorker:
             else:
                 proposers[p.name] = make_proposer(p.name, **p.options)
         self.policy_version = -1
-        # Step cost belongs to this replica's hardware, not to a policy: measured every step and
-        # handed to each policy that predicts from it (goodput), so a live swap keeps what was learned.
+        # Step cost belongs to this replica's hardware, not to a policy: the engine measures every step
+        # into it and its scheduler sizes prompt chunks from it; each policy that predicts from it
+        # (goodput) gets the same model, so a live swap keeps what was learned.
         self.step_costs = StepCostModel()
         self.policy = self._make_policy({"name": "goodput"})
         # The last steps' decisions and costs, for `policy_trace` (debugging a policy on live load).
@@ -90,7 +93,7 @@ class TargetWorker:
             draft_proxy.on_call = self.telemetry.on_draft_call
         self.engine = AsyncEngine(lambda: LLMEngine(  # built in the engine thread: see AsyncEngine
             cfg.engine, load_model(cfg.engine.model), proposers=proposers, decide=self._decide,
-            on_step=self._on_step, on_verify=self.telemetry.on_verify,
+            on_step=self._on_step, on_verify=self.telemetry.on_verify, cost_model=self.step_costs,
         ))
         self.router = router
         self._reporter = asyncio.get_event_loop().create_task(self._report_loop())
@@ -110,7 +113,6 @@ class TargetWorker:
         return ks
 
     def _on_step(self, tokens: int, seconds: float, requests: int | None = None) -> None:  # engine thread
-        self.step_costs.observe(tokens, seconds, requests)
         self.policy.observe_step(tokens, seconds, requests)
         self.telemetry.on_step(tokens, seconds)
         self._trace.append({"ks": self._pending_ks, "tokens": tokens, "seconds": seconds, "requests": requests,
@@ -154,6 +156,7 @@ class TargetWorker:
                 proposer=request.get("proposer"),
                 speculation=request.get("speculation", "auto"),
                 record_events=parent is not None,
+                resume_output_ids=request.get("resume_output_ids") or (),
             ):
                 if o.finished:
                     finish_reason = o.finish_reason or "stop"
@@ -163,7 +166,7 @@ class TargetWorker:
                             "num_output_tokens": o.num_output_tokens, "num_draft_tokens": o.spec.num_draft_tokens,
                             "num_accepted_tokens": o.spec.num_accepted_tokens,
                         })
-                yield output_dict(o, self._fingerprint())
+                yield output_dict(o, self._fingerprint(), self.replica_id)
         except InvalidRequestError as e:
             finish_reason = "invalid"
             yield {"error": {"message": e.message, "param": e.param}}

@@ -1,7 +1,7 @@
 """Routing policies: given a load snapshot, K per decoding request (0 = plain). No Ray here."""
 
 from policies.base import Policy, PolicyConfigBase
-from policies.cost_model import StepCostModel
+from workers.cost_model import StepCostModel
 from policies.registry import (
     DEFAULT_POLICY,
     PolicyConfig,

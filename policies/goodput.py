@@ -22,7 +22,7 @@ with its assumption:
   step. Of B requests, j ~ Binomial(B, rho) draft, so tokens = B * (1 + rho * (E - 1)) and
   time = E_j[time(B + j * K)] (for B > 64, time(B + rho * B * K): the binomial is narrow).
 
-with ``time`` the online linear step-cost model (policies/cost_model.py) that the engine
+with ``time`` the online linear step-cost model (workers/cost_model.py) that the engine
 loop feeds through :meth:`Policy.observe_step`. Every K in [0, k_max] is evaluated; K is
 uniform per proposer (acceptance is per proposer, from ``snapshot.acceptance_ema``, with
 ``prior_acceptance`` until a proposer has an EMA). A proposer whose *first* draft is accepted
@@ -72,7 +72,7 @@ from typing import Any, Literal, NamedTuple, Sequence
 from pydantic import Field
 
 from policies.base import Clock, Policy, PolicyConfigBase, batch_size
-from policies.cost_model import StepCostModel
+from workers.cost_model import StepCostModel
 from workers.decision import SpecCandidate
 from workers.stats import LoadSnapshot
 

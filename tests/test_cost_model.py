@@ -1,4 +1,4 @@
-"""The goodput policy's online step-cost model (policies/cost_model.py): pure Python, no model."""
+"""The goodput policy's online step-cost model (workers/cost_model.py): pure Python, no model."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_cost_model_table_overrides_the_line_where_measured() -> None:
 
 
 def test_cost_model_buckets() -> None:
-    from policies.cost_model import bucket
+    from workers.cost_model import bucket
 
     assert [bucket(t) for t in (1, 2, 31, 32)] == [1, 2, 31, 32]
     assert bucket(33) == bucket(38) != bucket(39)  # quarter octaves above 32
@@ -206,3 +206,22 @@ def test_noise_does_not_move_a_rare_verify_price_against_the_plain_one() -> None
         if i >= 2000 and i % 50 == 0:
             seen.append(m.predict(8, requests=4) / m.predict(4, requests=4))
     assert sum(seen) / len(seen) == pytest.approx(1.3, rel=0.03)
+
+
+def test_prompt_tokens_are_priced_on_top_of_the_decode_part_of_the_step():
+    """Mixed steps teach the per-prompt-token cost once the batch's plain step is known; prefill-only
+    steps teach it over the fixed cost of a step. predict_step adds it to the decode part."""
+    m = StepCostModel(min_samples=4, decay=1.0)
+    for _ in range(3):
+        m.observe(1, 0.020, requests=1)  # plain step of one request: the fixed cost
+        m.observe(4, 0.030, requests=4)  # plain step of four
+    m.observe(4 + 100, 0.080, requests=4, prefill_tokens=100)  # 50 ms over the plain step: 0.5 ms per prompt token
+    assert m.prefill_token_s == pytest.approx(0.0005)
+    for _ in range(50):
+        m.observe(200, 0.020 + 0.0005 * 200, requests=0, prefill_tokens=200)  # prompts alone
+    assert m.prefill_per_token_s() == pytest.approx(0.0005)
+    assert m.predict_step(4, 4, 60) == pytest.approx(0.030 + 0.030)
+    assert m.predict_step(0, 0, 60) == pytest.approx(0.020 + 0.030)
+    assert "4x4" in m.as_dict()["measured_s_by_batch_bucket"]  # mixed steps never enter the per-batch table
+    m.observe(8 + 10, 0.5, requests=8, prefill_tokens=10)  # batch 8 never ran plain: the decode part is unknown
+    assert m.prefill_token_s == pytest.approx(0.0005)

@@ -156,24 +156,6 @@ def test_chunked_prefill_does_not_stall_running_requests(tiny_loaded):
         assert eng.snapshot().tokens_last_step <= 32
 
 
-def test_prefill_chunk_is_capped_while_others_decode(tiny_loaded):
-    cfg = EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512, max_num_batched_tokens=128, max_prefill_tokens_while_decoding=8)
-    eng = LLMEngine(cfg, tiny_loaded)
-    eng.add_request("alone", rand_prompts(1, 5, 100, 100)[0], {"max_tokens": 2, "ignore_eos": True})
-    eng.step()
-    assert eng.snapshot().tokens_last_step == 100  # nobody decoding: the whole budget goes to prefill
-    eng.step()
-    eng.add_request("short", rand_prompts(1, 1, 5, 5)[0], {"max_tokens": 30, "ignore_eos": True})
-    eng.step()  # "short" prefills alone (5 tokens), "alone" finished
-    eng.add_request("long", rand_prompts(1, 2, 100, 100)[0], {"max_tokens": 2, "ignore_eos": True})
-    sizes = []
-    while eng.requests.get("long") is not None and eng.requests["long"].in_prefill:
-        outs = {o.request_id: o for o in eng.step()}
-        assert len(outs["short"].token_ids) == 1
-        sizes.append(eng.snapshot().tokens_last_step)
-    assert sizes == [1 + 8] * 12 + [1 + 4]  # 100 prompt tokens in chunks of 8 next to one decode
-
-
 def test_seeded_sampling_reproducible_across_batch_compositions(tiny_loaded):
     params = {"max_tokens": 24, "temperature": 0.9, "top_p": 0.9, "top_k": 50, "seed": 1234, "ignore_eos": True}
     prompt = rand_prompts(1, 3)[0]

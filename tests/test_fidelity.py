@@ -254,7 +254,7 @@ def test_logprobs_identical_with_speculation_on_and_off(tiny_loaded, draft_loade
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prompt_logprobs_independent_of_chunking_and_batch(tiny_loaded, dtype):
     """Scoring a prompt (prompt_logprobs, max_tokens 0: what eval harnesses send) gives the same numbers
-    prefilled in one step or in chunks of 7 beside other requests, and equal to the logits of one
+    prefilled in one step or in chunks beside other requests, and equal to the logits of one
     forward over the whole prompt."""
     from workers.runner import ModelRunner, StepBatch
 
@@ -265,7 +265,7 @@ def test_prompt_logprobs_independent_of_chunking_and_batch(tiny_loaded, dtype):
     assert o.finish_reason == "length" and o.token_ids == [] and o.prompt_logprobs[0] is None
     assert len(o.prompt_logprobs) == len(prompt) and [e.token_id for e in o.prompt_logprobs[1:]] == prompt[1:]
     chunked = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=8, max_model_len=MAX_LEN, max_num_batched_tokens=16,
-                                     max_prefill_tokens_while_decoding=7, proposers=[]), tiny_loaded)
+                                     proposers=[]), tiny_loaded)
     others = [(f"n{i}", p, {"max_tokens": 12, "ignore_eos": True}) for i, p in enumerate(copy_prompts(4, seed=63))]
     outs = _run_all(chunked, others + [("s", prompt, {"max_tokens": 2, "prompt_logprobs": 3})])
     got = next(x for x in outs if x.request_id == "s" and x.prompt_logprobs is not None)
@@ -282,3 +282,47 @@ def _run_all(eng: LLMEngine, reqs: list) -> list:
     while eng.has_work():
         outs.extend(eng.step())
     return [o for o in outs if o.finished or o.prompt_logprobs is not None]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("params", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 7},
+                                    {"temperature": 0.8, "top_p": 0.9}, {"temperature": 0.7, "stop": ["ab"]}],
+                         ids=["greedy", "seeded", "unseeded", "stop"])
+def test_a_resumed_stream_continues_bit_identically(tiny_loaded, dtype, params):
+    """A stream cut after any chunk and resubmitted with the prompt, the tokens already sent and the
+    request's seed (what the ingress does when a replica dies) writes exactly the rest of the
+    uninterrupted stream: the same tokens and the same text, on another engine, beside other requests,
+    with speculation."""
+    prompt = copy_prompts(1, seed=71)[0]
+    sp = {"max_tokens": 40, "ignore_eos": True, **params}
+    first = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=2, max_model_len=MAX_LEN, proposers=[]), tiny_loaded)
+    first.add_request("r", prompt, sp)
+    chunks = []
+    while first.has_work():
+        chunks += [o for o in first.step() if o.request_id == "r"]
+    assert len(chunks) > 5 and chunks[-1].finished
+    seed = chunks[0].seed
+    other = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=4, max_model_len=MAX_LEN, num_speculative_tokens=4,
+                                   proposers=[{"name": "ngram"}]), tiny_loaded)
+    for cut in (1, 3, len(chunks) // 2, len(chunks) - 1):
+        sent = [t for o in chunks[:cut] for t in o.token_ids]
+        for i, p in enumerate(copy_prompts(2, seed=72 + cut)):  # neighbours
+            other.add_request(f"n{cut}-{i}", p, {"max_tokens": 12, "ignore_eos": True})
+        other.add_request(f"r{cut}", prompt, {**sp, "seed": seed}, speculation="on", resume_output_ids=sent)
+        rest = []
+        while other.has_work():
+            rest += [o for o in other.step() if o.request_id == f"r{cut}"]
+        assert [t for o in rest for t in o.token_ids] == [t for o in chunks[cut:] for t in o.token_ids]
+        assert "".join(o.text for o in rest) == "".join(o.text for o in chunks[cut:])
+        assert rest[-1].num_output_tokens == chunks[-1].num_output_tokens
+        assert rest[-1].finish_reason == chunks[-1].finish_reason
+
+
+def test_resumed_output_is_validated(tiny_loaded):
+    from workers.errors import InvalidRequestError
+
+    eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=1, max_model_len=MAX_LEN, proposers=[]), tiny_loaded)
+    with pytest.raises(InvalidRequestError, match="outside"):
+        eng.add_request("a", [1, 2, 3], {"max_tokens": 8}, resume_output_ids=[-1])
+    with pytest.raises(InvalidRequestError, match="nothing of max_tokens"):
+        eng.add_request("b", [1, 2, 3], {"max_tokens": 2}, resume_output_ids=[5, 6])

@@ -97,6 +97,86 @@ def test_check_health_fails_when_the_engine_loop_died(tiny_loaded):
         ae.shutdown()
 
 
+def test_a_dead_engine_loop_fails_pending_and_later_calls_within_a_second(tiny_loaded):
+    """A stats call queued behind a step that dies, a stream, and any later call or request all fail
+    with EngineDeadError at once instead of awaiting a loop that will never answer."""
+    wedge = WedgeProposer(fail=True)
+    wedge.fail = False  # first block inside the step, then blow up
+    ae = AsyncEngine(LLMEngine(EngineConfig(max_num_seqs=2, max_model_len=128), tiny_loaded, proposers={"wedge": wedge}))
+
+    def blow_up(requests):
+        wedge.entered.set()
+        wedge.release.wait(30)
+        raise RuntimeError("proposer blew up")
+
+    wedge.propose = blow_up
+    try:
+        async def main():
+            async def stream():
+                async for _ in ae.generate("r", [1, 2, 3], params={"max_tokens": 4}, speculation="on"):
+                    pass
+
+            streaming = asyncio.create_task(stream())
+            while not wedge.entered.is_set():
+                await asyncio.sleep(0.01)
+            pending = asyncio.create_task(ae.call(lambda e: e.snapshot()))  # queued behind the stuck step
+            await asyncio.sleep(0.05)
+            assert not pending.done()
+            wedge.release.set()  # the step raises: the loop dies
+            t0 = time.monotonic()
+            for task in (pending, streaming):
+                with pytest.raises(EngineDeadError):
+                    await asyncio.wait_for(task, 1.0)
+            assert time.monotonic() - t0 < 1.0
+            t0 = time.monotonic()
+            with pytest.raises(EngineDeadError):
+                await ae.call(lambda e: e.snapshot())
+            with pytest.raises(EngineDeadError):
+                async for _ in ae.generate("later", [1, 2], params={"max_tokens": 2}):
+                    pass
+            assert time.monotonic() - t0 < 1.0
+
+        asyncio.run(main())
+        assert not ae.healthy()
+    finally:
+        wedge.release.set()
+        ae.shutdown()
+
+
+def test_a_request_cancelled_while_its_admission_is_in_flight_leaves_no_slot(tiny_loaded):
+    """The add_request command may already be queued when the caller is cancelled: it is followed by
+    an abort, so the request never holds a KV slot nobody reads."""
+    ae = AsyncEngine(LLMEngine(EngineConfig(max_num_seqs=2, max_model_len=128), tiny_loaded))
+    try:
+        async def main():
+            gate = threading.Event()
+            blocker = asyncio.create_task(ae.call(lambda e: gate.wait(5)))  # the loop is busy with this
+            await asyncio.sleep(0.05)
+
+            async def consume():
+                async for _ in ae.generate("c", [1, 2, 3], params={"max_tokens": 50, "ignore_eos": True}):
+                    pass
+
+            task = asyncio.create_task(consume())
+            await asyncio.sleep(0.05)  # its add_request is queued behind the blocker
+            task.cancel()
+            gate.set()
+            await blocker
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(100):
+                snap = await ae.call(lambda e: e.snapshot())
+                if snap.running == 0 and snap.waiting == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert snap.running == 0 and snap.waiting == 0
+            assert await ae.call(lambda e: "c" not in e.requests)
+
+        asyncio.run(main())
+    finally:
+        ae.shutdown()
+
+
 # ----------------------------------------------------------------------------- draft state
 
 

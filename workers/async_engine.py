@@ -70,10 +70,17 @@ class AsyncEngine:
     # ------------------------------------------------------------------ public, any thread / event loop
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run ``fn(engine)`` on the engine thread between steps (reconfigure, stats)."""
+        """Run ``fn(engine)`` on the engine thread between steps (reconfigure, stats).
+
+        Raises ``EngineDeadError`` at once when the loop is dead, and fails calls still queued
+        when it dies, so no caller waits on a loop that will never answer."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine loop died: {self.dead!r}")
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._cmds.put((lambda: fn(self.engine), fut))
         self._wake.set()
+        if self.dead is not None:  # it died between the check and the put: nobody will run this
+            self._fail_pending()
         return await asyncio.wrap_future(fut)
 
     async def generate(self, request_id: str, prompt_ids: list[int], **kwargs: Any) -> AsyncIterator[RequestOutput]:
@@ -85,8 +92,10 @@ class AsyncEngine:
         self._streams[request_id] = (loop, q)
         try:
             await self.call(lambda e: e.add_request(request_id, prompt_ids, **kwargs))
-        except BaseException:
+        except BaseException as e:
             self._streams.pop(request_id, None)
+            if isinstance(e, asyncio.CancelledError):  # the add may still run: abort after it (FIFO)
+                self.abort(request_id)
             raise
         finished = False
         try:
@@ -112,6 +121,17 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._cmds.put((lambda: self.engine.abort(request_id), concurrent.futures.Future()))
         self._wake.set()
+
+    def _fail_pending(self) -> None:
+        """Fail every queued command (the loop is dead and will not run them)."""
+        err = EngineDeadError(f"engine loop died: {self.dead!r}")
+        while True:
+            try:
+                _, fut = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.done():
+                fut.set_exception(err)
 
     def snapshot(self) -> LoadSnapshot:
         """The load as of the last step (published by the loop thread, never older than one step)."""
@@ -171,6 +191,7 @@ class AsyncEngine:
             except BaseException as e:  # a broken step fails every request; the replica reports unhealthy
                 log.exception("engine step failed")
                 self.dead = e
+                self._fail_pending()
                 for rid in list(self._streams):
                     self._deliver(rid, EngineDeadError(f"engine step failed: {e!r}"))
                 return

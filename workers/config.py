@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from workers.scheduler import SchedulerConfig
+
 MAX_SPECULATIVE_TOKENS = 16  # beyond this a verify pass costs more than any acceptance can repay
 
 
@@ -60,15 +62,13 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(32, ge=1, le=1024, description="Running requests (KV slots); more wait in the queue.")
     max_model_len: int = Field(2048, ge=16, description="Context length per request (prompt + output + drafts).")
     max_num_batched_tokens: int = Field(
-        256, ge=16, description="Token budget per engine step; long prompts are prefilled in chunks of what is left."
+        256, ge=16, description="Most tokens one engine step feeds (a hard cap; the scheduler's latency budget "
+        "usually binds first while requests decode); long prompts are prefilled in chunks."
     )
-    max_prefill_tokens_while_decoding: int = Field(
-        16,
-        ge=1,
-        description="Most prompt tokens a step feeds while other requests are decoding, so one arrival's prefill "
-        "cannot stall every running stream (on 2 CPU cores a 200-token chunk makes a 450 ms step next to an 80 ms "
-        "decode step; over HTTP at 4 chat clients, P99/P50 inter-chunk latency was 2.1 with 32 and 1.8 with 16). "
-        "With nothing decoding, prefill takes the whole max_num_batched_tokens budget.",
+    scheduler: SchedulerConfig = Field(
+        default_factory=SchedulerConfig,
+        description="How prompt chunks share a step with decoding streams: a latency budget per step "
+        "(target_itl_ms or itl_ratio) and a soft time-to-first-token goal (max_ttft_ms); workers/scheduler.py.",
     )
     enable_prefix_caching: bool = Field(
         True,

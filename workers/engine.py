@@ -1,16 +1,15 @@
 """The decoding engine: iteration-level continuous batching of plain and speculative steps.
 
-One ``step()``:
-  1. admit waiting requests into free KV slots (lowest slot first keeps the attention range tight);
-  2. ask the decision function for every decoding request's K (0 = plain step);
-  3. ask each proposer, once per step, for the draft tokens of the requests that use it;
-  4. one target forward over a ragged batch: decoding requests feed their pending token plus
-     their drafts (K + 1 tokens), prefilling requests feed a prompt chunk within the step's
-     token budget;
-  5. verify every request at its frontier (workers/rejection_sampler.py): accepted drafts,
-     then a recovered or bonus token; a plain step is the K = 0 case of the same call;
-  6. roll the KV length back to the accepted prefix (just a number), commit the tokens,
-     detokenize, check EOS / stop strings / max_tokens, free finished requests' slots.
+One ``step()``, in three parts that can each be read and tested alone (as in vLLM v1):
+  1. schedule (workers/scheduler.py): admit waiting requests into free KV slots, ask the routing
+     policy for every decoding request's K (0 = plain step), and size each prompt chunk from the
+     step-cost model within the step's latency budget;
+  2. execute (``_execute``): the proposers' drafts, then one target forward over a ragged batch:
+     decoding requests feed their pending token plus their drafts (K + 1 tokens), prefilling
+     requests their chunk;
+  3. process outputs (workers/output_processor.py): verify every request at its frontier, roll the
+     KV length back to the accepted prefix (just a number), commit, detokenize, check EOS / stop
+     strings / max_tokens, free finished requests' slots.
 
 Nothing here imports Ray; the Serve target worker drives it through ``AsyncEngine``.
 """
@@ -18,29 +17,29 @@ Nothing here imports Ray; the Serve target worker drives it through ``AsyncEngin
 from __future__ import annotations
 
 import collections
-import itertools
 import secrets
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from pydantic import ValidationError
 
 from workers.config import EngineConfig
+from workers.cost_model import StepCostModel
 from workers.decision import DecideFn, SpecCandidate, Speculation, fixed_k
 from workers.detokenizer import IncrementalDetokenizer
 from workers.errors import InvalidRequestError
-from workers.model_loader import LoadedModel
-from workers.proposers.base import ProposalRequest, Proposer
-from workers.proposers.draft_model import common_prefix_len
-from workers.rejection_sampler import verify, verify_coupled
-from workers.request import Request, RequestOutput, Status, StepEvent, TokenLogprob
 from workers.hardware import resolve_dtype
 from workers.logprobs import token_logprobs
-from workers.penalties import penalize_rows
+from workers.model_loader import LoadedModel
+from workers.output_processor import FrontierRow, OutputProcessor, output
+from workers.proposers.base import ProposalRequest, Proposer
+from workers.proposers.draft_model import common_prefix_len
+from workers.request import Request, RequestOutput, Status, StepEvent
 from workers.runner import ModelRunner, StepBatch, pick_device
-from workers.sampler import make_generator, position_key
+from workers.sampler import make_generator
 from workers.sampling_params import SamplingParams
+from workers.scheduler import Scheduler, SchedulerOutput
 from workers.stats import AcceptanceTracker, Ema, LoadSnapshot, SpecDecodeStats
 
 _ROLES = ("system", "user", "assistant")
@@ -57,6 +56,7 @@ class LLMEngine:
         decide: DecideFn | None = None,
         on_step: Callable[[int, float, int | None], None] | None = None,
         on_verify: Callable[[str, int, int], None] | None = None,
+        cost_model: StepCostModel | None = None,
     ) -> None:
         self.config = config
         if config.num_threads:
@@ -89,32 +89,26 @@ class LLMEngine:
         if self.default_proposer not in self.proposers:
             self.default_proposer = next(iter(self.proposers), None)
         self.decide: DecideFn = decide or fixed_k(config.num_speculative_tokens)
-        # (tokens in the step, seconds, decoding requests if no prefill rode along else None):
-        # feeds the policy's online step-cost model
+        # (tokens in the step, seconds, decoding requests if no prefill rode along else None): metrics, traces
         self.on_step = on_step
-        self.on_verify = on_verify  # (proposer, num_draft, num_accepted) per speculative verify: metrics
-
-        self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []
+        # Step cost of this hardware and model, measured every step: the scheduler sizes prompt chunks
+        # from it, and a goodput policy handed the same model sizes K from it.
+        self.cost_model = cost_model if cost_model is not None else StepCostModel()
+        self.scheduler = Scheduler(config.scheduler, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.cost_model, self._decide_k, self._reuse_prefix, time.monotonic)
+        self.processor = OutputProcessor(config.verification, self.max_model_len, self.proposers, self._finish,
+                                         on_verify)
         self.requests: dict[str, Request] = {}
-        self.free_slots = list(range(config.max_num_seqs))
         # per slot: the tokens whose KV a *free* slot still holds, from the request that last used it
         # (a running request's valid KV is its own all_ids()[:num_computed]); read by _reuse_prefix
         self._slot_tokens: list[list[int]] = [[] for _ in range(config.max_num_seqs)]
         self.prefix_cache_queries = 0  # prompt tokens admitted with prefix caching on
         self.prefix_cache_hits = 0  # of those, reused from cached KV instead of prefilled
-        self.stats: dict[str, SpecDecodeStats] = collections.defaultdict(SpecDecodeStats)
-        # per proposer, what the goodput policy reads (workers/stats.py says why these estimators)
-        self.acceptance = AcceptanceTracker()
         self.step_time_ema = Ema(0.1)
         self.tokens_per_step_ema = Ema(0.1)
         self.step_costs: collections.deque[tuple[int, float]] = collections.deque(maxlen=512)  # (tokens, seconds)
         self.num_steps = 0
-        # Cumulative since start, published in every snapshot: a reader takes the rate over any
-        # window it likes from two snapshots (the switchback benchmark does, per policy window).
-        self.num_output_tokens = 0
-        self.num_spec_request_steps = 0  # decode request-steps that verified drafts
-        self.num_plain_request_steps = 0  # decode request-steps without drafts
+        self.last_plan: SchedulerOutput | None = None  # the last step's schedule (traces, tests)
         self._tokens_last_step = 0
         self._num_recording = 0  # requests in flight that record per-step events (tracing); 0: no event work
 
@@ -145,11 +139,16 @@ class LLMEngine:
         proposer: str | None = None,
         speculation: Speculation = "auto",
         record_events: bool = False,
+        resume_output_ids: Sequence[int] = (),
     ) -> None:
         """Validate and queue a request. Raises ``InvalidRequestError`` naming the bad field.
 
         ``record_events``: keep a ``StepEvent`` per engine step of this request (for its trace),
         handed back on its final output; off by default, and then no step does any event work.
+        ``resume_output_ids``: output tokens the request already wrote elsewhere (a stream whose
+        replica died): they are prefilled with the prompt and count as output (max_tokens, stop
+        strings, penalties, the noise position of the next token), and their text is not sent
+        again. With the request's seed, what follows is what the uninterrupted run writes.
         """
         if request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", param="request_id")
@@ -176,6 +175,13 @@ class LLMEngine:
                 f"{self.max_model_len} tokens",
                 param="max_tokens",
             )
+        resumed = list(resume_output_ids)
+        if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in resumed):
+            raise InvalidRequestError(f"resumed output has token ids outside [0, {self.vocab_size})",
+                                      param="resume_output_ids")
+        if resumed and len(resumed) >= params.max_tokens:
+            raise InvalidRequestError(f"{len(resumed)} resumed tokens leave nothing of max_tokens "
+                                      f"({params.max_tokens}) to write", param="resume_output_ids")
         if speculation not in ("auto", "on", "off"):
             raise InvalidRequestError(f"speculation must be 'auto', 'on' or 'off', not {speculation!r}", param="speculation")
         if proposer is not None and proposer not in self.proposers:
@@ -192,146 +198,122 @@ class LLMEngine:
             generator=None,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             seed=params.seed if params.seed is not None else secrets.randbits(64),
-            prompt_logprobs=None if params.prompt_logprobs is None else [None],
+            prompt_logprobs=None if params.prompt_logprobs is None or resumed else [None],  # sent before
+            output_ids=resumed,
+            num_resumed=len(resumed),
         )
+        for t in resumed:  # the detokenizer's state as after writing them; their text was sent already
+            req.detok.add(t)
+        req.detok.take(False)
         if self.config.verification == "rejection" and not params.greedy:
             req.generator = make_generator(req.seed, self.runner.device)
         if record_events:
             req.events = []
             self._num_recording += 1
         self.requests[request_id] = req
-        self.waiting.append(req)
+        self.scheduler.add(req)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request: its KV slot and its proposers' state are freed at once."""
         req = self.requests.get(request_id)
         if req is None:
             return None
-        if req.status is Status.WAITING:
-            self.waiting.remove(req)
         self._finish(req, "abort")
-        return self._output(req, [], final=True)
+        return output(req, [], final=True)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_work()
+
+    # The scheduler owns the queues and slots; these read them.
+    @property
+    def waiting(self) -> collections.deque[Request]:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.scheduler.running
+
+    @property
+    def free_slots(self) -> list[int]:
+        return self.scheduler.free_slots
+
+    @property
+    def stats(self) -> dict[str, SpecDecodeStats]:
+        return self.processor.stats
+
+    @property
+    def acceptance(self) -> AcceptanceTracker:
+        return self.processor.acceptance
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.processor.counters.output_tokens
 
     # ----------------------------------------------------------------- the step
 
     def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, propose, one forward, verify and commit."""
         t0 = time.perf_counter()
         rec = self._num_recording > 0  # per-step event timestamps only while some request records them
         t0_ns = time.time_ns() if rec else 0
-        self._admit()
-        if not self.running:
+        plan = self.last_plan = self.scheduler.schedule()
+        if not plan.decode and not plan.prefill:
             return []
-        budget = self.config.max_num_batched_tokens
-        decoding = [r for r in self.running if not r.in_prefill]
-        ks = self._decide_k(decoding, budget)
-        drafts, draft_probs = self._propose(decoding, ks)
+        decoding = [r for r, _ in plan.decode]
+        drafts, draft_probs = self._propose(decoding, [k for _, k in plan.decode])
         t_prop_ns = time.time_ns() if rec else 0
 
-        # Build the ragged batch: decoding requests first (latency-critical), then prefill chunks.
-        sched: list[tuple[Request, list[int], bool]] = []  # (request, tokens fed, at frontier)
-        for r, d in zip(decoding, drafts):
-            sched.append((r, [r.all_ids()[r.num_computed]] + d, True))
-            budget -= 1 + len(d)
-        if decoding:  # running streams wait for this step: keep the prefill part of it short
-            budget = min(budget, self.config.max_prefill_tokens_while_decoding)
-        for r in self.running:
-            if r.in_prefill and budget > 0:
-                chunk = r.prompt_ids[r.num_computed : r.num_computed + budget]
-                budget -= len(chunk)
-                sched.append((r, chunk, r.num_computed + len(chunk) == len(r.prompt_ids)))
-        frontier_drafts = {id(r): d for r, d in zip(decoding, drafts)}
-        frontier_probs = {id(r): p for r, p in zip(decoding, draft_probs)}
+        # The ragged batch: decoding requests first (latency-critical), then prompt chunks.
+        fed = [[r.all_ids()[r.num_computed]] + d for r, d in zip(decoding, drafts)]
+        fed += [r.all_ids()[r.num_computed : r.num_computed + n] for r, n in plan.prefill]
+        reqs = decoding + [r for r, _ in plan.prefill]
+        frontier = [FrontierRow(r, toks, d, p) for r, toks, d, p in zip(decoding, fed, drafts, draft_probs)]
+        frontier += [FrontierRow(r, toks) for r, toks in zip(reqs[len(decoding):], fed[len(decoding):])
+                     if r.num_computed + len(toks) == r.prefill_len]
+        logits = self._execute(reqs, fed, {id(f.request): len(f.drafts) for f in frontier})
 
-        # Logits: the frontier rows (the last fed token, plus one per draft), and every prompt row of a
-        # request that scores its prompt (prompt_logprobs).
-        scoring = [r.params.prompt_logprobs is not None and r.in_prefill for r, _, _ in sched]
-        logits_rows = [list(range(len(toks))) if sc else
-                       list(range(len(toks)))[-(len(frontier_drafts.get(id(r), [])) + 1):] if f else []
-                       for (r, toks, f), sc in zip(sched, scoring)]
-        batch = StepBatch(
-            slots=[r.slot for r, _, _ in sched],
-            start_pos=[r.num_computed for r, _, _ in sched],
-            token_ids=[toks for _, toks, _ in sched],
-            logits_rows=logits_rows,
-        )
-        want_hidden = [r.proposer in self._hidden_proposers for r, _, _ in sched] if self._hidden_proposers else []
-        if any(want_hidden):
-            batch.hidden_rows = [list(range(len(toks))) if w else [] for (_, toks, _), w in zip(sched, want_hidden)]
-        out = self.runner.forward(batch)
-        if out.extra_hidden is not None:
-            self._keep_hidden(sched, want_hidden, out.extra_hidden)
-        if any(scoring):  # take the prompt rows out: verify sees only the frontier rows
-            out.logits = self._score_prompts(sched, scoring, logits_rows, out.logits)
-
-        at_frontier = [(r, toks) for r, toks, f in sched if f]
-        for r, toks, f in sched:
-            if not f:
+        for r, toks in zip(reqs[len(decoding):], fed[len(decoding):]):  # chunks short of the prompt's end
+            if r.num_computed + len(toks) < r.prefill_len:
                 r.num_computed += len(toks)
                 if rec and r.events is not None:
                     r.events.append(StepEvent(t0_ns, time.time_ns(), "prefill", 0, 0, t_prop_ns))
-        row_start = list(itertools.accumulate((len(frontier_drafts.get(id(r), [])) + 1 for r, _ in at_frontier),
-                                              initial=0))[:-1]  # first verify row of each frontier request
-        logits = self._penalized(out.logits, at_frontier, frontier_drafts, row_start)
-        if self.config.verification == "coupled":
-            result = verify_coupled(
-                logits,
-                [frontier_drafts.get(id(r), []) for r, _ in at_frontier],
-                [r.params for r, _ in at_frontier],
-                [self._row_keys(r, len(frontier_drafts.get(id(r), []))) for r, _ in at_frontier],
-            )
-        else:
-            result = verify(
-                logits,
-                [frontier_drafts.get(id(r), []) for r, _ in at_frontier],
-                [frontier_probs.get(id(r)) for r, _ in at_frontier],
-                [r.params for r, _ in at_frontier],
-                [r.generator for r, _ in at_frontier],
-            )
-        outputs: list[RequestOutput] = []
-        logprobs = self._logprobs(out.logits, at_frontier, row_start, result.output_token_ids)
-        for (r, toks), new_ids, n_acc, lps in zip(at_frontier, result.output_token_ids, result.num_accepted, logprobs):
-            n_draft = len(frontier_drafts.get(id(r), []))
-            kind = "prefill" if r.in_prefill else ("spec" if n_draft else "plain")
-            if rec and r.events is not None:
-                r.events.append(StepEvent(t0_ns, time.time_ns(), kind, n_draft, n_acc, t_prop_ns))
-            self.num_spec_request_steps += kind == "spec"
-            self.num_plain_request_steps += kind == "plain"
-            r.num_computed += len(toks) - (n_draft - n_acc)  # KV of rejected drafts is now stale: length moves back
-            self._record(r, n_draft, n_acc)
-            outputs.append(self._commit(r, new_ids, lps))
-            self.num_output_tokens += len(outputs[-1].token_ids)
+        outputs = self.processor.process(frontier, logits, (t0_ns, t_prop_ns) if rec else None)
 
         self.num_steps += 1
-        self._tokens_last_step = sum(len(t) for t in batch.token_ids)
+        self._tokens_last_step = sum(len(t) for t in fed)
         dt = time.perf_counter() - t0
         self.step_time_ema.update(dt)
         self.tokens_per_step_ema.update(self._tokens_last_step)
         self.step_costs.append((self._tokens_last_step, dt))
+        self.cost_model.observe(self._tokens_last_step, dt, len(decoding), plan.prefill_tokens)
         if self.on_step is not None:
-            self.on_step(self._tokens_last_step, dt, len(decoding) if len(sched) == len(decoding) else None)
+            self.on_step(self._tokens_last_step, dt, len(decoding) if not plan.prefill else None)
         return outputs
 
-    @staticmethod
-    def _row_keys(r: Request, num_draft: int) -> list[int]:
-        """Noise keys of the output positions a verify of ``num_draft`` drafts decides (none if greedy)."""
-        if r.params.greedy:
-            return []
-        t0 = len(r.output_ids)
-        return [position_key(r.seed, t0 + j) for j in range(num_draft + 1)]
-
-    def _admit(self) -> None:
-        while self.waiting and self.free_slots:
-            r = self.waiting.popleft()
-            self.free_slots.sort()
-            r.slot = self.free_slots.pop(0)
-            r.status = Status.RUNNING
-            if (self.config.enable_prefix_caching and r.proposer not in self._hidden_proposers
-                    and r.params.prompt_logprobs is None):  # scoring needs every prompt row computed
-                self._reuse_prefix(r)
-            self.running.append(r)
+    def _execute(
+        self,
+        reqs: list[Request],
+        fed: list[list[int]],
+        frontier_drafts: dict[int, int],  # id(request) -> drafts, for requests whose step ends at the frontier
+    ) -> torch.Tensor:  # [sum over frontier requests of (drafts + 1), vocab] the rows verify decides from
+        """The runner call: logits at each frontier (the last fed token plus one row per draft), and every
+        prompt row of a request that scores its prompt (prompt_logprobs), which are taken out here."""
+        scoring = [r.prompt_logprobs is not None and r.in_prefill for r in reqs]
+        logits_rows = [list(range(len(toks))) if sc else
+                       list(range(len(toks)))[-(frontier_drafts[id(r)] + 1):] if id(r) in frontier_drafts else []
+                       for r, toks, sc in zip(reqs, fed, scoring)]
+        batch = StepBatch(slots=[r.slot for r in reqs], start_pos=[r.num_computed for r in reqs], token_ids=fed,
+                          logits_rows=logits_rows)
+        want_hidden = [r.proposer in self._hidden_proposers for r in reqs] if self._hidden_proposers else []
+        if any(want_hidden):
+            batch.hidden_rows = [list(range(len(toks))) if w else [] for toks, w in zip(fed, want_hidden)]
+        out = self.runner.forward(batch)
+        if out.extra_hidden is not None:
+            self._keep_hidden(reqs, fed, want_hidden, out.extra_hidden)
+        if any(scoring):  # take the prompt rows out: verify sees only the frontier rows
+            return self._score_prompts(reqs, scoring, logits_rows, [id(r) in frontier_drafts for r in reqs],
+                                       out.logits)
+        return out.logits
 
     def _reuse_prefix(self, r: Request) -> None:
         """Start ``r`` after the longest prefix of its prompt whose KV some slot already holds.
@@ -344,7 +326,10 @@ class LLMEngine:
         slots and not vLLM's hashed blocks: our cache is slot-based, and a closed loop of chat
         requests hands each arrival the slot just freed by a request with the same system prompt.
         """
-        prompt = r.prompt_ids[:-1]
+        if (not self.config.enable_prefix_caching or r.proposer in self._hidden_proposers
+                or r.params.prompt_logprobs is not None):  # scoring needs every prompt row computed
+            return
+        prompt = r.all_ids()[: r.prefill_len - 1]
         cands = [(s, self._slot_tokens[s]) for s in [r.slot, *self.free_slots]]
         cands += [(o.slot, o.all_ids()[: o.num_computed]) for o in self.running]
         best, src = 0, r.slot
@@ -413,14 +398,15 @@ class LLMEngine:
 
     def _keep_hidden(
         self,
-        sched: list[tuple[Request, list[int], bool]],
+        reqs: list[Request],
+        fed: list[list[int]],
         want: list[bool],
         hidden: torch.Tensor,  # [sum of fed tokens of the wanting requests, hidden] in schedule order
     ) -> None:
         """Write each fed row's hidden state at its position. Rows of drafts the verify rejects sit past
         ``num_computed`` afterwards and are overwritten by the next step, like the KV cache."""
         off = 0
-        for (r, toks, _), w in zip(sched, want):
+        for r, toks, w in zip(reqs, fed, want):
             if not w:
                 continue
             if r.hidden is None:
@@ -429,29 +415,19 @@ class LLMEngine:
             r.hidden[r.num_computed : r.num_computed + len(toks)] = hidden[off : off + len(toks)]
             off += len(toks)
 
-    def _record(self, r: Request, n_draft: int, n_acc: int) -> None:
-        r.spec.record_verify(n_draft, n_acc)
-        if r.proposer and n_draft:
-            self.stats[r.proposer].record_verify(n_draft, n_acc)
-            self.acceptance.on_verify(r.proposer, n_draft, n_acc)
-            self.proposers[r.proposer].observe(r.request_id, n_draft, n_acc)
-            if self.on_verify is not None:
-                self.on_verify(r.proposer, n_draft, n_acc)
-        elif r.proposer:
-            self.stats[r.proposer].plain_steps += 1
-
     def _score_prompts(
         self,
-        sched: list[tuple[Request, list[int], bool]],
+        reqs: list[Request],
         scoring: list[bool],
         logits_rows: list[list[int]],
+        at_frontier: list[bool],
         logits: torch.Tensor,  # [sum_i len(logits_rows_i), vocab]
     ) -> torch.Tensor:  # the frontier rows only, in order
         """Log probability of each prompt token given the ones before it, from the rows that fed them
         (with batch-invariant kernels, the same numbers whatever the chunking)."""
         keep: list[int] = []
         pos = 0
-        for (r, toks, f), sc, rows in zip(sched, scoring, logits_rows):
+        for r, sc, rows, f in zip(reqs, scoring, logits_rows, at_frontier):
             if sc:
                 assert r.prompt_logprobs is not None
                 first = r.num_computed + 1  # the prompt token the chunk's first row predicts
@@ -465,98 +441,14 @@ class LLMEngine:
             pos += len(rows)
         return logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
 
-    @staticmethod
-    def _penalized(
-        logits: torch.Tensor,  # [sum_i (num_draft_i + 1), vocab] the frontier requests' rows
-        at_frontier: list[tuple[Request, list[int]]],
-        drafts: dict[int, list[int]],
-        row_start: list[int],  # per frontier request: its first row
-    ) -> torch.Tensor:
-        """The rows the tokens are chosen from: penalized where a request asks (workers/penalties.py).
-        Logprobs stay those of the raw logits."""
-        if not any(r.params.penalized for r, _ in at_frontier):
-            return logits
-        logits = logits.clone()
-        for (r, _), start in zip(at_frontier, row_start):
-            if r.params.penalized:
-                d = drafts.get(id(r), [])
-                logits[start : start + len(d) + 1] = penalize_rows(
-                    logits[start : start + len(d) + 1], r.prompt_ids, r.output_ids, d, r.params)
-        return logits
-
-    @staticmethod
-    def _logprobs(
-        logits: torch.Tensor,  # [sum_i (num_draft_i + 1), vocab] the verify rows of the frontier requests
-        at_frontier: list[tuple[Request, list[int]]],
-        row_start: list[int],  # per frontier request: its first row
-        new_ids: list[list[int]],  # per frontier request: the tokens verify committed
-    ) -> list[list[TokenLogprob] | None]:
-        """Log probabilities of the committed tokens, from the rows that decided them (under speculation,
-        the verify rows): with batch-invariant kernels, the same numbers as plain decoding's."""
-        return [None if r.params.logprobs is None else
-                token_logprobs(logits[start : start + len(ids)], ids, r.params.logprobs)
-                for (r, _), start, ids in zip(at_frontier, row_start, new_ids)]
-
-    def _commit(self, r: Request, new_ids: Iterable[int], logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
-        committed: list[int] = []
-        if r.params.max_tokens == 0:  # scoring only: the prompt is read, nothing is written
-            self._finish(r, "length")
-            return self._output(r, [], final=True)
-        if r.first_token_time is None:
-            r.first_token_time = time.monotonic()
-        for t in new_ids:
-            r.output_ids.append(t)
-            committed.append(t)
-            if t in r.eos_token_ids:
-                self._finish(r, "stop")
-                break
-            if r.detok.add(t):
-                self._finish(r, "stop")
-                break
-            if len(r.output_ids) >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
-                self._finish(r, "length")
-                break
-        lps = None if logprobs is None else logprobs[: len(committed)]
-        return self._output(r, committed, final=r.status is Status.FINISHED, logprobs=lps)
-
-    def _output(self, r: Request, token_ids: list[int], final: bool,
-                logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
-        return RequestOutput(
-            request_id=r.request_id,
-            token_ids=token_ids,
-            text=r.detok.take(final),
-            finished=final,
-            finish_reason=r.finish_reason,
-            num_prompt_tokens=len(r.prompt_ids),
-            num_output_tokens=len(r.output_ids),
-            num_cached_tokens=r.num_cached_tokens,
-            proposer=r.proposer,
-            spec=r.spec,
-            first_token_time=r.first_token_time,
-            arrival_time=r.arrival_time,
-            events=r.events if final else None,
-            logprobs=logprobs,
-            prompt_logprobs=self._take_prompt_logprobs(r),
-        )
-
-    @staticmethod
-    def _take_prompt_logprobs(r: Request) -> list[TokenLogprob | None] | None:
-        """The prompt's logprobs, once, on the request's first output after its prefill."""
-        if r.prompt_logprobs is None or r.prompt_logprobs_sent or r.in_prefill:
-            return None
-        r.prompt_logprobs_sent = True
-        return r.prompt_logprobs
-
     def _finish(self, r: Request, reason: str) -> None:
         if r.status is Status.FINISHED:
             return
         if r.status is Status.RUNNING:
-            self.running.remove(r)
             self._slot_tokens[r.slot] = r.all_ids()[: r.num_computed]
-            self.free_slots.append(r.slot)
-            r.slot = -1
             for p in self.proposers.values():
                 p.finish(r.request_id, r.all_ids())
+        self.scheduler.free(r)
         if r.events is not None:
             self._num_recording -= 1
         r.status = Status.FINISHED
@@ -566,6 +458,7 @@ class LLMEngine:
     # ----------------------------------------------------------------- load
 
     def snapshot(self) -> LoadSnapshot:
+        c = self.processor.counters
         return self.acceptance.fill(LoadSnapshot(
             running=len(self.running),
             decoding=sum(1 for r in self.running if not r.in_prefill),
@@ -576,9 +469,9 @@ class LLMEngine:
             step_time_ema_s=self.step_time_ema.value or 0.0,
             tokens_per_step_ema=self.tokens_per_step_ema.value or 0.0,
             num_steps=self.num_steps,
-            output_tokens=self.num_output_tokens,
-            spec_request_steps=self.num_spec_request_steps,
-            plain_request_steps=self.num_plain_request_steps,
+            output_tokens=c.output_tokens,
+            spec_request_steps=c.spec_request_steps,
+            plain_request_steps=c.plain_request_steps,
             timestamp=time.time(),
             dtype=str(self.dtype).removeprefix("torch."),
             batch_invariant=self.config.batch_invariant,

@@ -47,6 +47,7 @@ class RequestOutput:
     spec: SpecDecodeStats  # per-request totals so far (usage.speculation)
     first_token_time: float | None = None
     arrival_time: float = 0.0
+    seed: int = 0  # the request's noise seed (drawn at admission when it gave none): resubmit with it to continue
     num_cached_tokens: int = 0  # prompt tokens whose KV was reused from another request (prefix caching)
     events: list[StepEvent] | None = None  # on the final output of a request added with record_events
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when the request asked for logprobs
@@ -89,6 +90,12 @@ class Request:
     hidden: torch.Tensor | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # filled during prefill when params ask for them
     prompt_logprobs_sent: bool = False
+    num_resumed: int = 0  # output tokens given at admission (a stream resumed on this engine): prefilled, not written
+
+    @property
+    def prefill_len(self) -> int:
+        """Tokens fed before the first token this engine writes: the prompt, and any resumed output."""
+        return len(self.prompt_ids) + self.num_resumed
 
     @property
     def num_tokens(self) -> int:
@@ -99,4 +106,4 @@ class Request:
 
     @property
     def in_prefill(self) -> bool:
-        return self.num_computed < len(self.prompt_ids)
+        return self.num_computed < self.prefill_len

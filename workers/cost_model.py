@@ -62,6 +62,15 @@ verify of ~6 drafts cost 95 ms against 68 ms plain for 0.7 more tokens, and the 
 it. (One machine-wide speed factor over fixed per-entry shapes was tried and measured worse: shapes
 learned on the copy mix's long contexts held on the chat mix, and goodput drafted at chat c=8 and
 lost 13%. A ratio is re-learned from each verify step, at the same rate as a raw entry.)
+
+Prefill is priced on top of the decode part of a step: ``predict_step(decode_tokens, decoding,
+prefill_tokens)`` is the decode step's prediction plus ``prefill_token_s`` per prompt token, an EMA
+of (step seconds - the decode part's prediction) / prompt tokens over every step that fed a prompt
+chunk. Why additive: a prompt chunk's rows go through the same GEMMs as the decode rows, and its
+attention is over its own short context, so its cost hardly depends on the batch beside it (measured:
+a 128-token chunk adds the same time next to 1 or 16 decoding requests, within a few percent; see
+benchmarks/results). The scheduler (workers/scheduler.py) sizes prompt chunks from this, and the
+goodput policy sizes K from the decode part: one model of the step both spend.
 """
 
 from __future__ import annotations
@@ -74,6 +83,8 @@ MIN_STEP_S = 1e-6  # predictions never reach 0: goodput divides by them
 EXACT_TOKENS = 32  # token counts up to this each have their own table entry; above, quarter-octave buckets
 BUCKET_ALPHA = 0.2  # EMA weight of a new sample in its bucket
 SLOPE_ALPHA = 0.1  # EMA weight of one verify step in the draft-token slope
+PREFILL_ALPHA = 0.1  # EMA weight of one 16+-token prompt chunk in the per-prompt-token cost
+PREFILL_FULL_WEIGHT_TOKENS = 16  # smaller chunks update the per-token cost with proportionally less weight
 CURVE_SPAN = 5  # a batch's cost curve is built up to requests * CURVE_SPAN tokens at once (K = 4 verifies)
 
 
@@ -110,15 +121,21 @@ class StepCostModel:
         self._curves: dict[int, list[float]] = {}  # requests -> monotone predictions by tokens (see _curve)
         self._curves_key: tuple = ()  # num_samples and the settings the cached curves were built with
         self.draft_token_s: float | None = None  # EMA: seconds per drafted token over the batch's plain step
+        self.prefill_token_s: float | None = None  # EMA: seconds a prompt token adds to a step
         # exponentially weighted sums: weight, x, y, x^2, x*y (x = tokens, y = seconds)
         self._w = self._sx = self._sy = self._sxx = self._sxy = 0.0
 
-    def observe(self, tokens: int, seconds: float, requests: int | None = None) -> None:
+    def observe(self, tokens: int, seconds: float, requests: int | None = None, prefill_tokens: int = 0) -> None:
         """Add one step's measurement. Non-positive or non-finite samples are ignored.
 
-        ``requests``: the step's decoding requests when it carried no prefill chunk (else None)."""
+        ``requests``: the step's decoding requests (None: unknown). ``prefill_tokens``: prompt tokens
+        among ``tokens``. Only steps without prompt tokens enter the per-batch tables; steps with them
+        teach the per-prompt-token cost."""
         if tokens <= 0 or not (seconds > 0 and math.isfinite(seconds)):
             return
+        if prefill_tokens > 0:
+            self._observe_prefill(tokens - prefill_tokens, seconds, requests or 0, prefill_tokens)
+            requests = None
         d, x, y = self.decay, float(tokens), float(seconds)
         self._w = d * self._w + 1.0
         self._sx = d * self._sx + x
@@ -141,6 +158,38 @@ class StepCostModel:
             entry = table.setdefault(key, [value, 0.0])
             entry[0] += BUCKET_ALPHA * (value - entry[0]) if entry[1] else 0.0
             entry[1] += 1
+
+    def _observe_prefill(self, decode_tokens: int, seconds: float, decoding: int, prefill_tokens: int) -> None:
+        """Update ``prefill_token_s`` from a step that fed ``prefill_tokens`` prompt tokens besides
+        ``decode_tokens`` tokens of ``decoding`` requests. A step with decoding requests teaches it
+        only once that batch's plain step is measured (else the decode part is a guess)."""
+        if decoding > 0:
+            if self.measured(decoding, decoding) is None:
+                return
+            base = self.predict(decode_tokens, requests=decoding)
+        else:
+            base = self._fixed_step_s()
+        per = max((seconds - base) / prefill_tokens, 0.0)
+        alpha = PREFILL_ALPHA * min(1.0, prefill_tokens / PREFILL_FULL_WEIGHT_TOKENS)
+        p = self.prefill_token_s
+        self.prefill_token_s = per if p is None else p + alpha * (per - p)
+
+    def _fixed_step_s(self) -> float:
+        """What a step costs before any token: a measured 1-request plain step, else the line's intercept."""
+        one = self.measured(1, 1)
+        return one if one is not None else self.coefficients()[0]
+
+    def prefill_per_token_s(self) -> float:
+        """Seconds one more prompt token adds to a step: measured, else the line's slope (or its prior)."""
+        if self.prefill_token_s is not None:
+            return max(self.prefill_token_s, MIN_STEP_S)
+        return max(self.coefficients()[1], MIN_STEP_S)
+
+    def predict_step(self, decode_tokens: int, decoding: int, prefill_tokens: int = 0) -> float:
+        """Seconds of a step feeding ``decode_tokens`` tokens of ``decoding`` decoding requests (their
+        pending tokens and drafts) and ``prefill_tokens`` prompt tokens."""
+        base = self.predict(decode_tokens, requests=decoding) if decoding > 0 else self._fixed_step_s()
+        return max(base + self.prefill_per_token_s() * prefill_tokens, MIN_STEP_S)
 
     @property
     def fitted(self) -> bool:
@@ -234,6 +283,7 @@ class StepCostModel:
         table = {str(b): round(e[0], 6) for b, e in sorted(self._table.items()) if e[1] >= ok}
         by_batch = {f"{r}x{b}": round(e[0], 6) for (r, b), e in sorted(self._by_batch.items()) if e[1] >= ok}
         ratio = {f"{r}x{b}": round(e[0], 4) for (r, b), e in sorted(self._ratio.items()) if e[1] >= ok}
-        return {"base_s": c0, "per_token_s": c1, "draft_token_s": self.draft_token_s, "num_samples": self.num_samples,
+        return {"base_s": c0, "per_token_s": c1, "draft_token_s": self.draft_token_s,
+                "prefill_token_s": self.prefill_token_s, "num_samples": self.num_samples,
                 "measured_s_by_bucket": table, "measured_s_by_batch_bucket": by_batch,
                 "verify_over_plain_by_batch_bucket": ratio}
