@@ -36,6 +36,40 @@ class Resources(BaseModel):
         return opts
 
 
+class AutoscalingConfig(BaseModel):
+    """Serve's autoscaler for the target replicas (passed to Serve as its ``autoscaling_config``).
+
+    More replicas mean smaller batches per replica, where speculation pays again: the per-step
+    policy on each replica sees its own batch and drafts more as load spreads out."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(1, ge=1, description="Fewest target replicas (>= 1: the service never scales to zero).")
+    max_replicas: int = Field(2, ge=1, description="Most target replicas.")
+    initial_replicas: int | None = Field(None, ge=1, description="Replicas at deploy (default min_replicas).")
+    target_ongoing_requests: float = Field(
+        8.0, gt=0, description="Requests in flight per replica the autoscaler aims for; above it, it adds replicas.")
+    upscale_delay_s: float = Field(10.0, ge=0, description="Load must stay above target this long before a scale-up.")
+    downscale_delay_s: float = Field(120.0, ge=0, description="Load must stay below target this long before a scale-down.")
+    metrics_interval_s: float = Field(2.0, gt=0, description="How often replicas report their ongoing requests.")
+    look_back_period_s: float = Field(10.0, gt=0, description="Window the autoscaler averages the load over.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AutoscalingConfig":
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError("initial_replicas must lie in [min_replicas, max_replicas]")
+        return self
+
+
+class TargetResources(Resources):
+    """The target deployment: fixed ``num_replicas``, or Serve autoscaling between bounds."""
+
+    autoscaling_config: AutoscalingConfig | None = Field(
+        None, description="When set, Serve's autoscaler sizes the target deployment and num_replicas is ignored.")
+
+
 class DraftConfig(BaseModel):
     """The draft worker: a separate deployment holding the draft model (its own device / node)."""
 
@@ -79,6 +113,11 @@ class IngressConfig(BaseModel):
     request_timeout_s: float = Field(300.0, gt=0, description="A request running longer is cancelled with 408.")
     max_n: int = Field(8, ge=1, le=128, description="Largest n (choices per prompt) a request may ask for.")
     max_prompts: int = Field(32, ge=1, le=1024, description="Most prompts in one batched completions request.")
+    max_resumes: int = Field(
+        3, ge=0, le=10,
+        description="Times one request is submitted again when its target replica dies (before or during its "
+        "stream): with the tokens already sent, so the stream continues bit-identically on another replica. 0: a "
+        "replica's death ends its streams with an error.")
     num_replicas: int = Field(1, ge=1, description="Ingress replicas (HTTP parsing, SSE framing).")
     max_ongoing_requests: int = Field(
         256, ge=1, description="Requests one ingress replica streams at once. Serve's own default (5) would cap the "
@@ -92,6 +131,10 @@ class RouterConfig(BaseModel):
 
     report_interval_s: float = Field(0.05, gt=0, le=5, description="How often target replicas push their load.")
     stale_after_s: float = Field(2.0, gt=0, description="Loads older than this are ignored when picking a replica.")
+    route_timeout_s: float = Field(
+        0.1, gt=0, le=10,
+        description="Most the ingress waits for the Router's answer. A Router that fails, restarts or is slow is "
+        "then skipped: Serve picks a target replica and the engine's per-step policy decides the path.")
 
 
 class RouterUserConfig(BaseModel):
@@ -147,7 +190,7 @@ class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     engine: EngineConfig = Field(default_factory=EngineConfig)
-    target: Resources = Field(default_factory=lambda: Resources(num_cpus=1.0))
+    target: TargetResources = Field(default_factory=lambda: TargetResources(num_cpus=1.0))
     draft: DraftConfig = Field(default_factory=DraftConfig)
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)

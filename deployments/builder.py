@@ -29,8 +29,10 @@ def build_app(args: dict[str, Any] | None = None):
             max_ongoing_requests=d.max_ongoing_requests,
         ).bind(raw)
     t = cfg.target
+    scaling: dict[str, Any] = ({"autoscaling_config": t.autoscaling_config.model_dump(exclude_none=True)}
+                               if t.autoscaling_config is not None else {"num_replicas": t.num_replicas})
     target = TargetWorker.options(
-        num_replicas=t.num_replicas,
+        **scaling,
         ray_actor_options=t.ray_actor_options(),
         max_ongoing_requests=t.max_ongoing_requests,
         max_queued_requests=t.max_queued_requests,

@@ -27,6 +27,7 @@ from cluster.telemetry import render_prometheus, spec_decode_summary
 from deployments import choices as C
 from deployments import protocol as P
 from deployments.ingress_telemetry import IngressTelemetry, RequestTelemetry, gather_cluster_samples
+from deployments.resume import ResumableStream
 
 log = logging.getLogger("ray.serve")
 app = FastAPI(title="specserve", docs_url=None, redoc_url=None)
@@ -168,32 +169,52 @@ class Ingress:
                      rt: RequestTelemetry):
         """Route, submit, and read the first chunk (so errors become a 4xx before any SSE byte)."""
         t_route = time.time_ns()
-        route = await self.router.route.remote(req.speculation, req.proposer, self.cfg.engine.num_speculative_tokens)
+        route = await self._route(req)
         rt.on_route(route, t_route)
         payload = {"request_id": rid, "prompt_ids": prompt_ids, "params": params,
                    "proposer": req.proposer, "speculation": req.speculation}
         carrier = rt.carrier()
         if carrier:
             payload["trace_context"] = carrier  # W3C traceparent: the target's spans join this trace
-        gen = None
+
+        async def submit(p: dict[str, Any], exclude: str | None):
+            hint = route.get("replica_id") if exclude is None else (await self._route(req, exclude)).get("replica_id")
+            return self.target.generate.remote(p, replica_id=hint)
+
+        stream = ResumableStream(submit, payload, self.cfg.ingress.max_resumes, self.telemetry.on_resume)
         try:
-            gen = self.target.generate.remote(payload, replica_id=route.get("replica_id"))
-            first = await gen.__anext__()
+            await stream.start()
+            first = await stream.__anext__()
         except asyncio.CancelledError:  # timed out or the client left before the first token: free it end to end
-            if gen is not None:
-                gen.cancel()
+            stream.cancel()
             raise
         except BackPressureError:
             raise HTTPError(503, "the service is at capacity; retry later", type_="overloaded_error",
                             code="overloaded", headers={"Retry-After": "1"}) from None
         except StopAsyncIteration:
             raise HTTPError(500, "the engine returned no output", type_="server_error") from None
-        except Exception as e:  # a target replica died mid-request
+        except Exception as e:  # target replicas kept failing
             raise HTTPError(503, f"target worker failed: {type(e).__name__}", type_="server_error",
                             headers={"Retry-After": "1"}) from None
         if "error" in first:
             raise HTTPError(400, first["error"]["message"], first["error"].get("param"))
-        return gen, first
+        return stream, first
+
+    async def _route(self, req: Any, exclude: str | None = None) -> dict[str, Any]:
+        """The Router's choice of replica (other than ``exclude``), or none if it fails or does not answer
+        within ``router.route_timeout_s``: then Serve picks a replica, and the engine's per-step policy
+        decides the path as it does for every request. The Router is never on the failure path."""
+        resp = self.router.route.remote(req.speculation, req.proposer, self.cfg.engine.num_speculative_tokens, exclude)
+
+        async def answer() -> dict[str, Any]:
+            return await resp
+
+        try:
+            return await asyncio.wait_for(answer(), self.cfg.router.route_timeout_s)
+        except Exception as e:  # noqa: BLE001  (timeout, a dead or restarting Router)
+            resp.cancel()
+            self.telemetry.on_route_fallback(type(e).__name__)
+            return {"replica_id": None, "path": "unknown", "k": None, "load_age_s": None, "fallback": type(e).__name__}
 
     def _prompts(self, req: Any, is_chat: bool) -> list[list[int]]:
         if is_chat:

@@ -1,6 +1,8 @@
 """The ingress's metrics and spans, and the cluster-wide scrape behind ``GET /metrics``.
 
 Metrics (labelled ``replica``, the ingress replica): ``specserve_http_requests`` {route, status};
+``specserve_route_fallbacks`` {reason} (requests served without the Router's answer);
+``specserve_stream_resumes`` {reason} (requests resubmitted after their target replica failed);
 histograms ``specserve_time_to_first_token_seconds``, ``specserve_inter_token_latency_seconds``
 (per output token: the gap between two chunks over the tokens the later one carries) and
 ``specserve_e2e_request_latency_seconds``, all measured here, per request, as the client sees them.
@@ -36,6 +38,12 @@ class IngressTelemetry:
         self.tel = Telemetry(cfg.telemetry, "ingress", replica_id)
         m = self.tel.meter
         self.http_requests = m.create_counter("specserve_http_requests", description="HTTP requests answered, by route and status.")
+        self.stream_resumes = m.create_counter(
+            "specserve_stream_resumes", description="Requests submitted again after their target replica failed, "
+            "with the tokens already sent, by the failure.")
+        self.route_fallbacks = m.create_counter(
+            "specserve_route_fallbacks", description="Requests served without the Router's answer (it failed or was "
+            "too slow), by reason.")
 
         def hist(name: str, desc: str):
             return m.create_histogram(name, unit="s", explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S, description=desc)
@@ -43,6 +51,13 @@ class IngressTelemetry:
         self.ttft = hist("specserve_time_to_first_token_seconds", "Request arrival to its first output token.")
         self.itl = hist("specserve_inter_token_latency_seconds", "Time per output token after the first.")
         self.e2e = hist("specserve_e2e_request_latency_seconds", "Request arrival to its last output token.")
+
+    def on_resume(self, reason: str) -> None:
+        self.stream_resumes.add(1, {"reason": reason})
+
+    def on_route_fallback(self, reason: str) -> None:
+        self.route_fallbacks.add(1, {"reason": reason})
+        log.warning("Router unavailable (%s): serving without its choice of replica", reason)
 
     def count(self, route: str, status: int) -> None:
         self.http_requests.add(1, {"route": route, "status": str(status)})

@@ -3,12 +3,23 @@
 Target replicas push a load snapshot every ``report_interval_s`` (50 ms by default), so
 the view is at most one interval plus one RPC old (the age is reported with every route
 decision). For each request the Router picks the least-loaded fresh replica and the
-path and K the policy would give it there; the engine then re-applies the same policy
-every step, so a request admitted at low load stops speculating when load rises.
+path the policy would give it there (for metrics and traces: the engine re-applies the
+policy every step, so a request admitted at low load stops speculating when load rises).
+
+Placement: a burst arrives faster than replicas report, so the Router adds every request it
+assigns to its replica's load until that replica's next report (optimistic increment), and
+breaks near-ties (loads within one request) with two random choices, so that equal replicas
+share a burst instead of all of it landing on the first. The load is what the policy cares
+about: requests in the engine (running, waiting) plus the share of the KV cache in use.
+
+The Router is off the failure path: the ingress bounds its call (``router.route_timeout_s``)
+and serves the request without it, and a restarted Router rebuilds its view from the next
+reports and its policy from the deployed user_config.
 """
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Any
 
@@ -33,6 +44,8 @@ class Router:
         self.policy = make_policy(self.user_config.policy)
         self.version = 0
         self.loads: dict[str, tuple[float, dict[str, Any]]] = {}  # replica id -> (received at, snapshot)
+        self.assigned: dict[str, int] = {}  # replica id -> requests routed to it since its last report
+        self.rng = random.Random()
         ctx = serve.get_replica_context()
         self.telemetry = Telemetry(self.cfg.telemetry, "router", ctx.replica_id.unique_id if ctx else "router")
         # per-request decisions, cumulative across policy swaps (the policy's own count starts over)
@@ -51,6 +64,7 @@ class Router:
 
     def report(self, replica_id: str, snapshot: dict[str, Any], version: int) -> dict[str, Any] | None:
         self.loads[replica_id] = (time.time(), snapshot)
+        self.assigned[replica_id] = 0  # the snapshot now counts what was assigned before it (or soon will)
         if version != self.version:
             return {"version": self.version, "policy": self.user_config.policy_dump()}
         return None
@@ -59,16 +73,34 @@ class Router:
         now = time.time()
         return {r: v for r, v in self.loads.items() if now - v[0] <= self.cfg.router.stale_after_s}
 
-    def route(self, speculation: str, proposer: str | None, k_max: int) -> dict[str, Any]:
-        fresh = self._fresh()
+    def route(self, speculation: str, proposer: str | None, k_max: int, exclude: str | None = None) -> dict[str, Any]:
+        """The replica for a new request (never ``exclude``: one that just failed it) and its expected path."""
+        fresh = {r: v for r, v in self._fresh().items() if r != exclude}
         if not fresh:
             return {"replica_id": None, "path": "unknown", "k": None, "load_age_s": None}
-        rid, (at, snap) = min(fresh.items(), key=lambda kv: (kv[1][1]["running"] + kv[1][1]["waiting"], kv[0]))
+        rid = self.pick(fresh)
+        at, snap = fresh[rid]
+        self.assigned[rid] = self.assigned.get(rid, 0) + 1
         s = LoadSnapshot(**snap)
-        s.decoding += 1  # as if this request were already running
+        s.decoding += self.assigned[rid]  # as if this request and the others sent since the report were running
         k = self.policy.decide(s, [SpecCandidate("route", proposer or "default", speculation, k_max)])[0]
         self.route_decisions.add(1, {"path": "spec" if k > 0 else "plain", "k": str(k)})
         return {"replica_id": rid, "path": "spec" if k > 0 else "plain", "k": k, "load_age_s": time.time() - at}
+
+    def load(self, replica_id: str, snap: dict[str, Any]) -> float:
+        """Requests in the replica's engine and routed to it since its report, plus its KV share in use."""
+        kv = snap.get("kv_tokens_in_use", 0) / max(snap.get("kv_tokens_capacity", 0), 1)
+        return snap["running"] + snap["waiting"] + self.assigned.get(replica_id, 0) + kv
+
+    def pick(self, fresh: dict[str, tuple[float, dict[str, Any]]]) -> str:
+        """The least-loaded replica; among near-ties (within one request), the better of two random ones."""
+        loads = {r: self.load(r, snap) for r, (_, snap) in fresh.items()}
+        best = min(loads.values())
+        near = sorted(r for r, v in loads.items() if v < best + 1.0)
+        if len(near) == 1:
+            return near[0]
+        a, b = self.rng.sample(near, 2)  # in random order: a tie goes to either
+        return a if loads[a] <= loads[b] else b
 
     def stats(self) -> dict[str, Any]:
         now = time.time()
@@ -86,6 +118,12 @@ class Router:
     def replica_ids(self) -> list[str]:
         """Target replicas that reported recently: the ones ``/metrics`` asks for their samples."""
         return sorted(self._fresh())
+
+    def placement(self) -> dict[str, Any]:
+        """This replica's process (tests kill it to show the Router is off the failure path)."""
+        import os
+
+        return {"pid": os.getpid()}
 
     def healthy(self) -> bool:
         """At least one target replica reported recently (its loop is alive and stepping)."""

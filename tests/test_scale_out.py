@@ -1,0 +1,214 @@
+"""Scale-out without a single point of failure, over real HTTP on a real local cluster.
+
+One cluster whose target deployment autoscales between 1 and 2 replicas (thresholds lowered so a
+test can trigger it): load makes Serve add a replica and the Router sends it work; a burst spreads
+over both; a killed Router costs no request and stalls none; a killed target replica costs no
+stream, and every stream's text is what an uninterrupted run writes. Module order matters: the
+scale-up comes first and the replica kill last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from cluster.local_cluster import LocalCluster, Probe
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = ["Write one sentence about the sea.", "What is the capital of France?", "List three colours.",
+           "Describe a lighthouse in two sentences."]
+AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 1,
+               "downscale_delay_s": 3600, "metrics_interval_s": 0.5, "look_back_period_s": 2}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = LocalCluster(tmp_path_factory.mktemp("scale"), policy={"name": "goodput"}, args_patch={
+        "target": {"num_cpus": 0.25, "autoscaling_config": AUTOSCALING},
+        "draft": {"enabled": False},
+        "engine": {"proposers": [{"name": "ngram"}, {"name": "suffix"}]},
+    })
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def probe(cluster):
+    p = Probe(cluster)
+    yield p
+    p.close()
+
+
+def body(content: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, **extra}
+
+
+def stream(cluster, b: dict) -> dict[str, Any]:
+    """A streamed request read to its end: text, the longest wait for a chunk (first included), errors."""
+    text, err, done, gaps = "", None, False, []
+    t = time.monotonic()
+    with httpx.stream("POST", f"{cluster.base_url}/v1/chat/completions", json={**b, "stream": True},
+                      timeout=300) as r:
+        if r.status_code != 200:
+            r.read()
+            return {"status": r.status_code, "body": r.text}
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            now = time.monotonic()
+            gaps.append(now - t)
+            t = now
+            if line == "data: [DONE]":
+                done = True
+                break
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                err = obj["error"]
+            for c in obj.get("choices", []):
+                text += (c.get("delta") or {}).get("content") or ""
+    return {"status": 200, "text": text, "error": err, "done": done, "max_gap_s": max(gaps)}
+
+
+def in_threads(fns: list) -> dict[int, Any]:
+    out: dict[int, Any] = {}
+
+    def run(i, f):
+        try:
+            out[i] = f()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            out[i] = e
+
+    ts = [threading.Thread(target=run, args=(i, f), daemon=True) for i, f in enumerate(fns)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(300)
+    return out
+
+
+def wait_for(pred, timeout_s: float, what: str, interval_s: float = 0.5) -> float:
+    t0 = time.monotonic()
+    last = None
+    while time.monotonic() - t0 < timeout_s:
+        try:
+            last = pred()
+        except Exception as e:  # noqa: BLE001 - a replica restarting: try again
+            last = e
+        if last is True:
+            return time.monotonic() - t0
+        time.sleep(interval_s)
+    raise AssertionError(f"{what} not reached in {timeout_s}s (last: {last!r})")
+
+
+def replicas(cluster) -> dict[str, dict[str, Any]]:
+    """Target replicas that reported in the last 2 s, with their load snapshots."""
+    return {r: v for r, v in cluster.stats()["replicas"].items() if v["age_s"] < 2}
+
+
+@pytest.fixture(scope="module")
+def refs(cluster) -> dict[str, str]:
+    """Each prompt's greedy text with speculation off: what every run below must reproduce."""
+    out = {}
+    for p in PROMPTS:
+        r = httpx.post(f"{cluster.base_url}/v1/chat/completions", json=body(p, 48, speculation="off"), timeout=300)
+        assert r.status_code == 200, r.text
+        out[p] = r.json()["choices"][0]["message"]["content"]
+    return out
+
+
+def test_load_makes_serve_add_a_replica_and_the_router_sends_it_work(cluster, refs):
+    assert len(replicas(cluster)) == 1
+    stop = threading.Event()
+
+    def load():
+        while not stop.is_set():
+            httpx.post(f"{cluster.base_url}/v1/chat/completions", json=body(PROMPTS[0], 32), timeout=300)
+
+    ts = [threading.Thread(target=load, daemon=True) for _ in range(4)]
+    for t in ts:
+        t.start()
+    try:
+        took = wait_for(lambda: len(replicas(cluster)) == 2, 180, "a second target replica")
+        print(f"scaled to 2 target replicas {took:.0f}s into the load")
+        first = set(replicas(cluster))
+        base = {r: v["output_tokens"] for r, v in replicas(cluster).items()}
+        wait_for(lambda: all(v["output_tokens"] > base.get(r, 0) for r, v in replicas(cluster).items()), 60,
+                 "both replicas writing tokens")
+        assert set(replicas(cluster)) == first
+    finally:
+        stop.set()
+        for t in ts:
+            t.join(300)
+
+
+def test_a_burst_spreads_over_both_replicas(cluster, refs):
+    wait_for(lambda: len(replicas(cluster)) == 2 and all(v["running"] == 0 for v in replicas(cluster).values()),
+             60, "two idle replicas")
+    before = {r: v["output_tokens"] for r, v in replicas(cluster).items()}
+    got = in_threads([lambda i=i: stream(cluster, body(PROMPTS[i % 4], 48)) for i in range(16)])
+    for i in range(16):
+        assert got[i]["status"] == 200 and got[i]["text"] == refs[PROMPTS[i % 4]], got[i]
+    after = {r: v["output_tokens"] for r, v in replicas(cluster).items()}
+    served = {r: (after[r] - before[r]) // 48 for r in before}
+    print(f"burst of 16 by replica: {served}")
+    assert all(n >= 4 for n in served.values()), served
+
+
+def test_a_killed_router_costs_no_request_and_stalls_none(cluster, probe, refs):
+    pid = probe.call("Router", "placement")["pid"]
+    os.kill(pid, signal.SIGKILL)
+    t_kill = time.monotonic()
+    got = in_threads([lambda i=i: stream(cluster, body(PROMPTS[i % 4], 48)) for i in range(8)])
+    for i in range(8):
+        r = got[i]
+        assert not isinstance(r, BaseException), r
+        assert r["status"] == 200 and r["error"] is None and r["done"], r
+        assert r["text"] == refs[PROMPTS[i % 4]]
+    stall = max(r["max_gap_s"] for r in got.values())
+    print(f"Router killed: 8 of 8 streams identical; longest wait for a chunk {stall:.2f}s")
+    assert stall < 2.0
+    back = wait_for(lambda: probe.call("Router", "placement")["pid"] != pid, 120, "a restarted Router")
+    print(f"Router back {time.monotonic() - t_kill:.1f}s after the kill (polled for {back:.1f}s)")
+
+
+def test_a_killed_target_replica_costs_no_stream(cluster, probe, refs):
+    wait_for(lambda: len(replicas(cluster)) == 2, 120, "two target replicas")
+    pids: dict[str, int] = {}
+
+    def both_pids() -> bool:  # Serve sends each call to either replica: ask until both answered
+        p = probe.call("TargetWorker", "placement")
+        pids[p["replica_id"]] = p["pid"]
+        return len(pids) == 2
+
+    wait_for(both_pids, 60, "both replicas' pids", interval_s=0.05)
+    b = [body(PROMPTS[i % 4], 160) for i in range(8)]
+    result: dict[int, Any] = {}
+    t = threading.Thread(target=lambda: result.update(in_threads([lambda i=i: stream(cluster, b[i]) for i in range(8)])),
+                         daemon=True)
+    t.start()
+    wait_for(lambda: sum(v["output_tokens"] > 0 and v["running"] for v in replicas(cluster).values()) >= 1
+             and sum(v["running"] for v in replicas(cluster).values()) >= 8, 120, "8 streams running", interval_s=0.1)
+    busiest = max(replicas(cluster).items(), key=lambda kv: kv[1]["running"])[0]
+    n_on_it = replicas(cluster)[busiest]["running"]
+    time.sleep(1.0)  # the streams are well into their output
+    os.kill(pids[busiest], signal.SIGKILL)
+    t.join(300)
+    full = {p: httpx.post(f"{cluster.base_url}/v1/chat/completions", json=body(p, 160, speculation="off"),
+                          timeout=300).json()["choices"][0]["message"]["content"] for p in PROMPTS}
+    lost = [i for i in range(8) if isinstance(result.get(i), BaseException) or result[i]["status"] != 200
+            or result[i]["error"] is not None]
+    changed = [i for i in range(8) if i not in lost and result[i]["text"] != full[PROMPTS[i % 4]]]
+    print(f"target replica killed with {n_on_it} of 8 streams on it: lost {lost}, changed {changed}")
+    assert lost == [] and changed == []
