@@ -129,12 +129,23 @@ class IngressConfig(BaseModel):
 class RouterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    report_interval_s: float = Field(0.05, gt=0, le=5, description="How often target replicas push their load.")
+    report_interval_s: float = Field(
+        0.05, gt=0, le=5, description="How often target replicas check their load and push it if it changed.")
+    heartbeat_s: float = Field(
+        0.5, gt=0, le=60, description="Most time between two pushes of an unchanged load (keeps the replica fresh "
+        "for the Router and brings a changed policy within this time).")
     stale_after_s: float = Field(2.0, gt=0, description="Loads older than this are ignored when picking a replica.")
     route_timeout_s: float = Field(
         0.1, gt=0, le=10,
         description="Most the ingress waits for the Router's answer. A Router that fails, restarts or is slow is "
         "then skipped: Serve picks a target replica and the engine's per-step policy decides the path.")
+
+    @model_validator(mode="after")
+    def _fresh_enough(self) -> "RouterConfig":
+        if self.heartbeat_s >= self.stale_after_s:
+            raise ValueError(f"heartbeat_s ({self.heartbeat_s}) must be below stale_after_s ({self.stale_after_s}): "
+                             "an idle replica would look dead to the Router")
+        return self
 
 
 class RouterUserConfig(BaseModel):

@@ -120,7 +120,13 @@ class TargetWorker:
         self._pending_ks, self._pending_why = [], {}
 
     async def _report_loop(self) -> None:
+        """Push this replica's load to the Router when it changes (requests running / waiting /
+        decoding), and at least every ``router.heartbeat_s``. Why not every interval: on a small
+        machine each report is a Ray call in this process and in the Router, and any CPU work beside
+        the engine's threads stretches its steps; a steady load need not be re-sent 20 times a second."""
         interval = self.cfg.router.report_interval_s
+        last_key: tuple | None = None
+        last_sent = 0.0
         while True:
             try:
                 if not self.engine.healthy(stall_s=self.cfg.router.stale_after_s * 5):
@@ -128,8 +134,13 @@ class TargetWorker:
                     # (no new requests, /health 503 when it was the last) before Serve replaces it.
                     await asyncio.sleep(interval)
                     continue
-                snap = self.engine.snapshot().as_dict()
-                answer = await self.router.report.remote(self.replica_id, snap, self.policy_version)
+                snap = self.engine.snapshot()
+                key = (snap.running, snap.waiting, snap.decoding)
+                if key == last_key and time.monotonic() - last_sent < self.cfg.router.heartbeat_s:
+                    await asyncio.sleep(interval)
+                    continue
+                last_key, last_sent = key, time.monotonic()
+                answer = await self.router.report.remote(self.replica_id, snap.as_dict(), self.policy_version)
                 if answer and answer.get("version", -1) != self.policy_version:
                     self.policy = self._make_policy(answer["policy"])
                     self.policy_version = answer["version"]

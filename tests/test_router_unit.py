@@ -51,3 +51,16 @@ def test_ties_are_broken_at_random_and_the_lighter_replica_wins_otherwise():
         r.assigned = {"a": 0, "b": 0, "c": 0}
         assert r.route("auto", None, 4)["replica_id"] == "a"
     assert r.route("auto", None, 4, exclude="a")["replica_id"] == "b"  # a resubmission avoids the failed one
+
+
+def test_router_keys_are_validated():
+    from pydantic import ValidationError
+
+    from cluster.config import RouterConfig
+
+    with pytest.raises(ValidationError, match="heartbeat_s"):
+        RouterConfig(heartbeat_s=3.0)  # longer than stale_after_s: an idle replica would look dead
+    with pytest.raises(ValidationError, match="route_timeout_s"):
+        RouterConfig(route_timeout_s=0)
+    with pytest.raises(ValidationError, match="route_timout_s"):
+        AppConfig.model_validate({"router": {"route_timout_s": 0.1}})

@@ -1,0 +1,228 @@
+"""Serving under load: guidellm (an outside load generator) over HTTP vs the same workload in process.
+
+    python -m benchmarks.guidellm_load [--streams 1,4,16,32] [--seconds 40] [--prompt-tokens 128]
+                                       [--output-tokens 64] [--skip-http] [--skip-engine]
+
+1. Starts the default service (ray_config.yaml as shipped, on a local two-node cluster, as the
+   end-to-end tests run it) and drives it with ``guidellm run``: closed loop (``concurrent``
+   profile) at each stream count for ``--seconds``, synthetic prompts of ``--prompt-tokens`` tokens
+   made with the served model's own tokenizer (saved to a temp dir: no hub access), exactly
+   ``--output-tokens`` output tokens each (guidellm sends ``ignore_eos``), ``/v1/completions``.
+2. Stops it and runs the same closed loop on the engine in this process (the same EngineConfig,
+   the goodput policy on the engine's own cost model, random-token prompts of the same length):
+   time to first token and time per output token from each request's step times.
+
+Prints TTFT p50/p99, ITL p50/p99 (guidellm's: (latency - TTFT) / (tokens - 1) per request),
+output tok/s and the HTTP / in-process ratio per level, and checks the serving goals; writes
+benchmarks/results/guidellm_load.{json,png}. Both halves run on the same machine in one run; the
+CPU is named in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from benchmarks.common import (RESULTS_DIR, env_info, figure, line_panel, percentile, progress, run_closed_loop,
+                               save_figure, set_threads, write_json)
+from cluster.config import AppConfig
+from cluster.local_cluster import ROOT, LocalCluster
+from policies import make_policy
+from workers.engine import LLMEngine
+from workers.model_loader import load_model
+
+BIN = Path(sys.executable).parent
+
+
+def service_config() -> AppConfig:
+    """The app config as shipped in ray_config.yaml."""
+    app = yaml.safe_load((ROOT / "ray_config.yaml").read_text())["applications"][0]
+    return AppConfig.model_validate(app["args"])
+
+
+def run_guidellm(url: str, model: str, tokenizer_dir: str, streams: int, seconds: float, prompt_tokens: int,
+                 output_tokens: int, out: Path, warmup: float) -> dict[str, Any]:
+    """One guidellm closed-loop run at ``streams`` concurrent streams; returns its metrics, and the CPU
+    seconds guidellm itself used (it runs on the same cores as the service)."""
+    cmd = [str(BIN / "guidellm"), "run",
+           "--backend", f"kind=openai_http,target={url},model={model},request_format=/v1/completions",
+           "--profile", f"kind=concurrent,streams={streams},warmup={warmup}",
+           "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
+           "--tokenizer", f"kind=huggingface_auto,model={tokenizer_dir}",
+           "--constraint", f"kind=max_duration,seconds={seconds}",
+           "--output", f"kind=json,path={out}",
+           "--disable-console-interactive"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds * 3 + 120)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"guidellm failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {**parse_guidellm(json.loads(out.read_text())), "client_cpu_cores": cpu / wall}
+
+
+def _dist(metrics: dict[str, Any], name: str) -> dict[str, Any]:
+    """guidellm's distribution summary of ``name`` over successful requests."""
+    m = metrics[name]
+    return m.get("successful", m)
+
+
+def parse_guidellm(report: dict[str, Any]) -> dict[str, Any]:
+    [bench] = report["benchmarks"]
+    m = bench["metrics"]
+    ttft, itl = _dist(m, "time_to_first_token_ms"), _dist(m, "inter_token_latency_ms")
+    tok_s = _dist(m, "output_tokens_per_second")
+    reqs = bench.get("requests", {})
+    return {
+        "ttft_p50_ms": ttft["percentiles"]["p50"], "ttft_p99_ms": ttft["percentiles"]["p99"],
+        "itl_p50_ms": itl["percentiles"]["p50"], "itl_p99_ms": itl["percentiles"]["p99"],
+        "tok_s": tok_s["mean"],
+        "num_requests": len(reqs.get("successful", [])) if isinstance(reqs, dict) else None,
+        "num_errors": len(reqs.get("errored", [])) if isinstance(reqs, dict) else None,
+    }
+
+
+def run_engine(engine: LLMEngine, streams: int, seconds: float, prompt_tokens: int, output_tokens: int,
+               seed: int, warmup: float) -> dict[str, Any]:
+    """The same closed loop on the engine in process: enough requests for about ``seconds``; requests
+    sent in the first ``warmup`` share of the run are left out of the latencies, as guidellm does."""
+    rng = random.Random(seed)
+    vocab = engine.vocab_size
+    rate_guess = max(engine.num_output_tokens / max(engine.num_steps, 1), 1.0)  # tokens per step so far
+    step_s = engine.step_time_ema.value or 0.05
+    n = max(2 * streams, int(seconds / step_s * min(rate_guess, streams) / output_tokens))
+    work = [([rng.randrange(3, vocab) for _ in range(prompt_tokens)],
+             {"max_tokens": output_tokens, "ignore_eos": True, "temperature": 0.0}) for _ in range(n)]
+    res = run_closed_loop(engine, work, streams, speculation="auto", name=f"engine c={streams}", show_progress=False)
+    kept = [r for r in res.records if r.submit_s >= warmup * res.wall_s] or res.records
+    ttfts = [r.ttft for r in kept]
+    tpots = [r.tpot for r in kept]
+    return {"ttft_p50_ms": 1e3 * percentile(ttfts, 50), "ttft_p99_ms": 1e3 * percentile(ttfts, 99),
+            "itl_p50_ms": 1e3 * percentile(tpots, 50), "itl_p99_ms": 1e3 * percentile(tpots, 99),
+            # at the concurrency (all streams in flight), as guidellm's rate over its active phase
+            "tok_s": res.steady_tok_s or res.tok_s, "num_requests": len(kept), "num_errors": 0}
+
+
+def goals(http: dict[int, dict[str, Any]], engine: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The serving goals at 16 streams, each with its measured value and whether it holds."""
+    out: dict[str, Any] = {}
+    if 16 in http:
+        out["ttft_p99_16_s<=1.5"] = http[16]["ttft_p99_ms"] / 1e3
+        if 1 in http:
+            out["itl_p50_16/itl_p50_1<=2.5"] = http[16]["itl_p50_ms"] / http[1]["itl_p50_ms"]
+            out["tok_s_16/tok_s_1>=4.5"] = http[16]["tok_s"] / http[1]["tok_s"]
+        if 16 in engine:
+            out["tok_s_16_http/engine>=0.8"] = http[16]["tok_s"] / engine[16]["tok_s"]
+    if 1 in http and 1 in engine:
+        out["tpot_1_http/engine<=1.1"] = http[1]["itl_p50_ms"] / engine[1]["itl_p50_ms"]
+    limits = {"ttft_p99_16_s<=1.5": (1.5, "<="), "itl_p50_16/itl_p50_1<=2.5": (2.5, "<="),
+              "tok_s_16/tok_s_1>=4.5": (4.5, ">="), "tok_s_16_http/engine>=0.8": (0.8, ">="),
+              "tpot_1_http/engine<=1.1": (1.1, "<=")}
+    return {k: {"value": round(v, 3), "met": v <= limits[k][0] if limits[k][1] == "<=" else v >= limits[k][0]}
+            for k, v in out.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--streams", default="1,4,16,32")
+    ap.add_argument("--seconds", type=float, default=40.0)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--warmup", type=float, default=0.2,
+                    help="share of each level's duration guidellm leaves out of its statistics (the first "
+                         "wave of simultaneous arrivals); the in-process run leaves out its first wave too")
+    ap.add_argument("--skip-http", action="store_true")
+    ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--out", default=str(RESULTS_DIR / "guidellm_load"))
+    args = ap.parse_args(argv)
+    levels = [int(s) for s in args.streams.split(",")]
+    cfg = service_config()
+    loaded = load_model(cfg.engine.model)
+    http: dict[int, dict[str, Any]] = {}
+    engine_res: dict[int, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tok_dir = Path(tmp) / "tokenizer"
+        loaded.tokenizer.save_pretrained(tok_dir)
+        if not args.skip_http:
+            # the shipped config as is, on the local two-node cluster (only its ports differ)
+            cluster = LocalCluster(Path(tmp), args_patch={"engine": {"num_threads": cfg.engine.num_threads,
+                                                                     "max_num_seqs": cfg.engine.max_num_seqs,
+                                                                     "max_model_len": cfg.engine.max_model_len},
+                                                          "target": {"num_cpus": cfg.target.num_cpus}})
+            try:
+                print("starting the service ...", flush=True)
+                cluster.start()
+                warm = {"model": cfg.engine.served_model_name, "prompt": "Hello " * args.prompt_tokens, "max_tokens": 8}
+                for _ in range(3):  # the first requests after a start are slower (allocations, first kernels)
+                    httpx.post(f"{cluster.base_url}/v1/completions", json=warm, timeout=120).raise_for_status()
+                for c in progress(levels, desc="guidellm over HTTP", unit="level"):
+                    http[c] = run_guidellm(cluster.base_url, cfg.engine.served_model_name, str(tok_dir), c,
+                                           args.seconds, args.prompt_tokens, args.output_tokens,
+                                           Path(tmp) / f"guidellm_{c}.json", args.warmup)
+                    print(f"  HTTP c={c}: {http[c]}", flush=True)
+            finally:
+                cluster.stop()
+        if not args.skip_engine:
+            set_threads(cfg.engine.num_threads or 2)
+            eng = LLMEngine(cfg.engine, loaded, decide=(policy := make_policy({"name": "goodput"})))
+            policy.use_cost_model(eng.cost_model)
+            run_closed_loop(eng, [(list(range(10, 10 + args.prompt_tokens)), {"max_tokens": 8})], 1,
+                            show_progress=False)  # warm-up
+            for c in progress(levels, desc="engine in process", unit="level"):
+                engine_res[c] = run_engine(eng, c, args.seconds, args.prompt_tokens, args.output_tokens, seed=c,
+                                           warmup=args.warmup)
+                print(f"  engine c={c}: {engine_res[c]}", flush=True)
+
+    rows = []
+    for c in levels:
+        h, e = http.get(c), engine_res.get(c)
+        rows.append({"streams": c, "http": h, "engine": e,
+                     "tok_s_http/engine": h["tok_s"] / e["tok_s"] if h and e else None})
+    result = {"env": env_info(), "args": vars(args), "service": cfg.model_dump(mode="json"), "rows": rows,
+              "goals": goals(http, engine_res)}
+    print(f"\n{'streams':>7} | {'TTFT p50/p99 ms (HTTP)':>24} | {'ITL p50/p99 ms (HTTP)':>22} | {'tok/s HTTP':>10} | "
+          f"{'TTFT p50/p99 (eng)':>19} | {'ITL p50/p99 (eng)':>18} | {'tok/s eng':>9} | HTTP/eng")
+    for r in rows:
+        h, e = r["http"] or {}, r["engine"] or {}
+
+        def f(d: dict, k: str) -> str:
+            return f"{d[k]:.0f}" if k in d else "-"
+        print(f"{r['streams']:>7} | {f(h, 'ttft_p50_ms') + ' / ' + f(h, 'ttft_p99_ms'):>24} | "
+              f"{f(h, 'itl_p50_ms') + ' / ' + f(h, 'itl_p99_ms'):>22} | {h.get('tok_s', float('nan')):>10.1f} | "
+              f"{f(e, 'ttft_p50_ms') + ' / ' + f(e, 'ttft_p99_ms'):>19} | "
+              f"{f(e, 'itl_p50_ms') + ' / ' + f(e, 'itl_p99_ms'):>18} | {e.get('tok_s', float('nan')):>9.1f} | "
+              f"{r['tok_s_http/engine'] or float('nan'):.2f}")
+    for c in levels:
+        if c in http:
+            print(f"guidellm itself used {http[c]['client_cpu_cores']:.2f} of the machine's cores at c={c}")
+    for k, g in result["goals"].items():
+        print(f"goal {k}: {g['value']} {'met' if g['met'] else 'NOT met'}")
+    out = Path(args.out)
+    write_json(out.with_suffix(".json"), result)
+    fig, axes = figure(ncols=3, width=5.5)
+    for ax, key, label in zip(axes, ["ttft_p99_ms", "itl_p50_ms", "tok_s"],
+                              ["TTFT p99 (ms)", "ITL p50 (ms)", "output tok/s"]):
+        series = {name: [(d.get(c) or {}).get(key) for c in levels]
+                  for name, d in [("HTTP (guidellm)", http), ("engine in process", engine_res)] if d}
+        line_panel(ax, levels, series, title=label, xlabel="concurrent streams", ylabel=label)
+    save_figure(fig, out.with_suffix(".png"), suptitle=f"guidellm {args.prompt_tokens} in / {args.output_tokens} out, "
+                f"{env_info().get('cpu', '')}")
+    print(f"wrote {out.with_suffix('.json')} and .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
