@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import resource
 import subprocess
@@ -52,7 +53,7 @@ def service_config() -> AppConfig:
 
 
 def run_guidellm(url: str, model: str, tokenizer_dir: str, streams: int, seconds: float, prompt_tokens: int,
-                 output_tokens: int, out: Path, warmup: float) -> dict[str, Any]:
+                 output_tokens: int, out: Path, warmup: float, workers: int | None = None) -> dict[str, Any]:
     """One guidellm closed-loop run at ``streams`` concurrent streams; returns its metrics, and the CPU
     seconds guidellm itself used (it runs on the same cores as the service)."""
     cmd = [str(BIN / "guidellm"), "run",
@@ -65,7 +66,10 @@ def run_guidellm(url: str, model: str, tokenizer_dir: str, streams: int, seconds
            "--disable-console-interactive"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds * 3 + 120)
+    env = dict(os.environ)
+    if workers:  # guidellm's worker processes (default 10): each a Python process on the service's cores
+        env["GUIDELLM__MAX_WORKER_PROCESSES"] = str(workers)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds * 3 + 120, env=env)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0 or not out.exists():

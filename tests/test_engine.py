@@ -296,6 +296,35 @@ def test_slow_stream_consumer_gets_the_backlog_as_one_chunk(tiny_loaded):
     assert chunks[-1].finished and chunks[-1].num_output_tokens == 24
 
 
+def test_stream_interval_sends_fewer_chunks_with_the_same_tokens_text_and_logprobs(tiny_loaded):
+    """stream_interval N: the first token alone, then chunks of at least N tokens (the last may be
+    shorter); merged chunks keep every token, the text and every logprob."""
+    import asyncio
+
+    from workers.async_engine import AsyncEngine
+
+    params = {"max_tokens": 23, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+
+    def run(interval: int) -> list:
+        ae = AsyncEngine(LLMEngine(EngineConfig(dtype="float32", max_num_seqs=2, max_model_len=128, proposers=[],
+                                                stream_interval=interval), tiny_loaded))
+        try:
+            async def consume() -> list:
+                return [o async for o in ae.generate("s", [5, 6, 7], params=params)]
+
+            return asyncio.run(consume())
+        finally:
+            ae.shutdown()
+
+    one, four = run(1), run(4)
+    assert len(one) == 23 and len(four[0].token_ids) == 1
+    assert all(len(c.token_ids) >= 4 for c in four[1:-1]) and len(four) <= 1 + -(-22 // 4)
+    for a, b in [(one, four)]:
+        assert [t for c in a for t in c.token_ids] == [t for c in b for t in c.token_ids]
+        assert "".join(c.text for c in a) == "".join(c.text for c in b)
+        assert [e for c in a for e in c.logprobs] == [e for c in b for e in c.logprobs]
+
+
 def test_async_engine_builds_from_a_factory_in_its_loop_thread(tiny_loaded):
     """The Serve replica hands AsyncEngine a factory so that model load, weight packing and every
     step run in one thread (one OpenMP pool: see AsyncEngine); a factory error reaches the caller."""

@@ -183,6 +183,34 @@ def test_a_killed_router_costs_no_request_and_stalls_none(cluster, probe, refs):
     print(f"Router back {time.monotonic() - t_kill:.1f}s after the kill (polled for {back:.1f}s)")
 
 
+def test_a_request_given_up_before_its_first_token_leaves_no_slot_in_use(cluster, refs):
+    """Every KV slot of both replicas busy, one more request waits in an engine queue; its client
+    gives up before the first token (the ingress's own timeout takes the same path: the call is
+    cancelled end to end). The engine drops it at once, and nothing is left in use afterwards."""
+    wait_for(lambda: len(replicas(cluster)) == 2 and all(v["running"] == 0 for v in replicas(cluster).values()),
+             60, "two idle replicas")
+    slots, extra = 16, 2  # max_num_seqs 8 (LocalCluster) on each of 2 replicas, and two more that queue
+    busy: dict[int, Any] = {}
+    t = threading.Thread(target=lambda: busy.update(in_threads(
+        [lambda i=i: stream(cluster, body(PROMPTS[i % 4], 120)) for i in range(slots + extra)])), daemon=True)
+    t.start()
+
+    def load() -> tuple[int, int]:
+        rs = replicas(cluster).values()
+        return sum(v["running"] for v in rs), sum(v["waiting"] for v in rs)
+
+    wait_for(lambda: load() == (slots, extra), 60, "every slot busy and two queued", interval_s=0.1)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{cluster.base_url}/v1/chat/completions", json=body(PROMPTS[0], 16), timeout=1.5)
+    waited = wait_for(lambda: load()[1] <= extra and load()[0] == slots, 5, "the given-up request out of the queue",
+                      interval_s=0.1)
+    print(f"a request given up while queued was gone from the engine {waited:.2f}s later")
+    t.join(300)
+    assert all(busy[i]["status"] == 200 and busy[i]["error"] is None for i in range(slots + extra))
+    wait_for(lambda: all(v["running"] == 0 and v["waiting"] == 0 and v["kv_tokens_in_use"] == 0
+                         for v in replicas(cluster).values()), 30, "no slot in use")
+
+
 def test_a_killed_target_replica_costs_no_stream(cluster, probe, refs):
     wait_for(lambda: len(replicas(cluster)) == 2, 120, "two target replicas")
     pids: dict[str, int] = {}

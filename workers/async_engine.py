@@ -37,7 +37,9 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     concurrency on a small machine), sending the backlog as one chunk keeps that per-message
     cost from growing with the step rate, as vLLM's output processor does per iteration.
     """
-    return dataclasses.replace(b, token_ids=a.token_ids + b.token_ids, text=a.text + b.text,
+    logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
+    return dataclasses.replace(b, token_ids=a.token_ids + b.token_ids, text=a.text + b.text, logprobs=logprobs,
+                               prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
                                first_token_time=a.first_token_time if a.first_token_time is not None else b.first_token_time)
 
 
@@ -98,6 +100,8 @@ class AsyncEngine:
                 self.abort(request_id)
             raise
         finished = False
+        interval = self.engine.config.stream_interval
+        sent_first = False
         try:
             while True:
                 item = await q.get()
@@ -108,6 +112,12 @@ class AsyncEngine:
                     if isinstance(nxt, BaseException):
                         raise nxt
                     item = merge_outputs(item, nxt)
+                while sent_first and not item.finished and len(item.token_ids) < interval:
+                    nxt = await q.get()  # stream_interval: fewer, larger chunks (the first token goes at once)
+                    if isinstance(nxt, BaseException):
+                        raise nxt
+                    item = merge_outputs(item, nxt)
+                sent_first = sent_first or bool(item.token_ids)
                 yield item
                 if item.finished:
                     finished = True

@@ -77,6 +77,12 @@ class EngineConfig(BaseModel):
         "caching, over whole slots. Output is unchanged; the prefill work saved shows in usage.prompt_tokens_details."
         "cached_tokens. Requests whose proposer reads the target's hidden states (eagle) always prefill in full.",
     )
+    stream_interval: int = Field(
+        1, ge=1, le=64,
+        description="Tokens per streamed chunk after the first (SGLang's stream_interval): every chunk is a message "
+        "through the replica, the ingress and the HTTP proxy, whose CPU the engine shares on a small machine. The "
+        "first token is always sent at once; the text and tokens are the same, in fewer chunks.",
+    )
     num_speculative_tokens: int = Field(
         4, ge=0, le=MAX_SPECULATIVE_TOKENS, description="K_max: most draft tokens verified per request per step."
     )
