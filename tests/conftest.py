@@ -75,3 +75,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def probe(cluster):
+    """A long-lived driver on the module's ``cluster`` (each end-to-end module defines its own cluster)."""
+    from cluster.local_cluster import Probe
+
+    p = Probe(cluster)
+    yield p
+    p.close()

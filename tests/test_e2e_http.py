@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from cluster.local_cluster import LocalCluster
+from tests.e2e_helpers import started
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -20,12 +21,8 @@ COPY = "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick b
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = LocalCluster(tmp_path_factory.mktemp("serve"), policy={"name": "goodput"})
-    try:
-        c.start()
+    with started(LocalCluster(tmp_path_factory.mktemp("serve"), policy={"name": "goodput"})) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -23,7 +22,8 @@ import openai
 import pytest
 
 from tests.bad_inputs import CHAT, HOSTILE, send
-from cluster.local_cluster import ROOT, LocalCluster, Probe
+from cluster.local_cluster import ROOT, LocalCluster
+from tests.e2e_helpers import in_threads, started, wait_for
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -35,20 +35,9 @@ API_KEY = "sk-reliability-test"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = LocalCluster(tmp_path_factory.mktemp("serve"), policy={"name": "goodput"},
-                     args_patch={"draft": {"state_ttl_s": STATE_TTL_S}})
-    try:
-        c.start()
+    with started(LocalCluster(tmp_path_factory.mktemp("serve"), policy={"name": "goodput"},
+                              args_patch={"draft": {"state_ttl_s": STATE_TTL_S}})) as c:
         yield c
-    finally:
-        c.stop()
-
-
-@pytest.fixture(scope="module")
-def probe(cluster):
-    p = Probe(cluster)
-    yield p
-    p.close()
 
 
 @pytest.fixture(scope="module")
@@ -84,35 +73,6 @@ def is_error_shape(r: httpx.Response) -> bool:
 
 def spec_of(resp: dict) -> dict:
     return resp["usage"]["speculation"]
-
-
-def in_threads(fns: list) -> tuple[list[threading.Thread], dict[int, Any]]:
-    out: dict[int, Any] = {}
-
-    def run(i, f):
-        try:
-            out[i] = f()
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            out[i] = e
-
-    ts = [threading.Thread(target=run, args=(i, f), daemon=True) for i, f in enumerate(fns)]
-    for t in ts:
-        t.start()
-    return ts, out
-
-
-def wait_for(pred, timeout_s: float, interval_s: float = 0.25, what: str = "condition"):
-    t0 = time.monotonic()
-    last = None
-    while time.monotonic() - t0 < timeout_s:
-        try:
-            last = pred()
-        except Exception as e:  # noqa: BLE001 - a replica restarting: try again
-            last = e
-        if last is True:
-            return time.monotonic() - t0
-        time.sleep(interval_s)
-    raise AssertionError(f"{what} not reached in {timeout_s}s (last: {last!r})")
 
 
 def engines_idle(probe, base_draft: dict | None = None) -> bool:

@@ -19,7 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from cluster.local_cluster import LocalCluster, Probe
+from cluster.local_cluster import LocalCluster
+from tests.e2e_helpers import run_all, started, wait_for
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -31,23 +32,12 @@ AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = LocalCluster(tmp_path_factory.mktemp("scale"), policy={"name": "goodput"}, args_patch={
+    with started(LocalCluster(tmp_path_factory.mktemp("scale"), policy={"name": "goodput"}, args_patch={
         "target": {"num_cpus": 0.25, "autoscaling_config": AUTOSCALING},
         "draft": {"enabled": False},
         "engine": {"proposers": [{"name": "ngram"}, {"name": "suffix"}]},
-    })
-    try:
-        c.start()
+    })) as c:
         yield c
-    finally:
-        c.stop()
-
-
-@pytest.fixture(scope="module")
-def probe(cluster):
-    p = Probe(cluster)
-    yield p
-    p.close()
 
 
 def body(content: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
@@ -79,37 +69,6 @@ def stream(cluster, b: dict) -> dict[str, Any]:
             for c in obj.get("choices", []):
                 text += (c.get("delta") or {}).get("content") or ""
     return {"status": 200, "text": text, "error": err, "done": done, "max_gap_s": max(gaps)}
-
-
-def in_threads(fns: list) -> dict[int, Any]:
-    out: dict[int, Any] = {}
-
-    def run(i, f):
-        try:
-            out[i] = f()
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            out[i] = e
-
-    ts = [threading.Thread(target=run, args=(i, f), daemon=True) for i, f in enumerate(fns)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(300)
-    return out
-
-
-def wait_for(pred, timeout_s: float, what: str, interval_s: float = 0.5) -> float:
-    t0 = time.monotonic()
-    last = None
-    while time.monotonic() - t0 < timeout_s:
-        try:
-            last = pred()
-        except Exception as e:  # noqa: BLE001 - a replica restarting: try again
-            last = e
-        if last is True:
-            return time.monotonic() - t0
-        time.sleep(interval_s)
-    raise AssertionError(f"{what} not reached in {timeout_s}s (last: {last!r})")
 
 
 def replicas(cluster) -> dict[str, dict[str, Any]]:
@@ -157,7 +116,7 @@ def test_a_burst_spreads_over_both_replicas(cluster, refs):
     wait_for(lambda: len(replicas(cluster)) == 2 and all(v["running"] == 0 for v in replicas(cluster).values()),
              60, "two idle replicas")
     before = {r: v["output_tokens"] for r, v in replicas(cluster).items()}
-    got = in_threads([lambda i=i: stream(cluster, body(PROMPTS[i % 4], 48)) for i in range(16)])
+    got = run_all([lambda i=i: stream(cluster, body(PROMPTS[i % 4], 48)) for i in range(16)])
     for i in range(16):
         assert got[i]["status"] == 200 and got[i]["text"] == refs[PROMPTS[i % 4]], got[i]
     after = {r: v["output_tokens"] for r, v in replicas(cluster).items()}
@@ -170,7 +129,7 @@ def test_a_killed_router_costs_no_request_and_stalls_none(cluster, probe, refs):
     pid = probe.call("Router", "placement")["pid"]
     os.kill(pid, signal.SIGKILL)
     t_kill = time.monotonic()
-    got = in_threads([lambda i=i: stream(cluster, body(PROMPTS[i % 4], 48)) for i in range(8)])
+    got = run_all([lambda i=i: stream(cluster, body(PROMPTS[i % 4], 48)) for i in range(8)])
     for i in range(8):
         r = got[i]
         assert not isinstance(r, BaseException), r
@@ -191,7 +150,7 @@ def test_a_request_given_up_before_its_first_token_leaves_no_slot_in_use(cluster
              60, "two idle replicas")
     slots, extra = 16, 2  # max_num_seqs 8 (LocalCluster) on each of 2 replicas, and two more that queue
     busy: dict[int, Any] = {}
-    t = threading.Thread(target=lambda: busy.update(in_threads(
+    t = threading.Thread(target=lambda: busy.update(run_all(
         [lambda i=i: stream(cluster, body(PROMPTS[i % 4], 120)) for i in range(slots + extra)])), daemon=True)
     t.start()
 
@@ -223,7 +182,7 @@ def test_a_killed_target_replica_costs_no_stream(cluster, probe, refs):
     wait_for(both_pids, 60, "both replicas' pids", interval_s=0.05)
     b = [body(PROMPTS[i % 4], 160) for i in range(8)]
     result: dict[int, Any] = {}
-    t = threading.Thread(target=lambda: result.update(in_threads([lambda i=i: stream(cluster, b[i]) for i in range(8)])),
+    t = threading.Thread(target=lambda: result.update(run_all([lambda i=i: stream(cluster, b[i]) for i in range(8)])),
                          daemon=True)
     t.start()
     wait_for(lambda: sum(v["output_tokens"] > 0 and v["running"] for v in replicas(cluster).values()) >= 1
