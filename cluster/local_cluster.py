@@ -155,10 +155,10 @@ class Probe:
         "ray.init(address=sys.argv[1], logging_level='ERROR')\n"
         "handles = {}\n"
         "for line in sys.stdin:\n"
-        "    dep, method, args, timeout_s = json.loads(line)\n"
+        "    dep, method, args, kwargs, timeout_s = json.loads(line)\n"
         "    try:\n"
         "        h = handles.get(dep) or handles.setdefault(dep, serve.get_deployment_handle(dep, app_name='specserve'))\n"
-        "        out = {'ok': getattr(h, method).remote(*args).result(timeout_s=timeout_s)}\n"
+        "        out = {'ok': getattr(h, method).remote(*args, **kwargs).result(timeout_s=timeout_s)}\n"
         "    except Exception as e:\n"
         "        out = {'error': repr(e)[-2000:]}\n"
         "    print('@@' + json.dumps(out), flush=True)\n"
@@ -169,9 +169,11 @@ class Probe:
                                      env=cluster.env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL)
 
-    def call(self, deployment: str, method: str, *args: Any, timeout_s: float = 60) -> Any:
+    def call(self, deployment: str, method: str, *args: Any, timeout_s: float = 60, **kwargs: Any) -> Any:
+        """``kwargs`` go to the method too; ``replica_id=...`` sends a TargetWorker call to that replica
+        (deployments/replica_router.py ranks the named replica first)."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps([deployment, method, list(args), timeout_s]) + "\n")
+        self.proc.stdin.write(json.dumps([deployment, method, list(args), kwargs, timeout_s]) + "\n")
         self.proc.stdin.flush()
         while True:
             line = self.proc.stdout.readline()

@@ -28,6 +28,7 @@ from deployments import choices as C
 from deployments import protocol as P
 from deployments.ingress_telemetry import IngressTelemetry, RequestTelemetry, gather_cluster_samples
 from deployments.resume import ResumableStream
+from deployments.router_client import RouterClient
 
 log = logging.getLogger("ray.serve")
 app = FastAPI(title="specserve", docs_url=None, redoc_url=None)
@@ -76,6 +77,8 @@ class Ingress:
         self.draft = draft
         ctx = serve.get_replica_context()
         self.telemetry = IngressTelemetry(self.cfg, ctx.replica_id.unique_id if ctx is not None else "ingress")
+        self.router_client = RouterClient(router, target, self.cfg.router.route_timeout_s,
+                                          self.cfg.engine.num_speculative_tokens, self.telemetry.on_route_fallback)
         self.api_key = self.cfg.ingress.api_key or os.environ.get("SPECSERVE_API_KEY") or None
         self.started = int(time.time())  # /v1/models "created": when this server started serving the model
         self.proposers = [p.name for p in self.cfg.engine.proposers if p.name not in DRAFT_WORKER_PROPOSERS or self.cfg.draft.enabled]
@@ -169,7 +172,7 @@ class Ingress:
                      rt: RequestTelemetry):
         """Route, submit, and read the first chunk (so errors become a 4xx before any SSE byte)."""
         t_route = time.time_ns()
-        route = await self._route(req)
+        route = await self.router_client.route(req.speculation, req.proposer)
         rt.on_route(route, t_route)
         payload = {"request_id": rid, "prompt_ids": prompt_ids, "params": params,
                    "proposer": req.proposer, "speculation": req.speculation}
@@ -177,8 +180,10 @@ class Ingress:
         if carrier:
             payload["trace_context"] = carrier  # W3C traceparent: the target's spans join this trace
 
-        async def submit(p: dict[str, Any], exclude: str | None):
-            hint = route.get("replica_id") if exclude is None else (await self._route(req, exclude)).get("replica_id")
+        async def submit(p: dict[str, Any], resubmission: bool, failed: str | None):
+            hint = route.get("replica_id")
+            if resubmission:  # anywhere but the replica that failed it (if none wrote a chunk: the one routed to)
+                hint = (await self.router_client.route(req.speculation, req.proposer, failed or hint)).get("replica_id")
             return self.target.generate.remote(p, replica_id=hint)
 
         stream = ResumableStream(submit, payload, self.cfg.ingress.max_resumes, self.telemetry.on_resume)
@@ -199,22 +204,6 @@ class Ingress:
         if "error" in first:
             raise HTTPError(400, first["error"]["message"], first["error"].get("param"))
         return stream, first
-
-    async def _route(self, req: Any, exclude: str | None = None) -> dict[str, Any]:
-        """The Router's choice of replica (other than ``exclude``), or none if it fails or does not answer
-        within ``router.route_timeout_s``: then Serve picks a replica, and the engine's per-step policy
-        decides the path as it does for every request. The Router is never on the failure path."""
-        resp = self.router.route.remote(req.speculation, req.proposer, self.cfg.engine.num_speculative_tokens, exclude)
-
-        async def answer() -> dict[str, Any]:
-            return await resp
-
-        try:
-            return await asyncio.wait_for(answer(), self.cfg.router.route_timeout_s)
-        except Exception as e:  # noqa: BLE001  (timeout, a dead or restarting Router)
-            resp.cancel()
-            self.telemetry.on_route_fallback(type(e).__name__)
-            return {"replica_id": None, "path": "unknown", "k": None, "load_age_s": None, "fallback": type(e).__name__}
 
     def _prompts(self, req: Any, is_chat: bool) -> list[list[int]]:
         if is_chat:
@@ -468,7 +457,7 @@ class Ingress:
 
     @app.get("/health")
     async def health(self) -> Response:
-        ok = await self.router.healthy.remote()
+        ok = await self.router_client.healthy()
         return self._counted("/health", JSONResponse({"status": "ok" if ok else "unavailable"},
                                                      status_code=200 if ok else 503))
 

@@ -24,10 +24,11 @@ BACKOFF_S = (0.05, 0.25, 0.5, 1.0)  # before resubmission i: a dead replica take
 
 class ResumableStream:
     """Async iterator of one request's chunks (dicts from ``TargetWorker.generate``), resubmitting
-    on failure up to ``max_resumes`` times. ``submit(payload, exclude)`` sends a payload to a replica
-    other than ``exclude`` (if it can) and returns the response generator."""
+    on failure up to ``max_resumes`` times. ``submit(payload, resubmission, failed)`` sends a payload
+    (on a resubmission, to a replica other than ``failed``, the one that wrote the last chunk, if it
+    can) and returns the response generator."""
 
-    def __init__(self, submit: Callable[[dict[str, Any], str | None], Awaitable[Any]], payload: dict[str, Any],
+    def __init__(self, submit: Callable[[dict[str, Any], bool, str | None], Awaitable[Any]], payload: dict[str, Any],
                  max_resumes: int, on_resume: Callable[[str], None] | None = None) -> None:
         self.submit = submit
         self.payload = payload
@@ -41,7 +42,7 @@ class ResumableStream:
         self.cancelled = False
 
     async def start(self) -> None:
-        self.gen = await self.submit(self.payload, None)
+        self.gen = await self.submit(self.payload, False, None)
 
     def __aiter__(self) -> "ResumableStream":
         return self
@@ -78,8 +79,10 @@ class ResumableStream:
         params = dict(self.payload["params"])
         if self.seed is not None:
             params["seed"] = self.seed
-        payload = {**self.payload, "params": params, "resume_output_ids": list(self.token_ids)}
-        self.gen = await self.submit(payload, dead)
+        # a new engine request id: should the failed call's request still live somewhere, the two never collide
+        payload = {**self.payload, "request_id": f"{self.payload['request_id']}-r{self.resumes}", "params": params,
+                   "resume_output_ids": list(self.token_ids)}
+        self.gen = await self.submit(payload, True, dead)
 
     def cancel(self) -> None:
         self.cancelled = True

@@ -205,8 +205,9 @@ class TargetWorker:
     def load(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, **self.engine.snapshot().as_dict()}
 
-    def placement(self) -> dict[str, Any]:
-        """Where this replica runs (tests assert the target and the draft are on different nodes)."""
+    def placement(self, replica_id: str | None = None) -> dict[str, Any]:
+        """Where this replica runs (tests assert the target and the draft are on different nodes).
+        ``replica_id`` only steers the call to that replica (deployments/replica_router.py)."""
         import ray
 
         return {"replica_id": self.replica_id, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}

@@ -286,3 +286,74 @@ def test_draft_worker_sweeps_state_nobody_releases(tiny_model_dir, monkeypatch):
     assert s["active"] == 0 and s["kv_tokens_in_use"] == 0 and s["swept"] == 1 and s["known"] == 0
     # a request that was only idle resyncs on its next call (its offset no longer matches)
     assert w.propose([{**msg("orphan"), "offset": 4, "new_tokens": [5]}], []) == [{"resync": True}]
+
+
+# ----------------------------------------------------------------------------- resumed streams
+
+
+class _Gen:
+    """A target call's stream: the given chunks, then an exception (a replica that dies) or the end."""
+
+    def __init__(self, chunks: list[dict], fail: BaseException | None = None) -> None:
+        self.chunks, self.fail, self.cancelled = list(chunks), fail, False
+
+    async def __anext__(self) -> dict:
+        if self.chunks:
+            return self.chunks.pop(0)
+        if self.fail is not None:
+            raise self.fail
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def _chunk(ids: list[int], replica: str, finished: bool = False) -> dict:
+    return {"token_ids": ids, "text": "", "finished": finished, "seed": 1234, "replica_id": replica}
+
+
+def test_a_stream_whose_replica_dies_is_resubmitted_with_what_was_sent():
+    from deployments.resume import ResumableStream
+
+    calls: list[tuple[dict, bool, str | None]] = []
+    gens = [_Gen([_chunk([1], "a"), _chunk([2, 3], "a")], RuntimeError("ActorDiedError")),
+            _Gen([_chunk([4], "b"), _chunk([5], "b", finished=True)])]
+
+    async def submit(payload, resubmission, failed):
+        calls.append((payload, resubmission, failed))
+        return gens[len(calls) - 1]
+
+    async def main() -> list[int]:
+        s = ResumableStream(submit, {"request_id": "x", "params": {"temperature": 1.0, "seed": None}}, 3)
+        await s.start()
+        return [t async for c in s for t in c["token_ids"]]
+
+    assert asyncio.run(main()) == [1, 2, 3, 4, 5]
+    (first, r0, f0), (again, r1, f1) = calls
+    assert (r0, f0) == (False, None) and (r1, f1) == (True, "a")  # the failed replica is named
+    assert again["resume_output_ids"] == [1, 2, 3] and again["params"]["seed"] == 1234  # the engine's drawn seed
+    assert again["request_id"] != first["request_id"] and "resume_output_ids" not in first
+
+
+def test_resubmissions_are_bounded_and_a_refused_one_fails_the_stream():
+    from deployments.resume import ResumableStream
+
+    async def always_dies(payload, resubmission, failed):
+        return _Gen([], RuntimeError("ActorDiedError"))
+
+    async def drain(submit, max_resumes: int) -> None:
+        s = ResumableStream(submit, {"request_id": "x", "params": {}}, max_resumes)
+        await s.start()
+        async for _ in s:
+            pass
+
+    with pytest.raises(RuntimeError, match="ActorDiedError"):
+        asyncio.run(drain(always_dies, 2))
+
+    gens = [_Gen([_chunk([1], "a")], RuntimeError("ActorDiedError")), _Gen([{"error": {"message": "bad"}}])]
+
+    async def refused(payload, resubmission, failed):
+        return gens.pop(0)
+
+    with pytest.raises(RuntimeError, match="resubmission refused"):
+        asyncio.run(drain(refused, 3))
