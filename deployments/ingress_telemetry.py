@@ -29,6 +29,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from cluster.config import AppConfig
 from cluster.telemetry import LATENCY_BUCKETS_S, Sample, Telemetry, dedupe_by_replica, extract, inject
+from deployments.calls import within
 
 log = logging.getLogger("ray.serve")
 
@@ -145,14 +146,10 @@ class RequestTelemetry:
 
 async def _bounded(aw: Awaitable[Any], timeout_s: float, what: str) -> Any:
     try:
-        return await asyncio.wait_for(_await(aw), timeout_s)
+        return await within(aw, timeout_s)
     except Exception as e:
         log.warning("metrics scrape: %s failed (%s)", what, type(e).__name__)
         return None
-
-
-async def _await(aw: Awaitable[Any]) -> Any:
-    return await aw
 
 
 async def gather_cluster_samples(own: list[Sample], router: Any, target: Any, draft: Any | None,

@@ -19,6 +19,7 @@ reports and its policy from the deployed user_config.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from typing import Any
@@ -121,8 +122,6 @@ class Router:
 
     def placement(self) -> dict[str, Any]:
         """This replica's process (tests kill it to show the Router is off the failure path)."""
-        import os
-
         return {"pid": os.getpid()}
 
     def healthy(self) -> bool:

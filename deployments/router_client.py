@@ -8,17 +8,14 @@ itself.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Callable
 
 from ray.serve.handle import DeploymentHandle
 
+from deployments.calls import within
+
 HEALTH_TIMEOUT_S = 1.0  # the Router's view of the replicas, for /health
 TARGET_HEALTH_TIMEOUT_S = 2.0  # a target replica's own answer, when the Router gives none
-
-
-async def _answer(resp: Any) -> Any:
-    return await resp
 
 
 class RouterClient:
@@ -34,7 +31,7 @@ class RouterClient:
         """The Router's choice of replica (other than ``exclude``), or none within ``timeout_s``."""
         resp = self.router.route.remote(speculation, proposer, self.k_max, exclude)
         try:
-            return await asyncio.wait_for(_answer(resp), self.timeout_s)
+            return await within(resp, self.timeout_s)
         except Exception as e:  # noqa: BLE001  (timeout, a dead or restarting Router)
             resp.cancel()
             self.on_fallback(type(e).__name__)
@@ -43,11 +40,11 @@ class RouterClient:
     async def healthy(self) -> bool:
         """Some target replica can serve: the Router's view, or else a replica's own answer."""
         try:
-            return bool(await asyncio.wait_for(_answer(self.router.healthy.remote()), HEALTH_TIMEOUT_S))
+            return bool(await within(self.router.healthy.remote(), HEALTH_TIMEOUT_S))
         except Exception:  # noqa: BLE001
             pass
         try:
-            await asyncio.wait_for(_answer(self.target.load.remote()), TARGET_HEALTH_TIMEOUT_S)
+            await within(self.target.load.remote(), TARGET_HEALTH_TIMEOUT_S)
             return True
         except Exception:  # noqa: BLE001
             return False

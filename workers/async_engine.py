@@ -107,13 +107,10 @@ class AsyncEngine:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     raise item
-                while not item.finished and not q.empty():  # the consumer fell behind: one chunk, not many
-                    nxt = q.get_nowait()
-                    if isinstance(nxt, BaseException):
-                        raise nxt
-                    item = merge_outputs(item, nxt)
-                while sent_first and not item.finished and len(item.token_ids) < interval:
-                    nxt = await q.get()  # stream_interval: fewer, larger chunks (the first token goes at once)
+                # One chunk, not many: take what is already queued (the consumer fell behind), and after the
+                # first token wait for stream_interval tokens.
+                while not item.finished and (not q.empty() or (sent_first and len(item.token_ids) < interval)):
+                    nxt = q.get_nowait() if not q.empty() else await q.get()
                     if isinstance(nxt, BaseException):
                         raise nxt
                     item = merge_outputs(item, nxt)

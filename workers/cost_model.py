@@ -67,9 +67,9 @@ Prefill is priced on top of the decode part of a step: ``predict_step(decode_tok
 prefill_tokens)`` is the decode step's prediction plus ``prefill_token_s`` per prompt token, an EMA
 of (step seconds - the decode part's prediction) / prompt tokens over every step that fed a prompt
 chunk. Why additive: a prompt chunk's rows go through the same GEMMs as the decode rows, and its
-attention is over its own short context, so its cost hardly depends on the batch beside it (measured:
-a 128-token chunk adds the same time next to 1 or 16 decoding requests, within a few percent; see
-benchmarks/results). The scheduler (workers/scheduler.py) sizes prompt chunks from this, and the
+attention is over its own short context, so its cost hardly depends on the batch beside it (measured
+on a 2-core CPU: a 128-token chunk added the same time next to 1 and to 16 decoding requests, within a
+few percent). The scheduler (workers/scheduler.py) sizes prompt chunks from this, and the
 goodput policy sizes K from the decode part: one model of the step both spend.
 """
 

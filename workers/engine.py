@@ -106,7 +106,6 @@ class LLMEngine:
         self.prefix_cache_hits = 0  # of those, reused from cached KV instead of prefilled
         self.step_time_ema = Ema(0.1)
         self.tokens_per_step_ema = Ema(0.1)
-        self.step_costs: collections.deque[tuple[int, float]] = collections.deque(maxlen=512)  # (tokens, seconds)
         self.num_steps = 0
         self.last_plan: SchedulerOutput | None = None  # the last step's schedule (traces, tests)
         self._tokens_last_step = 0
@@ -264,16 +263,17 @@ class LLMEngine:
         t_prop_ns = time.time_ns() if rec else 0
 
         # The ragged batch: decoding requests first (latency-critical), then prompt chunks.
-        fed = [[r.all_ids()[r.num_computed]] + d for r, d in zip(decoding, drafts)]
-        fed += [r.all_ids()[r.num_computed : r.num_computed + n] for r, n in plan.prefill]
-        reqs = decoding + [r for r, _ in plan.prefill]
-        frontier = [FrontierRow(r, toks, d, p) for r, toks, d, p in zip(decoding, fed, drafts, draft_probs)]
-        frontier += [FrontierRow(r, toks) for r, toks in zip(reqs[len(decoding):], fed[len(decoding):])
-                     if r.num_computed + len(toks) == r.prefill_len]
+        pending = [[r.all_ids()[r.num_computed]] + d for r, d in zip(decoding, drafts)]
+        chunks = [(r, r.all_ids()[r.num_computed : r.num_computed + n]) for r, n in plan.prefill]
+        at_end = [r.num_computed + len(toks) == r.prefill_len for r, toks in chunks]  # the chunk ends the prefill
+        reqs = decoding + [r for r, _ in chunks]
+        fed = pending + [toks for _, toks in chunks]
+        frontier = [FrontierRow(r, toks, d, p) for r, toks, d, p in zip(decoding, pending, drafts, draft_probs)]
+        frontier += [FrontierRow(r, toks) for (r, toks), end in zip(chunks, at_end) if end]
         logits = self._execute(reqs, fed, {id(f.request): len(f.drafts) for f in frontier})
 
-        for r, toks in zip(reqs[len(decoding):], fed[len(decoding):]):  # chunks short of the prompt's end
-            if r.num_computed + len(toks) < r.prefill_len:
+        for (r, toks), end in zip(chunks, at_end):
+            if not end:  # the prompt goes on next step; nothing to verify yet
                 r.num_computed += len(toks)
                 if rec and r.events is not None:
                     r.events.append(StepEvent(t0_ns, time.time_ns(), "prefill", 0, 0, t_prop_ns))
@@ -284,7 +284,6 @@ class LLMEngine:
         dt = time.perf_counter() - t0
         self.step_time_ema.update(dt)
         self.tokens_per_step_ema.update(self._tokens_last_step)
-        self.step_costs.append((self._tokens_last_step, dt))
         self.cost_model.observe(self._tokens_last_step, dt, len(decoding), plan.prefill_tokens)
         if self.on_step is not None:
             self.on_step(self._tokens_last_step, dt, len(decoding) if not plan.prefill else None)

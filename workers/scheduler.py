@@ -151,17 +151,14 @@ class Scheduler:
     def add(self, r: Request) -> None:
         self.waiting.append(r)
 
-    def free(self, r: Request) -> int | None:
-        """Take ``r`` out of the queues; returns the slot it held (None if it held none)."""
+    def free(self, r: Request) -> None:
+        """Take ``r`` out of the queues, and its slot back if it held one."""
         if r.status is Status.WAITING:
             self.waiting.remove(r)
-            return None
-        if r.status is Status.RUNNING:
+        elif r.status is Status.RUNNING:
             self.running.remove(r)
-            slot, r.slot = r.slot, -1
-            self.free_slots.append(slot)
-            return slot
-        return None
+            self.free_slots.append(r.slot)
+            r.slot = -1
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
