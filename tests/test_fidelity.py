@@ -291,10 +291,14 @@ def _run_all(eng: LLMEngine, reqs: list) -> list:
 def test_a_resumed_stream_continues_bit_identically(tiny_loaded, dtype, params):
     """A stream cut after any chunk and resubmitted with the prompt, the tokens already sent and the
     request's seed (what the ingress does when a replica dies) writes exactly the rest of the
-    uninterrupted stream: the same tokens and the same text, on another engine, beside other requests,
-    with speculation."""
+    uninterrupted stream: the same tokens, text and logprobs (bit for bit: the target's logits at each
+    position are the same), on another engine, beside other requests, with speculation."""
     prompt = copy_prompts(1, seed=71)[0]
-    sp = {"max_tokens": 40, "ignore_eos": True, **params}
+    sp = {"max_tokens": 40, "ignore_eos": True, "logprobs": 3, **params}
+
+    def logprobs(outs) -> torch.Tensor:  # [tokens, 1 + top] the chosen token's logprob and the top ones
+        return torch.tensor([[e.logprob, *(v for _, v in e.top)] for o in outs for e in o.logprobs], dtype=torch.float64)
+
     first = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=2, max_model_len=MAX_LEN, proposers=[]), tiny_loaded)
     first.add_request("r", prompt, sp)
     chunks = []
@@ -314,6 +318,7 @@ def test_a_resumed_stream_continues_bit_identically(tiny_loaded, dtype, params):
             rest += [o for o in other.step() if o.request_id == f"r{cut}"]
         assert [t for o in rest for t in o.token_ids] == [t for o in chunks[cut:] for t in o.token_ids]
         assert "".join(o.text for o in rest) == "".join(o.text for o in chunks[cut:])
+        assert torch.equal(logprobs(rest), logprobs(chunks[cut:]))
         assert rest[-1].num_output_tokens == chunks[-1].num_output_tokens
         assert rest[-1].finish_reason == chunks[-1].finish_reason
 

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from cluster.local_cluster import LocalCluster
@@ -69,6 +70,29 @@ def stream(cluster, b: dict) -> dict[str, Any]:
             for c in obj.get("choices", []):
                 text += (c.get("delta") or {}).get("content") or ""
     return {"status": 200, "text": text, "error": err, "done": done, "max_gap_s": max(gaps)}
+
+
+def stream_openai(cluster, b: dict) -> dict[str, Any]:
+    """The same read through the official ``openai`` client, as users stream: an error event raises
+    there, and a stream counts as done when it ends with a finish_reason."""
+    client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    std = ("model", "messages", "max_tokens", "temperature")
+    text, err, finish, gaps = "", None, None, []
+    t = time.monotonic()
+    try:
+        for ch in client.chat.completions.create(**{k: b[k] for k in std}, stream=True,
+                                                 extra_body={k: v for k, v in b.items() if k not in std}):
+            now = time.monotonic()
+            gaps.append(now - t)
+            t = now
+            if ch.choices:
+                text += ch.choices[0].delta.content or ""
+                finish = ch.choices[0].finish_reason or finish
+    except openai.APIStatusError as e:
+        return {"status": e.status_code, "body": str(e)}
+    except openai.APIError as e:  # an error event in the stream
+        err = {"message": str(e)}
+    return {"status": 200, "text": text, "error": err, "done": finish is not None, "max_gap_s": max(gaps or [0.0])}
 
 
 def replicas(cluster) -> dict[str, dict[str, Any]]:
@@ -179,7 +203,7 @@ def test_a_killed_target_replica_costs_no_stream(cluster, probe, refs):
                                   for rid in pids)  # each call reached the replica it named
     b = [body(PROMPTS[i % 4], 160) for i in range(8)]
     result: dict[int, Any] = {}
-    t = threading.Thread(target=lambda: result.update(run_all([lambda i=i: stream(cluster, b[i]) for i in range(8)])),
+    t = threading.Thread(target=lambda: result.update(run_all([lambda i=i: stream_openai(cluster, b[i]) for i in range(8)])),
                          daemon=True)
     t.start()
     wait_for(lambda: sum(v["output_tokens"] > 0 and v["running"] for v in replicas(cluster).values()) >= 1
@@ -192,7 +216,7 @@ def test_a_killed_target_replica_costs_no_stream(cluster, probe, refs):
     full = {p: httpx.post(f"{cluster.base_url}/v1/chat/completions", json=body(p, 160, speculation="off"),
                           timeout=300).json()["choices"][0]["message"]["content"] for p in PROMPTS}
     lost = [i for i in range(8) if isinstance(result.get(i), BaseException) or result[i]["status"] != 200
-            or result[i]["error"] is not None]
+            or result[i]["error"] is not None or not result[i]["done"]]
     changed = [i for i in range(8) if i not in lost and result[i]["text"] != full[PROMPTS[i % 4]]]
     gap = max(r["max_gap_s"] for r in result.values() if isinstance(r, dict) and "max_gap_s" in r)
     print(f"target replica killed with {n_on_it} of 8 streams on it: lost {lost}, changed {changed}; "
