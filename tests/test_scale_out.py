@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from cluster.local_cluster import LocalCluster
-from tests.e2e_helpers import run_all, started, wait_for
+from tests.e2e_helpers import in_threads, run_all, started, wait_for
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -46,8 +46,9 @@ def body(content: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
             "temperature": 0, "ignore_eos": True, **extra}
 
 
-def stream(cluster, b: dict) -> dict[str, Any]:
-    """A streamed request read to its end: text, the longest wait for a chunk (first included), errors."""
+def stream(cluster, b: dict, stop: threading.Event | None = None) -> dict[str, Any]:
+    """A streamed request read to its end, or until ``stop`` is set (the client hangs up): text, the
+    longest wait for a chunk (first included), errors."""
     text, err, done, gaps = "", None, False, []
     t = time.monotonic()
     with httpx.stream("POST", f"{cluster.base_url}/v1/chat/completions", json={**b, "stream": True},
@@ -56,6 +57,8 @@ def stream(cluster, b: dict) -> dict[str, Any]:
             r.read()
             return {"status": r.status_code, "body": r.text}
         for line in r.iter_lines():
+            if stop is not None and stop.is_set():
+                break
             if not line.startswith("data: "):
                 continue
             now = time.monotonic()
@@ -69,7 +72,7 @@ def stream(cluster, b: dict) -> dict[str, Any]:
                 err = obj["error"]
             for c in obj.get("choices", []):
                 text += (c.get("delta") or {}).get("content") or ""
-    return {"status": 200, "text": text, "error": err, "done": done, "max_gap_s": max(gaps)}
+    return {"status": 200, "text": text, "error": err, "done": done, "max_gap_s": max(gaps or [0.0])}
 
 
 def stream_openai(cluster, b: dict) -> dict[str, Any]:
@@ -169,29 +172,53 @@ def test_a_killed_router_costs_no_request_and_stalls_none(cluster, probe, refs):
 
 
 def test_a_request_given_up_before_its_first_token_leaves_no_slot_in_use(cluster, refs):
-    """Every KV slot of both replicas busy, one more request waits in an engine queue; its client
-    gives up before the first token (the ingress's own timeout takes the same path: the call is
-    cancelled end to end). The engine drops it at once, and nothing is left in use afterwards."""
+    """Every KV slot of both replicas busy and requests waiting in the engine queues; one more
+    request's client gives up before its first token (the ingress's own timeout takes the same path:
+    the call is cancelled end to end). The engine drops it at once; then every busy client hangs up
+    mid-stream, and nothing is left in use afterwards."""
     wait_for(lambda: len(replicas(cluster)) == 2 and all(v["running"] == 0 for v in replicas(cluster).values()),
              60, "two idle replicas")
-    slots, extra = 16, 2  # max_num_seqs 8 (LocalCluster) on each of 2 replicas, and two more that queue
-    busy: dict[int, Any] = {}
-    t = threading.Thread(target=lambda: busy.update(run_all(
-        [lambda i=i: stream(cluster, body(PROMPTS[i % 4], 120)) for i in range(slots + extra)])), daemon=True)
-    t.start()
+    per_replica, n = 8, 22  # max_num_seqs 8 (LocalCluster) on each of 2 replicas; the rest queue
+    stop = threading.Event()
+    # Plain decoding and long outputs: no busy request can finish during the few seconds checked below.
+    busy_body = body(PROMPTS[0], 440, speculation="off")
+    ts, busy = in_threads([lambda: stream(cluster, busy_body, stop) for _ in range(n)])
 
-    def load() -> tuple[int, int]:
-        rs = replicas(cluster).values()
-        return sum(v["running"] for v in rs), sum(v["waiting"] for v in rs)
+    def load() -> Any:
+        """True once both replicas are full and every request arrived; else the (running, waiting) seen."""
+        rs = replicas(cluster)
+        full = len(rs) == 2 and all(v["running"] == per_replica for v in rs.values()) \
+            and sum(v["running"] + v["waiting"] for v in rs.values()) == n
+        return full or {r: (v["running"], v["waiting"]) for r, v in rs.items()}
 
-    wait_for(lambda: load() == (slots, extra), 60, "every slot busy and two queued", interval_s=0.1)
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(f"{cluster.base_url}/v1/chat/completions", json=body(PROMPTS[0], 16), timeout=1.5)
-    waited = wait_for(lambda: load()[1] <= extra and load()[0] == slots, 5, "the given-up request out of the queue",
-                      interval_s=0.1)
-    print(f"a request given up while queued was gone from the engine {waited:.2f}s later")
-    t.join(300)
-    assert all(busy[i]["status"] == 200 and busy[i]["error"] is None for i in range(slots + extra))
+    try:
+        wait_for(load, 60, "every slot busy and the rest queued", interval_s=0.1)
+        w0 = sum(v["waiting"] for v in replicas(cluster).values())
+        assert w0 == n - 2 * per_replica
+        peak = [w0]
+        polling = threading.Event()
+
+        def poll() -> None:
+            while not polling.is_set():
+                peak[0] = max(peak[0], sum(v["waiting"] for v in replicas(cluster).values()))
+                time.sleep(0.05)
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{cluster.base_url}/v1/chat/completions", json=body(PROMPTS[1], 16), timeout=1.5)
+        polling.set()
+        poller.join()
+        assert peak[0] == w0 + 1, f"the request never queued in an engine: {peak[0]} waiting at most, {w0} before"
+        waited = wait_for(lambda: sum(v["waiting"] for v in replicas(cluster).values()) == w0, 5,
+                          "the given-up request out of the queue", interval_s=0.1)
+        print(f"a request given up while queued was gone from the engine {waited:.2f}s later")
+    finally:
+        stop.set()
+        for t in ts:
+            t.join(60)
+    assert all(isinstance(busy[i], dict) and busy[i]["status"] == 200 and busy[i]["error"] is None
+               for i in range(n)), busy
     wait_for(lambda: all(v["running"] == 0 and v["waiting"] == 0 and v["kv_tokens_in_use"] == 0
                          for v in replicas(cluster).values()), 30, "no slot in use")
 
