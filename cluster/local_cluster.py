@@ -23,6 +23,8 @@ from typing import Any
 import psutil
 import yaml
 
+from cluster import cpu_priority
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
@@ -45,17 +47,28 @@ class LocalCluster:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def _run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run(cmd, cwd=ROOT, env=self.env, check=check, text=True, capture_output=True)
+    def _run(self, *cmd: str, check: bool = True, ray_start: bool = False) -> subprocess.CompletedProcess:
+        """``ray_start``: engine first, as the app config asks (cluster/cpu_priority.py)."""
+        first = ray_start and self.engine_first
+        return subprocess.run(cmd, cwd=ROOT, env=cpu_priority.ray_start_env(self.env) if first else self.env,
+                              preexec_fn=cpu_priority.start_batch if first else None, check=check, text=True,
+                              capture_output=True)
+
+    @property
+    def engine_first(self) -> bool:
+        return cpu_priority.enabled(self.config(self.policy)["applications"][0]["args"])
 
     def start(self) -> "LocalCluster":
         self._run(str(BIN / "ray"), "start", "--head", f"--port={self.gcs_port}", "--num-cpus=2",
                   f"--dashboard-port={self.dash_port}", "--dashboard-host=127.0.0.1",
-                  f"--ray-client-server-port={free_port()}", "--resources", json.dumps({"target_node": 1}))
+                  f"--ray-client-server-port={free_port()}", "--resources", json.dumps({"target_node": 1}),
+                  ray_start=True)
         self._run(str(BIN / "ray"), "start", f"--address=127.0.0.1:{self.gcs_port}", "--num-cpus=2",
-                  "--resources", json.dumps({"draft_node": 1}))
+                  "--resources", json.dumps({"draft_node": 1}), ray_start=True)
         self.deploy(self.policy)
         self.wait_healthy()
+        if self.engine_first:
+            cpu_priority.demote_background(self.processes())
         return self
 
     def stop(self) -> None:
@@ -67,30 +80,8 @@ class LocalCluster:
                 pass
 
     def processes(self) -> list["psutil.Process"]:
-        """Every process of this cluster: those naming its session directory, and their children."""
-        session = None
-        for p in psutil.process_iter(["cmdline"]):  # the GCS, or any raylet / monitor that names its address
-            cmd = p.info["cmdline"] or []
-            if f"--gcs_server_port={self.gcs_port}" in cmd or any(
-                    a.startswith(("--gcs-address=", "--gcs_address=")) and a.endswith(f":{self.gcs_port}") for a in cmd):
-                session = next((a.split("=", 1)[1] for a in cmd if a.startswith(("--session-dir=", "--session_dir="))),
-                               None)
-                if session:
-                    break
-        if not session:
-            return []
-        found: dict[int, psutil.Process] = {}
-        gcs = f":{self.gcs_port}"
-        for p in psutil.process_iter(["cmdline"]):
-            # the session's own processes, and those that only name the GCS address (Ray's client server)
-            if any(a.endswith(session) or session + "/" in a or (a.startswith("--address=") and a.endswith(gcs))
-                   for a in (p.info["cmdline"] or [])):
-                found[p.pid] = p
-                try:
-                    found.update({c.pid: c for c in p.children(recursive=True)})
-                except psutil.Error:
-                    pass
-        return list(found.values())
+        """Every process of this cluster (cluster/cpu_priority.py:session_processes)."""
+        return cpu_priority.session_processes(self.gcs_port)
 
     def config(self, policy: dict[str, Any]) -> dict[str, Any]:
         cfg = yaml.safe_load((ROOT / "ray_config.yaml").read_text())

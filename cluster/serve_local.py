@@ -1,8 +1,9 @@
 """`make serve` / `make stop`: the default service on this machine (local Ray, real model, HTTP).
 
 start: starts a local Ray head if none is running (the repo on PYTHONPATH so Serve replicas
-can import it; dashboard on 127.0.0.1 only), deploys ray_config.yaml, waits until /health
-answers 200 (the first start converts the model once), and prints the URL.
+can import it; dashboard on 127.0.0.1 only; the engine first on the CPU, cluster/cpu_priority.py),
+deploys ray_config.yaml, waits until /health answers 200 (the first start converts the model
+once), and prints the URL.
 stop: shuts the Serve app and the local Ray down.
 """
 
@@ -18,13 +19,19 @@ from pathlib import Path
 
 import yaml
 
+from cluster import cpu_priority
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+GCS_PORT = 6379  # `ray start --head`'s default
 
 
-def _ray(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+def _ray(*args: str, check: bool = True, engine_first: bool = False) -> subprocess.CompletedProcess:
+    """``engine_first``: start Ray so that the engine's threads keep the cores (cluster/cpu_priority.py)."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    return subprocess.run([str(BIN / "ray"), *args], cwd=ROOT, env=env, check=check, text=True, capture_output=True)
+    return subprocess.run([str(BIN / "ray"), *args], cwd=ROOT, env=cpu_priority.ray_start_env(env) if engine_first else env,
+                          preexec_fn=cpu_priority.start_batch if engine_first else None, check=check, text=True,
+                          capture_output=True)
 
 
 def ray_running() -> bool:
@@ -35,9 +42,12 @@ def start(config: str, timeout_s: float) -> None:
     cfg = yaml.safe_load(Path(ROOT, config).read_text())
     http = cfg.get("http_options", {})
     url = f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"
-    if not ray_running():
+    engine_first = cpu_priority.enabled(cfg["applications"][0].get("args") or {})
+    started = not ray_running()
+    if started:
         print("[specserve] starting a local Ray head ...", flush=True)
-        _ray("start", "--head", "--num-cpus=4", "--dashboard-host=127.0.0.1", "--disable-usage-stats")
+        _ray("start", "--head", f"--port={GCS_PORT}", "--num-cpus=4", "--dashboard-host=127.0.0.1",
+             "--disable-usage-stats", engine_first=engine_first)
     print(f"[specserve] deploying {config} ...", flush=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     subprocess.run([str(BIN / "serve"), "deploy", config], cwd=ROOT, env=env, check=True)
@@ -46,6 +56,8 @@ def start(config: str, timeout_s: float) -> None:
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
                 if r.status == 200:
+                    if started and engine_first:
+                        cpu_priority.demote_background(cpu_priority.session_processes(GCS_PORT))
                     print(f"[specserve] ready in {time.time() - t0:.0f}s: {url}/v1 (OpenAI API), model "
                           f"{cfg['applications'][0]['args']['engine'].get('served_model_name')}", flush=True)
                     return

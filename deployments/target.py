@@ -94,7 +94,7 @@ class TargetWorker:
         self.engine = AsyncEngine(lambda: LLMEngine(  # built in the engine thread: see AsyncEngine
             cfg.engine, load_model(cfg.engine.model), proposers=proposers, decide=self._decide,
             on_step=self._on_step, on_verify=self.telemetry.on_verify, cost_model=self.step_costs,
-        ))
+        ), claim_cpu=cfg.engine.cpu_priority == "engine_first")
         self.router = router
         self._reporter = asyncio.get_event_loop().create_task(self._report_loop())
 
@@ -210,7 +210,8 @@ class TargetWorker:
         ``replica_id`` only steers the call to that replica (deployments/replica_router.py)."""
         import ray
 
-        return {"replica_id": self.replica_id, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+        return {"replica_id": self.replica_id, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
+                "engine_thread": self.engine.thread_id, "engine_cpu_priority": self.engine.cpu_priority}
 
     async def stats(self) -> dict[str, Any]:
         def collect(e: LLMEngine) -> dict[str, Any]:

@@ -41,10 +41,20 @@ def test_models_and_health(cluster, client):
     assert httpx.get(f"{cluster.base_url}/health").status_code == 200
 
 
-def test_target_and_draft_on_different_nodes(cluster):
+def test_target_and_draft_on_different_nodes_and_the_engine_first_on_the_cpu(cluster):
     t = cluster.call("TargetWorker", "placement")
     d = cluster.call("DraftWorker", "placement")
     assert t["node_id"] != d["node_id"]
+    if not hasattr(os, "sched_getscheduler"):
+        return
+    # cluster/cpu_priority.py: the engine's loop thread runs SCHED_OTHER at nice 0, the rest of its replica
+    # and the raylets SCHED_BATCH, Ray's background daemons SCHED_IDLE
+    assert t["engine_cpu_priority"] == "other/0"
+    assert os.sched_getscheduler(t["engine_thread"]) == os.SCHED_OTHER
+    assert os.sched_getscheduler(t["pid"]) == os.SCHED_BATCH and os.getpriority(os.PRIO_PROCESS, t["pid"]) == 0
+    by_name = {" ".join(p.cmdline()[:1]).rsplit("/", 1)[-1]: p for p in cluster.processes()}
+    assert os.sched_getscheduler(by_name["raylet"].pid) == os.SCHED_BATCH
+    assert os.sched_getscheduler(by_name["gcs_server"].pid) == os.SCHED_IDLE
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "suffix", "draft_model"])

@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 
 from workers.engine import LLMEngine
 from workers.errors import EngineDeadError
+from workers import hardware
 from workers.request import RequestOutput
 from workers.stats import LoadSnapshot
 
@@ -44,8 +45,10 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], claim_cpu: bool = False) -> None:
         """``engine``: a built engine, or a factory that the loop thread calls to build one.
+        ``claim_cpu``: the loop thread and its OpenMP pool run at normal priority ahead of the
+        processes around it (:func:`workers.hardware.claim_cpu`); ``cpu_priority`` says what they got.
 
         Pass a factory wherever the step speed matters (the Serve replica). libgomp gives every
         thread that opens an OpenMP region its own worker pool, and once the process holds more
@@ -61,6 +64,8 @@ class AsyncEngine:
         self._stop = False
         self.dead: BaseException | None = None
         self.last_progress = time.monotonic()  # last loop iteration; a wedged loop stops moving it
+        self._claim_cpu = claim_cpu
+        self.cpu_priority = "inherit"
         self._thread = threading.Thread(target=self._run, args=(engine,), name="engine-loop", daemon=True)
         self._ready = threading.Event()
         self._build_error: BaseException | None = None
@@ -70,6 +75,11 @@ class AsyncEngine:
             raise self._build_error
 
     # ------------------------------------------------------------------ public, any thread / event loop
+
+    @property
+    def thread_id(self) -> int | None:
+        """The loop thread's OS thread id."""
+        return self._thread.native_id
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps (reconfigure, stats).
@@ -165,6 +175,8 @@ class AsyncEngine:
                 pass
 
     def _run(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
+        # before the engine is built: the OpenMP pool its first parallel op starts inherits this
+        self.cpu_priority = hardware.claim_cpu() if self._claim_cpu else hardware.thread_priority(threading.get_native_id())
         try:
             self.engine = engine if isinstance(engine, LLMEngine) else engine()
             self._snapshot = self.engine.snapshot()  # here: only this thread touches the engine

@@ -59,6 +59,13 @@ class EngineConfig(BaseModel):
         "~1.2e-4 (HF's own fp32 forward is 4e-5 off the fp64 one). Ignored on CUDA.",
     )
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; None keeps torch's default.")
+    cpu_priority: Literal["engine_first", "inherit"] = Field(
+        "engine_first",
+        description="The serving loop's thread and its OpenMP pool. 'engine_first': normal time-sharing at nice 0, "
+        "ahead of the rest of Ray, which the launchers start at SCHED_BATCH with its daemons at SCHED_IDLE "
+        "(cluster/cpu_priority.py): with every core running an engine thread, another process waking up "
+        "otherwise stalls a whole parallel op. 'inherit': whatever Ray started the worker with.",
+    )
     max_num_seqs: int = Field(32, ge=1, le=1024, description="Running requests (KV slots); more wait in the queue.")
     max_model_len: int = Field(2048, ge=16, description="Context length per request (prompt + output + drafts).")
     max_num_batched_tokens: int = Field(

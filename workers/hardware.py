@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import os
 import platform
+import threading
 
 import torch
 
@@ -48,3 +50,39 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def claim_cpu() -> str:
+    """Run the calling thread, and the threads it starts afterwards (its OpenMP pool), as ordinary
+    time-sharing threads at nice 0 (``SCHED_OTHER``); returns what it runs at, e.g. ``"other/0"``.
+
+    Why: a step's ~400 parallel ops each wait for their slowest thread, so when every core runs an
+    engine thread, any other process that wakes up (Ray's daemons, the HTTP proxy) preempts one and
+    stalls the whole op. The launchers start Ray under ``SCHED_BATCH`` (woken tasks do not preempt)
+    with Ray's background daemons at ``SCHED_IDLE`` (cluster/cpu_priority.py); this puts the engine
+    back in front. Leaving ``SCHED_BATCH`` for ``SCHED_OTHER`` needs no privilege. Lowering the nice
+    value below what the thread inherited does (Ray starts workers at 15 unless
+    ``RAY_worker_niceness`` says otherwise); without it the nice value is left as it was.
+    """
+    if not hasattr(os, "sched_setscheduler"):  # not Linux
+        return "inherit"
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+    except OSError:
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 0)
+    except OSError:
+        pass
+    return thread_priority(tid)
+
+
+def thread_priority(tid: int) -> str:
+    """``"<policy>/<nice>"`` of a thread (Linux), e.g. ``"batch/0"``; ``"unknown"`` elsewhere."""
+    try:
+        policy = {os.SCHED_OTHER: "other", os.SCHED_BATCH: "batch", os.SCHED_IDLE: "idle"}.get(
+            os.sched_getscheduler(tid), "realtime")
+        return f"{policy}/{os.getpriority(os.PRIO_PROCESS, tid)}"
+    except (OSError, AttributeError):
+        return "unknown"
