@@ -10,7 +10,7 @@ stream count:
 - ``ray default``: what Ray does without us: workers (the engine included) SCHED_OTHER at nice 15,
   Ray's daemons SCHED_OTHER at nice 0;
 - ``engine first``: the engine's loop thread and its OpenMP pool SCHED_OTHER at nice 0, every other
-  thread of the cluster SCHED_BATCH at nice 0, the background daemons SCHED_IDLE.
+  thread of the cluster SCHED_BATCH at nice 0, the background daemons demoted as the launchers do.
 
 Switching back to a higher priority needs CAP_SYS_NICE (root in a container); the shipped path
 only ever lowers priorities. Reports tok/s, TTFT and TPOT p50 per cell and the paired ratio
@@ -37,7 +37,7 @@ from benchmarks.loadgen import closed_loop
 from cluster import cpu_priority
 from cluster.local_cluster import LocalCluster, Probe
 
-OTHER, BATCH, IDLE = (getattr(os, n, None) for n in ("SCHED_OTHER", "SCHED_BATCH", "SCHED_IDLE"))
+OTHER, BATCH = (getattr(os, n, None) for n in ("SCHED_OTHER", "SCHED_BATCH"))
 MODES = ("ray default", "engine first")
 
 
@@ -54,8 +54,8 @@ def apply(mode: str, procs: list[psutil.Process], engine_tids: set[int]) -> None
     for p in procs:
         try:
             tids = [t.id for t in p.threads()]
-            daemon = cpu_priority.is_background(p) or Path(p.cmdline()[0]).name == "raylet"
-            worker = p.cmdline()[0].startswith("ray::") and not cpu_priority.is_background(p)
+            kind = cpu_priority.daemon_kind(p)
+            worker = p.cmdline()[0].startswith("ray::") and kind is None
         except (psutil.Error, IndexError):
             continue
         for tid in tids:
@@ -64,7 +64,9 @@ def apply(mode: str, procs: list[psutil.Process], engine_tids: set[int]) -> None
             elif tid in engine_tids:
                 set_thread(tid, 0, OTHER)
             else:
-                set_thread(tid, 0, IDLE if daemon and cpu_priority.is_background(p) else BATCH)
+                set_thread(tid, 0, BATCH)
+                if kind is not None:
+                    cpu_priority.demote(tid, kind)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,9 +10,13 @@ costs the engine far more than the CPU it uses. Three parts put the engine first
 - ``RAY_worker_niceness=0``: Ray starts its workers at nice 15, below its own daemons. The engine
   thread could not climb back to 0 without privilege, and under load the HTTP proxy and the ingress
   at 15 starve behind a nice-0 engine (measured: TTFT p50 at 16 streams 0.25 s -> 1.3-1.6 s).
-- Once deployed, Ray's background daemons (GCS, dashboard, agents, log monitor, Serve controller)
-  go to ``SCHED_IDLE``: they run on cycles nobody else wants. The raylet stays at ``SCHED_BATCH``:
-  the workers it starts inherit its policy and could not leave ``SCHED_IDLE`` without privilege.
+- Once deployed, Ray's background daemons step back. The ones nothing waits for (dashboard, its
+  agent, log monitor, autoscaler monitor, client server) go to ``SCHED_IDLE``: they run on cycles
+  nobody else wants. The GCS, the Serve controller and the runtime-env agent go to nice
+  :data:`DAEMON_NICE` instead: under full load they still get about a tenth of a core, which their
+  health checks need (a starved GCS declares a node dead, a starved controller a replica), where
+  ``SCHED_IDLE`` would leave them ~0.3%. The raylet keeps nice 0: the workers it starts inherit its
+  nice value and policy, and could not climb back without privilege.
 
 The engine's loop thread then claims ``SCHED_OTHER`` (``engine.cpu_priority: engine_first``,
 workers/hardware.py:claim_cpu). ``engine.cpu_priority: inherit`` turns all of it off. Every change
@@ -28,10 +32,13 @@ from typing import Any, Iterable
 import psutil
 
 RAY_ENV = {"RAY_worker_niceness": "0"}
+DAEMON_NICE = 10  # CFS weight 110 against the engine's 1024
 
-# Command-line markers of Ray's background daemons: nothing on a request's path waits for them.
-BACKGROUND = ("gcs_server", "dashboard", "log_monitor", "autoscaler/_private/monitor.py", "ray.util.client.server",
-              "DashboardAgent", "RuntimeEnvAgent", "ServeController", "multiprocessing.forkserver")
+# Program markers of Ray's background daemons: nothing on a request's path waits for them. The first
+# group has health checks that fail when it starves; the second can wait for idle cycles.
+NICE_DAEMONS = ("gcs_server", "ServeController", "RuntimeEnvAgent")
+IDLE_DAEMONS = ("dashboard", "log_monitor", "autoscaler/_private/monitor.py", "ray.util.client.server",
+                "DashboardAgent", "multiprocessing.forkserver")
 
 
 def enabled(app_args: dict[str, Any]) -> bool:
@@ -50,26 +57,39 @@ def start_batch() -> None:
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
 
 
-def is_background(proc: psutil.Process) -> bool:
-    """By the program a process runs (its first few words), never by its flags: the raylet's own
-    flags name the dashboard agent's command, and the raylet must stay."""
+def daemon_kind(proc: psutil.Process) -> str | None:
+    """``"nice"`` or ``"idle"`` for a background daemon, ``None`` for anything else. By the program a
+    process runs (its first few words), never by its flags: the raylet's flags name the dashboard
+    agent's command, and the raylet must stay."""
     try:
         cmd = proc.cmdline()
     except psutil.Error:
-        return False
+        return None
     if not cmd or Path(cmd[0]).name == "raylet":
-        return False
+        return None
     head = " ".join(cmd[:4])
-    return any(m in head for m in BACKGROUND)
+    if any(m in head for m in NICE_DAEMONS):
+        return "nice"
+    return "idle" if any(m in head for m in IDLE_DAEMONS) else None
+
+
+def demote(tid: int, kind: str) -> None:
+    """One thread of a background daemon to its place (only ever lowered)."""
+    if kind == "idle":
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    else:
+        os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, tid, max(DAEMON_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
 
 
 def demote_background(procs: Iterable[psutil.Process]) -> int:
-    """Every thread of the background daemons among ``procs`` to ``SCHED_IDLE``; threads changed."""
+    """Every thread of the background daemons among ``procs`` to its place; the threads changed."""
     if not hasattr(os, "sched_setscheduler"):
         return 0
     changed = 0
     for proc in procs:
-        if not is_background(proc):
+        kind = daemon_kind(proc)
+        if kind is None:
             continue
         try:
             tids = [t.id for t in proc.threads()]
@@ -77,7 +97,7 @@ def demote_background(procs: Iterable[psutil.Process]) -> int:
             continue
         for tid in tids:
             try:
-                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                demote(tid, kind)
                 changed += 1
             except OSError:  # the thread ended, or it is not ours
                 pass

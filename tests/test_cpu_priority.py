@@ -59,18 +59,22 @@ def test_the_engine_thread_and_its_openmp_pool_claim_the_cpu(tiny_model_dir, cla
 
 @linux_only
 def test_the_launcher_demotes_only_rays_background_daemons():
-    """Processes named like the GCS and the Serve controller go to SCHED_IDLE; one named like a
-    Serve replica (the proxy, the ingress, the engine) is left as it was."""
+    """Processes named like the GCS and the Serve controller go to SCHED_BATCH at the daemons' nice
+    value, one named like the dashboard to SCHED_IDLE; one named like a Serve replica (the proxy,
+    the ingress, the engine) or the raylet is left as it was."""
     script = "import time, sys; time.sleep(60)"
-    names = ("gcs_server", "ServeController", "ServeReplica:specserve:Ingress",
+    names = ("gcs_server", "ServeController", "dashboard/dashboard.py", "ServeReplica:specserve:Ingress",
              "raylet --raylet_socket_name=x --dashboard_agent_command=dashboard/agent.py")  # the raylet names the agent
     procs = {name: subprocess.Popen([sys.executable, "-c", script, *name.split()]) for name in names}
     try:
         changed = cpu_priority.demote_background([psutil.Process(p.pid) for p in procs.values()])
-        assert changed >= 2
-        policy = {name.split()[0]: os.sched_getscheduler(p.pid) for name, p in procs.items()}
-        assert policy == {"gcs_server": os.SCHED_IDLE, "ServeController": os.SCHED_IDLE,
-                          "ServeReplica:specserve:Ingress": os.SCHED_OTHER, "raylet": os.SCHED_OTHER}
+        assert changed >= 3
+        got = {name.split()[0]: (os.sched_getscheduler(p.pid), os.getpriority(os.PRIO_PROCESS, p.pid))
+               for name, p in procs.items()}
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        daemon = (os.SCHED_BATCH, max(cpu_priority.DAEMON_NICE, mine))
+        assert got == {"gcs_server": daemon, "ServeController": daemon, "dashboard/dashboard.py": (os.SCHED_IDLE, mine),
+                       "ServeReplica:specserve:Ingress": (os.SCHED_OTHER, mine), "raylet": (os.SCHED_OTHER, mine)}
     finally:
         for p in procs.values():
             p.kill()

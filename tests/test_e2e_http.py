@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from cluster import cpu_priority
 from cluster.local_cluster import LocalCluster
 from tests.e2e_helpers import started
 
@@ -48,13 +49,16 @@ def test_target_and_draft_on_different_nodes_and_the_engine_first_on_the_cpu(clu
     if not hasattr(os, "sched_getscheduler"):
         return
     # cluster/cpu_priority.py: the engine's loop thread runs SCHED_OTHER at nice 0, the rest of its replica
-    # and the raylets SCHED_BATCH, Ray's background daemons SCHED_IDLE
+    # and the raylets SCHED_BATCH at nice 0, the GCS SCHED_BATCH at nice 10, the dashboard SCHED_IDLE
     assert t["engine_cpu_priority"] == "other/0"
     assert os.sched_getscheduler(t["engine_thread"]) == os.SCHED_OTHER
     assert os.sched_getscheduler(t["pid"]) == os.SCHED_BATCH and os.getpriority(os.PRIO_PROCESS, t["pid"]) == 0
     by_name = {" ".join(p.cmdline()[:1]).rsplit("/", 1)[-1]: p for p in cluster.processes()}
     assert os.sched_getscheduler(by_name["raylet"].pid) == os.SCHED_BATCH
-    assert os.sched_getscheduler(by_name["gcs_server"].pid) == os.SCHED_IDLE
+    assert os.sched_getscheduler(by_name["gcs_server"].pid) == os.SCHED_BATCH
+    assert os.getpriority(os.PRIO_PROCESS, by_name["gcs_server"].pid) == cpu_priority.DAEMON_NICE
+    dashboard = [p for p in cluster.processes() if "dashboard/dashboard.py" in " ".join(p.cmdline()[:3])]
+    assert dashboard and all(os.sched_getscheduler(p.pid) == os.SCHED_IDLE for p in dashboard)
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "suffix", "draft_model"])

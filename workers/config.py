@@ -62,7 +62,7 @@ class EngineConfig(BaseModel):
     cpu_priority: Literal["engine_first", "inherit"] = Field(
         "engine_first",
         description="The serving loop's thread and its OpenMP pool. 'engine_first': normal time-sharing at nice 0, "
-        "ahead of the rest of Ray, which the launchers start at SCHED_BATCH with its daemons at SCHED_IDLE "
+        "ahead of the rest of Ray, which the launchers start at SCHED_BATCH with its daemons further back "
         "(cluster/cpu_priority.py): with every core running an engine thread, another process waking up "
         "otherwise stalls a whole parallel op. 'inherit': whatever Ray started the worker with.",
     )

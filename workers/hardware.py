@@ -59,7 +59,7 @@ def claim_cpu() -> str:
     Why: a step's ~400 parallel ops each wait for their slowest thread, so when every core runs an
     engine thread, any other process that wakes up (Ray's daemons, the HTTP proxy) preempts one and
     stalls the whole op. The launchers start Ray under ``SCHED_BATCH`` (woken tasks do not preempt)
-    with Ray's background daemons at ``SCHED_IDLE`` (cluster/cpu_priority.py); this puts the engine
+    with Ray's background daemons further back (cluster/cpu_priority.py); this puts the engine
     back in front. Leaving ``SCHED_BATCH`` for ``SCHED_OTHER`` needs no privilege. Lowering the nice
     value below what the thread inherited does (Ray starts workers at 15 unless
     ``RAY_worker_niceness`` says otherwise); without it the nice value is left as it was.
