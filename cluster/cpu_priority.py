@@ -57,6 +57,12 @@ def start_batch() -> None:
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
 
 
+def ray_start_kwargs(env: dict[str, str], engine_first: bool) -> dict[str, Any]:
+    """``subprocess.run`` keywords for ``ray start``: engine first (:func:`ray_start_env`,
+    :func:`start_batch`) when the app config asks for it, else ``env`` as it is."""
+    return {"env": ray_start_env(env), "preexec_fn": start_batch} if engine_first else {"env": env}
+
+
 def daemon_kind(proc: psutil.Process) -> str | None:
     """``"nice"`` or ``"idle"`` for a background daemon, ``None`` for anything else. By the program a
     process runs (its first few words), never by its flags: the raylet's flags name the dashboard

@@ -49,10 +49,8 @@ class LocalCluster:
 
     def _run(self, *cmd: str, check: bool = True, ray_start: bool = False) -> subprocess.CompletedProcess:
         """``ray_start``: engine first, as the app config asks (cluster/cpu_priority.py)."""
-        first = ray_start and self.engine_first
-        return subprocess.run(cmd, cwd=ROOT, env=cpu_priority.ray_start_env(self.env) if first else self.env,
-                              preexec_fn=cpu_priority.start_batch if first else None, check=check, text=True,
-                              capture_output=True)
+        return subprocess.run(cmd, cwd=ROOT, check=check, text=True, capture_output=True,
+                              **cpu_priority.ray_start_kwargs(self.env, ray_start and self.engine_first))
 
     @property
     def engine_first(self) -> bool:

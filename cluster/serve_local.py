@@ -29,9 +29,8 @@ GCS_PORT = 6379  # `ray start --head`'s default
 def _ray(*args: str, check: bool = True, engine_first: bool = False) -> subprocess.CompletedProcess:
     """``engine_first``: start Ray so that the engine's threads keep the cores (cluster/cpu_priority.py)."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    return subprocess.run([str(BIN / "ray"), *args], cwd=ROOT, env=cpu_priority.ray_start_env(env) if engine_first else env,
-                          preexec_fn=cpu_priority.start_batch if engine_first else None, check=check, text=True,
-                          capture_output=True)
+    return subprocess.run([str(BIN / "ray"), *args], cwd=ROOT, check=check, text=True, capture_output=True,
+                          **cpu_priority.ray_start_kwargs(env, engine_first))
 
 
 def ray_running() -> bool:

@@ -3,6 +3,7 @@ process around them runs as Ray's launchers start it (SCHED_BATCH), and the laun
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ linux_only = pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="L
 # AsyncEngine on a tiny model, decode a few tokens on 2 torch threads, then print the policy of the
 # loop thread and of every thread that used CPU besides the main thread.
 CHILD = r"""
-import asyncio, os, sys, torch
+import asyncio, json, os, sys, torch
 from workers.async_engine import AsyncEngine
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
@@ -35,7 +36,7 @@ async def run():
 asyncio.run(run())
 busy = [int(t) for t in os.listdir("/proc/self/task") if int(t) != os.getpid()
         and int(open(f"/proc/self/task/{t}/schedstat").read().split()[0]) > 0]
-print(ae.cpu_priority, thread_priority(ae.thread_id), sorted(thread_priority(t) for t in busy))
+print(json.dumps([ae.cpu_priority, thread_priority(ae.thread_id), sorted(thread_priority(t) for t in busy)]))
 """
 
 
@@ -46,15 +47,15 @@ def test_the_engine_thread_and_its_openmp_pool_claim_the_cpu(tiny_model_dir, cla
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, preexec_fn=cpu_priority.start_batch,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    reported, loop, busy = out.stdout.strip().splitlines()[-1].split(" ", 2)
+    reported, loop, busy = json.loads(out.stdout.strip().splitlines()[-1])
     main_nice = os.getpriority(os.PRIO_PROCESS, 0)
     if claim:
         assert reported == loop == "other/0" or (reported == loop == f"other/{main_nice}" and main_nice > 0)
         # the OpenMP worker the loop thread started inherited its policy: at least two threads run SCHED_OTHER
-        assert eval(busy).count(loop) >= 2, busy
+        assert busy.count(loop) >= 2, busy
     else:
         assert reported == loop == f"batch/{main_nice}"
-        assert all(p.startswith("batch/") for p in eval(busy)), busy
+        assert all(p.startswith("batch/") for p in busy), busy
 
 
 @linux_only
@@ -84,3 +85,6 @@ def test_engine_first_follows_the_app_config():
     assert cpu_priority.enabled({"engine": {"model": "smollm2"}})
     assert not cpu_priority.enabled({"engine": {"cpu_priority": "inherit"}})
     assert cpu_priority.ray_start_env({"A": "1"}) == {"A": "1", "RAY_worker_niceness": "0"}
+    assert cpu_priority.ray_start_kwargs({"A": "1"}, True) == {"env": {"A": "1", "RAY_worker_niceness": "0"},
+                                                               "preexec_fn": cpu_priority.start_batch}
+    assert cpu_priority.ray_start_kwargs({"A": "1"}, False) == {"env": {"A": "1"}}

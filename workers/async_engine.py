@@ -19,9 +19,9 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, TypeVar
 
+from workers import hardware
 from workers.engine import LLMEngine
 from workers.errors import EngineDeadError
-from workers import hardware
 from workers.request import RequestOutput
 from workers.stats import LoadSnapshot
 
