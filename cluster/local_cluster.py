@@ -24,6 +24,7 @@ import psutil
 import yaml
 
 from cluster import cpu_priority
+from cluster.serve_env import with_serve_env
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -40,7 +41,7 @@ class LocalCluster:
         self.workdir = workdir
         self.gcs_port, self.dash_port, self.http_port = free_port(), free_port(), free_port()
         self.base_url = f"http://127.0.0.1:{self.http_port}"
-        self.env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
+        self.env = with_serve_env({**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"})
         self.env.pop("RAY_ADDRESS", None)
         self.policy = policy or {"name": "goodput"}
         self.args_patch = args_patch or {}

@@ -1,7 +1,8 @@
 """`make serve` / `make stop`: the default service on this machine (local Ray, real model, HTTP).
 
 start: starts a local Ray head if none is running (the repo on PYTHONPATH so Serve replicas
-can import it; dashboard on 127.0.0.1 only; the engine first on the CPU, cluster/cpu_priority.py),
+can import it; dashboard on 127.0.0.1 only; the engine first on the CPU, cluster/cpu_priority.py; Serve's
+background polling cut, cluster/serve_env.py),
 deploys ray_config.yaml, waits until /health answers 200 (the first start converts the model
 once), and prints the URL.
 stop: shuts the Serve app and the local Ray down.
@@ -20,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from cluster import cpu_priority
+from cluster.serve_env import with_serve_env
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -28,7 +30,7 @@ GCS_PORT = 6379  # `ray start --head`'s default
 
 def _ray(*args: str, check: bool = True, engine_first: bool = False) -> subprocess.CompletedProcess:
     """``engine_first``: start Ray so that the engine's threads keep the cores (cluster/cpu_priority.py)."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = with_serve_env({**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
     return subprocess.run([str(BIN / "ray"), *args], cwd=ROOT, check=check, text=True, capture_output=True,
                           **cpu_priority.ray_start_kwargs(env, engine_first))
 

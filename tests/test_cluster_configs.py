@@ -20,6 +20,8 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
+from cluster.serve_env import SERVE_ENV, with_serve_env
+
 ROOT = Path(__file__).resolve().parents[1]
 AWS = ROOT / "cluster" / "aws.yaml"
 LOCAL = ROOT / "cluster" / "local.yaml"
@@ -207,6 +209,22 @@ def test_local_worker_start_commands_pick_the_role_by_ip(tmp_path, ip, expected)
         assert got == expected
         assert all("--address=10.0.0.1:6379" in argv for argv in started)
         assert all("--dashboard-host=127.0.0.1" in argv for argv in started)
+
+
+# --- every node's Serve processes poll as the local launchers make them -----------------------------
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_ray_start_exports_the_serve_env(path):
+    for cmd in ray_start_commands(ray_validate(load(path))):
+        exported = dict(re.findall(r"\b(RAY_\w+)=(\S+?);?(?=\s)", cmd))
+        for key, value in SERVE_ENV.items():
+            assert exported.get(key) == value, (key, cmd)
+
+
+def test_serve_env_never_overrides_the_users_own():
+    assert with_serve_env({"A": "1"}) == {"A": "1", **SERVE_ENV}
+    assert with_serve_env({"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"})["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.1"
 
 
 # --- security: the dashboard never listens beyond localhost --------------------------------------

@@ -9,10 +9,12 @@ import threading
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from cluster import cpu_priority
 from cluster.local_cluster import LocalCluster
+from cluster.serve_env import SERVE_ENV
 from tests.e2e_helpers import started
 
 pytestmark = pytest.mark.slow
@@ -59,6 +61,16 @@ def test_target_and_draft_on_different_nodes_and_the_engine_first_on_the_cpu(clu
     assert os.getpriority(os.PRIO_PROCESS, by_name["gcs_server"].pid) == cpu_priority.DAEMON_NICE
     dashboard = [p for p in cluster.processes() if "dashboard/dashboard.py" in " ".join(p.cmdline()[:3])]
     assert dashboard and all(os.sched_getscheduler(p.pid) == os.SCHED_IDLE for p in dashboard)
+
+
+def test_serve_processes_run_with_the_serve_env(cluster):
+    """cluster/serve_env.py reaches the processes that read it: the Serve controller and the replicas."""
+    t = cluster.call("TargetWorker", "placement")
+    controller = [p for p in cluster.processes() if "ServeController" in " ".join(p.cmdline()[:4])]
+    assert controller
+    for proc in [psutil.Process(t["pid"]), *controller]:
+        env = proc.environ()
+        assert {k: env.get(k) for k in SERVE_ENV} == SERVE_ENV, proc.cmdline()[:2]
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "suffix", "draft_model"])
