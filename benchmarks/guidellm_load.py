@@ -12,6 +12,11 @@
    the goodput policy on the engine's own cost model, random-token prompts of the same length):
    time to first token and time per output token from each request's step times.
 
+Over HTTP it also reads the CPU every process used per level (the target replica, the proxy, the
+ingress, the Router, the draft worker, Ray's daemons, and guidellm), in cores: on a 2-core machine
+the cores the engine keeps bound what the service can read against the engine in process, which
+has both to itself and no client beside it.
+
 Prints TTFT p50/p99, ITL p50/p99 (guidellm's: (latency - TTFT) / (tokens - 1) per request),
 output tok/s and the HTTP / in-process ratio per level, and checks the serving goals; writes
 benchmarks/results/guidellm_load.{json,png}. Both halves run on the same machine in one run; the
@@ -37,6 +42,7 @@ import yaml
 
 from benchmarks.common import (RESULTS_DIR, env_info, figure, line_panel, percentile, progress, run_closed_loop,
                                save_figure, set_threads, write_json)
+from benchmarks.serving_profile import cpu_by_role
 from cluster.config import AppConfig
 from cluster.local_cluster import ROOT, LocalCluster
 from policies import make_policy
@@ -172,10 +178,14 @@ def main(argv: list[str] | None = None) -> int:
                 warm = {"model": cfg.engine.served_model_name, "prompt": "Hello " * args.prompt_tokens, "max_tokens": 8}
                 for _ in range(3):  # the first requests after a start are slower (allocations, first kernels)
                     httpx.post(f"{cluster.base_url}/v1/completions", json=warm, timeout=120).raise_for_status()
+                procs = cluster.processes()
                 for c in progress(levels, desc="guidellm over HTTP", unit="level"):
+                    cpu0, t0 = cpu_by_role(procs), time.perf_counter()
                     http[c] = run_guidellm(cluster.base_url, cfg.engine.served_model_name, str(tok_dir), c,
                                            args.seconds, args.prompt_tokens, args.output_tokens,
                                            Path(tmp) / f"guidellm_{c}.json", args.warmup)
+                    cpu1, wall = cpu_by_role(procs), time.perf_counter() - t0
+                    http[c]["service_cpu_cores"] = {k: (cpu1[k] - cpu0.get(k, 0.0)) / wall for k in cpu1}
                     print(f"  HTTP c={c}: {http[c]}", flush=True)
             finally:
                 cluster.stop()
@@ -211,7 +221,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['tok_s_http/engine'] or float('nan'):.2f}")
     for c in levels:
         if c in http:
-            print(f"guidellm itself used {http[c]['client_cpu_cores']:.2f} of the machine's cores at c={c}")
+            cpu = http[c]["service_cpu_cores"]
+            print(f"c={c}: the target replica used {cpu.get('target replica', 0.0):.2f} cores, the rest of the service "
+                  f"{sum(v for k, v in cpu.items() if k != 'target replica'):.2f}, guidellm itself "
+                  f"{http[c]['client_cpu_cores']:.2f}")
     for k, g in result["goals"].items():
         print(f"goal {k}: {g['value']} {'met' if g['met'] else 'NOT met'}")
     out = Path(args.out)
