@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -62,9 +63,13 @@ class LocalCluster:
                   f"--dashboard-port={self.dash_port}", "--dashboard-host=127.0.0.1",
                   f"--ray-client-server-port={free_port()}", "--resources", json.dumps({"target_node": 1}),
                   ray_start=True)
-        self._run(str(BIN / "ray"), "start", f"--address=127.0.0.1:{self.gcs_port}", "--num-cpus=2",
-                  "--resources", json.dumps({"draft_node": 1}), ray_start=True)
-        self.deploy(self.policy)
+        # The second node joins while the app deploys: Serve places the draft worker once its node's
+        # resource appears, and the two starts no longer add up.
+        with ThreadPoolExecutor(1) as pool:
+            joined = pool.submit(self._run, str(BIN / "ray"), "start", f"--address=127.0.0.1:{self.gcs_port}",
+                                 "--num-cpus=2", "--resources", json.dumps({"draft_node": 1}), ray_start=True)
+            self.deploy(self.policy)
+            joined.result()
         self.wait_healthy()
         if self.engine_first:
             cpu_priority.demote_background(self.processes())

@@ -13,20 +13,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from ray import serve
 
 from opentelemetry.metrics import Observation
 
 from cluster.config import AppConfig
 from cluster.telemetry import Telemetry
-from workers.model_loader import load_model
-from workers.proposers.base import ProposalRequest
-from workers.proposers.draft_model import DraftModelProposer
-from workers.proposers.eagle import EagleProposer
 from workers.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from workers.proposers.base import ProposalRequest
+    from workers.proposers.eagle import EagleProposer
 
 log = logging.getLogger("ray.serve")
 
@@ -34,6 +35,14 @@ log = logging.getLogger("ray.serve")
 @serve.deployment(name="DraftWorker")
 class DraftWorker:
     def __init__(self, app_config: dict) -> None:
+        # torch and the models load here, in the replica: `serve deploy` imports this module only to
+        # build the app graph, and that build then takes a second instead of several.
+        import torch
+
+        from workers.model_loader import load_model
+        from workers.proposers.draft_model import DraftModelProposer
+        from workers.proposers.eagle import EagleProposer
+
         cfg = AppConfig.model_validate(app_config)
         d = cfg.draft
         if d.num_threads:
@@ -88,6 +97,9 @@ class DraftWorker:
                     self.num_swept += 1
 
     def propose(self, batch: list[dict[str, Any]], released: list[str]) -> list[dict[str, Any]]:
+        import torch  # loaded since __init__: a dictionary lookup
+
+        from workers.proposers.base import ProposalRequest
         with self._lock:
             for rid in released:
                 self._forget(rid)

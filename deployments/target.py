@@ -13,23 +13,21 @@ import collections
 import logging
 import os
 import time
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from cluster.config import DRAFT_WORKER_PROPOSERS, AppConfig
-from deployments.remote_draft import RemoteDraftProposer, RemoteEagleProposer
 from deployments.target_telemetry import TargetTelemetry
-from workers.cost_model import StepCostModel
 from policies.registry import make_policy
-from workers.async_engine import AsyncEngine
-from workers.engine import LLMEngine
+from workers.cost_model import StepCostModel
 from workers.errors import InvalidRequestError
-from workers.model_loader import load_model
-from workers.proposers.base import Proposer
-from workers.proposers.registry import make_proposer
 from workers.request import RequestOutput
+
+if TYPE_CHECKING:
+    from workers.engine import LLMEngine
+    from workers.proposers.base import Proposer
 
 log = logging.getLogger("ray.serve")
 
@@ -60,6 +58,14 @@ def output_dict(o: RequestOutput, fingerprint: str | None = None, replica_id: st
 @serve.deployment(name="TargetWorker")
 class TargetWorker:
     def __init__(self, app_config: dict, router: DeploymentHandle, draft: DeploymentHandle | None) -> None:
+        # The engine's modules (torch, transformers) load here, in the replica: `serve deploy` imports this
+        # module only to build the app graph, and that build then takes a second instead of several.
+        from deployments.remote_draft import RemoteDraftProposer, RemoteEagleProposer
+        from workers.async_engine import AsyncEngine
+        from workers.engine import LLMEngine
+        from workers.model_loader import load_model
+        from workers.proposers.registry import make_proposer
+
         cfg = AppConfig.model_validate(app_config)
         self.cfg = cfg
         proposers: dict[str, Proposer] = {}

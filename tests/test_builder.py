@@ -6,6 +6,8 @@ whole service at 5 concurrent streams (HTTP c=16 ran 5 at a time, TTFT 25 s). No
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
@@ -45,3 +47,12 @@ def test_limits_from_yaml_reach_every_deployment() -> None:
 def test_default_ingress_limit_is_not_serves_default() -> None:
     g = _graph({})
     assert g["Ingress"].max_ongoing_requests == 256
+
+
+def test_app_build_router_and_ingress_never_import_torch() -> None:
+    """`serve deploy` imports the builder to build the graph, and the Router and the Ingress only route
+    and speak HTTP: importing torch and transformers there would cost each seconds and hundreds of MB
+    for nothing. Only the target and draft replicas load them, when they start."""
+    code = ("import sys, deployments.builder, deployments.router, deployments.ingress; "
+            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=ROOT)

@@ -9,9 +9,10 @@ could still become the start of a stop string is held back until it cannot.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:  # the Router and the ingress import the engine's types; they never need transformers
+    from transformers import PreTrainedTokenizerBase
 
 _PROMPT_CONTEXT = 5  # prompt tokens used as decoding context, so the first output token gets its leading space
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, NamedTuple
 
 from workers.decision import Speculation
 from workers.detokenizer import IncrementalDetokenizer
 from workers.sampling_params import SamplingParams
 from workers.stats import SpecDecodeStats
+
+if TYPE_CHECKING:  # the Router and the ingress import this module's types; they never need torch
+    import torch
 
 
 class StepEvent(NamedTuple):
