@@ -195,7 +195,8 @@ class TargetWorker:
 
     def _fingerprint(self) -> str:
         """OpenAI's ``system_fingerprint``: the configuration that, with the seed, fixes the output (the
-        served model, resolved dtype, invariant kernels, verification rule, torch, CPU/GPU kind)."""
+        served model, resolved dtype, invariant kernels and which attention, verification rule, torch,
+        CPU/GPU kind)."""
         if self._fp is None:
             import hashlib
 
@@ -204,7 +205,8 @@ class TargetWorker:
             snap = self.engine.snapshot()
             e = self.cfg.engine
             kind = torch.cuda.get_device_name() if torch.cuda.is_available() else torch.backends.cpu.get_cpu_capability()
-            key = f"{e.model}|{e.served_model_name}|{snap.dtype}|{snap.batch_invariant}|{e.verification}|{torch.__version__}|{kind}"
+            key = (f"{e.model}|{e.served_model_name}|{snap.dtype}|{snap.batch_invariant}|{snap.attention_kernel}|"
+                   f"{e.verification}|{torch.__version__}|{kind}")
             self._fp = "fp_" + hashlib.sha256(key.encode()).hexdigest()[:12]
         return self._fp
 

@@ -42,6 +42,8 @@ def chat(client, content: str, **extra):
 def test_models_and_health(cluster, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{cluster.base_url}/health").status_code == 200
+    (replica,) = cluster.stats()["replicas"].values()
+    assert replica["batch_invariant"] and replica["attention_kernel"] == "native"  # CI has a C compiler
 
 
 def test_target_and_draft_on_different_nodes_and_the_engine_first_on_the_cpu(cluster):

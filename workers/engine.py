@@ -474,6 +474,7 @@ class LLMEngine:
             timestamp=time.time(),
             dtype=str(self.dtype).removeprefix("torch."),
             batch_invariant=self.config.batch_invariant,
+            attention_kernel=self.runner.attention_kernel,
         ))
 
     # ----------------------------------------------------------------- convenience (tests, benchmarks)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from workers import batch_invariant as bi
+from workers import native_attention
 
 
 @dataclass
@@ -199,13 +200,19 @@ class ModelRunner:
         self.cos = (emb.cos() * scale).to(dtype)
         self.sin = (emb.sin() * scale).to(dtype)
 
+        # The invariant attention: one native call per layer where a C compiler is found (CPU), else torch
+        # ops (workers/batch_invariant.py). The two round differently, so this is part of the fingerprint.
+        self.native_attn = native_attention.load() if batch_invariant and self.device.type == "cpu" else None
+        self.attention_kernel = ("native" if self.native_attn else "torch") if batch_invariant else "sdpa"
         # The invariant attention reads whole KEY_BLOCKs of keys, so the cache is that much longer.
         kv_len = bi.padded_keys(max_model_len) if batch_invariant else max_model_len
         kv_shape = (num_slots, self.num_kv_heads, kv_len, self.head_dim)
+        # The native kernel reads keys transposed: [slots, Hkv, D, L].
+        k_shape = (num_slots, self.num_kv_heads, self.head_dim, kv_len) if self.native_attn else kv_shape
         # The invariant attention computes in fp32; a bf16 runner then keeps its (bf16-rounded) keys and
         # values in fp32 too, so no step converts the whole context again in every layer.
         kv_dtype = torch.float32 if batch_invariant else dtype
-        self.k_cache = [torch.zeros(kv_shape, dtype=kv_dtype, device=self.device) for _ in range(self.num_layers)]
+        self.k_cache = [torch.zeros(k_shape, dtype=kv_dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_cache = [torch.zeros(kv_shape, dtype=kv_dtype, device=self.device) for _ in range(self.num_layers)]
         # One row blocking per weight shape (all layers share them), probed with the thread count the
         # steps run with (a library partitions work by thread count too): re-probed if that changes.
@@ -223,7 +230,8 @@ class ModelRunner:
                 lambda x, n=name: self._linear_kernel(x, L0, n), width, self.dtype, self.device)
         self.row_blocking["lm_head"] = bi.probe_row_blocking(self._lm_head_kernel, self.hidden_size, self.dtype,
                                                              self.device)
-        self.attn_blocking = bi.probe_attention_blocking(self.head_dim, self.device)
+        if not self.native_attn:
+            self.attn_blocking = bi.probe_attention_blocking(self.head_dim, self.device)
         self._probed_threads = torch.get_num_threads()
 
     @property
@@ -238,7 +246,10 @@ class ModelRunner:
         than the prefill it replaces.
         """
         for kc, vc in zip(self.k_cache, self.v_cache):
-            kc[dst, :, :n] = kc[src, :, :n]  # [Hkv, n, D]
+            if self.native_attn:
+                kc[dst, :, :, :n] = kc[src, :, :, :n]  # [Hkv, D, n]: keys transposed
+            else:
+                kc[dst, :, :n] = kc[src, :, :n]  # [Hkv, n, D]
             vc[dst, :, :n] = vc[src, :, :n]
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -299,7 +310,9 @@ class ModelRunner:
             offsets.append(offsets[-1] + n)
         mask = None
         groups: list[_AttnGroup] = []
-        if self.batch_invariant:
+        if self.native_attn:  # every row attends to its own keys: no groups, no mask
+            nvis = positions + 1  # [T] keys each query row sees
+        elif self.batch_invariant:
             groups = self._attention_groups(batch, num_new, offsets, pad_keys=True)
         elif nreq == 1 and not single:
             qpos = batch.start_pos[0] + torch.arange(max_q, device=dev)  # [max_q]
@@ -320,14 +333,24 @@ class ModelRunner:
             q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D]
             v = qkv[:, (H + Hkv) * D :].view(total, Hkv, D)
             kc, vc = self.k_cache[li], self.v_cache[li]
-            if single:
+            if self.native_attn:  # keys transposed: [slots, Hkv, D, L]
+                if single:
+                    kc[lo, :, :, batch.start_pos[0]] = k[0]  # [Hkv, D]
+                    vc[lo, :, batch.start_pos[0]] = v[0]
+                else:
+                    kc[slot_of_tok, :, :, positions] = k.to(kc.dtype)  # [T, Hkv, D] at (slot, :, :, pos)
+                    vc[slot_of_tok, :, positions] = v.to(vc.dtype)
+            elif single:
                 p0 = batch.start_pos[0]
                 kc[lo, :, p0] = k[0]  # plain slice write, [Hkv, D]
                 vc[lo, :, p0] = v[0]
             else:
                 kc[slot_of_tok, :, positions] = k.to(kc.dtype)  # in-place write, [T, Hkv, D] at (slot, :, pos)
                 vc[slot_of_tok, :, positions] = v.to(vc.dtype)
-            if self.batch_invariant:
+            if self.native_attn:
+                o = self.native_attn(q.float(), kc, vc, slot_of_tok, nvis, max_kv, D**-0.5)  # [T, H, D] fp32
+                o = o.reshape(total, H * D).to(self.dtype)
+            elif self.batch_invariant:
                 if len(groups) == 1 and groups[0].dense_row0 == 0 and groups[0].tok.numel() == total:
                     g = groups[0]  # every row in one dense group (a decode batch, a lone prefill): views only
                     o = bi.attention(q.reshape(g.hi - g.lo, g.n, H, D), kc[g.lo : g.hi, :, : g.max_kv],

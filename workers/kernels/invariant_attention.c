@@ -1,0 +1,206 @@
+/* Batch-invariant causal GQA attention for one engine step, on the CPU.
+ *
+ * Every query row reads only its own visible keys (0 .. nvis-1 of its slot) in one fixed order, and
+ * every sum runs in one fixed order: a score adds its head_dim products from d = 0 up, a softmax
+ * denominator adds its terms in LANES fixed lanes and then a fixed tree, an output dimension adds
+ * its keys from key 0 up. The result for a row is then a function of that row's query, keys and
+ * values alone: not of the other rows in the step, how many there are, the slot, or how far any key
+ * axis is padded. Threads split (row, kv head) items, whose outputs are independent.
+ *
+ * Keys are stored transposed, [D, L] per (slot, kv head), so one vector holds LANES keys' partial
+ * scores and each lane is its own sequential chain over d: the vector code computes exactly what
+ * the scalar code would, and a key's score does not depend on which lane or block it falls in.
+ *
+ * Build: workers/native_attention.py compiles this with -ffp-contract=off and without -ffast-math,
+ * so the compiler may vectorize the lane loops but never reassociate a sum or fuse a multiply-add.
+ */
+
+#include <stddef.h>
+#include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define LANES 16  /* keys per score block: a multiple of every vector width the compiler may use */
+
+/* LANES floats as one value: the compiler maps it onto whatever vector registers the CPU has (one
+ * AVX-512 register, two AVX2 ones, ...). Its arithmetic is lane by lane, so the width never changes
+ * a result; it keeps the accumulators in registers where plain arrays would go through memory. */
+typedef float vlanes __attribute__((vector_size(LANES * sizeof(float))));
+
+static inline vlanes load_lanes(const float *p) {
+    vlanes x;
+    __builtin_memcpy(&x, p, sizeof x);
+    return x;
+}
+#define MAX_GROUP 16  /* query heads per kv head */
+#define MAX_DBLOCKS 16  /* head_dim up to MAX_DBLOCKS * LANES */
+#define ROWS 4  /* query rows of one slot (a prompt chunk) that share each key and value load */
+
+typedef int32_t vlanes_i __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+/* exp(x) for x <= 0, lane by lane (Cody-Waite reduction, Cephes' degree-6 polynomial), in vector
+ * arithmetic only: every lane computes the same function, so a key's weight never depends on the
+ * lane it falls in. Lanes past a row's keys compute garbage that is never read. */
+static inline vlanes exp_nonpos(vlanes x) {
+    const vlanes lo = (vlanes){0} - 87.0f;
+    const vlanes_i below = x < lo;
+    x = (vlanes)(((vlanes_i)lo & below) | ((vlanes_i)x & ~below));
+    const vlanes_i ki = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vlanes_i);  /* nearest, x <= 0 */
+    const vlanes kf = __builtin_convertvector(ki, vlanes);
+    vlanes r = x - kf * 0.693359375f;
+    r = r - kf * -2.12194440e-4f;
+    vlanes p = (vlanes){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    return p * (vlanes)((ki + 127) << 23);
+}
+
+/* A tile: R query rows of one slot (R = 1, or ROWS for rows of a prompt chunk, which share their
+ * keys) times the G query heads of one kv head, against the slot's first n[r] keys each.
+ * q[r * G + g]: [D]. kt: [D, L] (keys transposed). v: [L, D]. s: [R * G, n_pad] scratch.
+ * out[r * G + g]: [D]. Inlined with R, G and DB (LANES-wide blocks of head_dim) as constants
+ * (attend_tile), so the accumulators stay in registers.
+ *
+ * Every number is computed as it would be for that row alone: a score is a chain over d from 0, a
+ * row's softmax covers its own n[r] keys, and P @ V adds key by key from key 0. Keys a row does not
+ * see (up to the tile's longest row) get weight exactly 0, and adding 0 * v (a signed zero, v finite)
+ * to an accumulator that started at +0 never changes it. */
+static inline __attribute__((always_inline)) void attend_tile_g(
+        const float *const *q, const int R, const int G, const int DB, const int *n, const float *restrict kt,
+        const float *restrict v, int64_t L, int D, float scale, float *restrict s, int64_t n_pad,
+        float *const *out) {
+    int n_max = 0;
+    for (int r = 0; r < R; r++) n_max = n[r] > n_max ? n[r] : n_max;
+    const int nb = (n_max + LANES - 1) / LANES * LANES;
+    /* scores: LANES keys x R*G query heads held in registers; d innermost */
+    for (int j0 = 0; j0 < nb; j0 += LANES) {
+        vlanes acc[ROWS * MAX_GROUP];
+        for (int i = 0; i < R * G; i++) acc[i] = (vlanes){0};
+        for (int d = 0; d < D; d++) {
+            const vlanes k = load_lanes(kt + (int64_t)d * L + j0);
+            for (int i = 0; i < R * G; i++) acc[i] = acc[i] + q[i][d] * k;
+        }
+        for (int i = 0; i < R * G; i++) {
+            const vlanes sc = acc[i] * scale;
+            __builtin_memcpy(s + i * n_pad + j0, &sc, sizeof sc);
+        }
+    }
+    for (int i = 0; i < R * G; i++) {
+        float *sg = s + i * n_pad;
+        const int ni = n[i / G];
+        float m = sg[0];
+        for (int j = 1; j < ni; j++) m = sg[j] > m ? sg[j] : m;
+        for (int j0 = 0; j0 < nb; j0 += LANES) {
+            const vlanes e = exp_nonpos(load_lanes(sg + j0) - m);
+            __builtin_memcpy(sg + j0, &e, sizeof e);
+        }
+        float acc[LANES];
+        for (int l = 0; l < LANES; l++) acc[l] = 0.0f;
+        int j = 0;
+        for (; j + LANES <= ni; j += LANES)
+            for (int l = 0; l < LANES; l++) acc[l] = acc[l] + sg[j + l];
+        for (int l = 0; j < ni; j++, l++) acc[l] = acc[l] + sg[j];
+        for (int w = LANES / 2; w > 0; w /= 2)
+            for (int l = 0; l < w; l++) acc[l] = acc[l] + acc[l + w];
+        for (j = ni; j < n_max; j++) sg[j] = 0.0f;  /* keys this row does not see */
+        sg[n_pad - 1] = 1.0f / acc[0];  /* n_pad > nb: the scratch row's last slot holds the normalizer */
+    }
+    /* P @ V: one pass over v, key by key from key 0; rows in pairs so the accumulators fit registers */
+    for (int r0 = 0; r0 < R; r0 += 2) {
+        const int rr = R - r0 < 2 ? R - r0 : 2;
+        vlanes acc[2 * MAX_GROUP][MAX_DBLOCKS];
+        for (int i = 0; i < rr * G; i++)
+            for (int b = 0; b < DB; b++) acc[i][b] = (vlanes){0};
+        const float *sp = s + (int64_t)r0 * G * n_pad;
+        for (int j = 0; j < n_max; j++) {
+            const float *restrict vj = v + (int64_t)j * D;
+            for (int b = 0; b < DB; b++) {
+                const vlanes x = load_lanes(vj + b * LANES);
+                for (int i = 0; i < rr * G; i++) acc[i][b] = acc[i][b] + sp[i * n_pad + j] * x;
+            }
+        }
+        for (int i = 0; i < rr * G; i++)
+            for (int b = 0; b < DB; b++) {
+                const vlanes o = acc[i][b] * sp[i * n_pad + n_pad - 1];
+                __builtin_memcpy(out[r0 * G + i] + b * LANES, &o, sizeof o);
+            }
+    }
+    for (int d0 = DB * LANES; d0 < D; d0++) {  /* head_dim not a multiple of LANES: the same chains */
+        for (int i = 0; i < R * G; i++) {
+            float a = 0.0f;
+            for (int j = 0; j < n_max; j++) a = a + s[i * n_pad + j] * v[(int64_t)j * D + d0];
+            out[i][d0] = a * s[i * n_pad + n_pad - 1];
+        }
+    }
+}
+
+static void attend_tile(const float *const *q, int R, int G, const int *n, const float *kt, const float *v,
+                        int64_t L, int D, float scale, float *s, int64_t n_pad, float *const *out) {
+    const int DB = D / LANES;
+#define ATTEND(RC, GC, DBC) attend_tile_g(q, RC, GC, DBC, n, kt, v, L, D, scale, s, n_pad, out)
+#define SHAPES(RC)                                                      \
+    if (G == 3 && DB == 4) ATTEND(RC, 3, 4);      /* e.g. SmolLM2 */    \
+    else if (G == 1 && DB == 4) ATTEND(RC, 1, 4);                       \
+    else if (G == 4 && DB == 8) ATTEND(RC, 4, 8); /* e.g. Llama 3 8B */ \
+    else if (G == 8 && DB == 8) ATTEND(RC, 8, 8); /* e.g. Llama 3 70B */ \
+    else ATTEND(RC, G, DB);
+    /* the common shapes with constant sizes; any other runs the same code with run-time sizes */
+    if (R == 1) { SHAPES(1) } else if (R == ROWS) { SHAPES(ROWS) } else { ATTEND(R, G, DB); }
+#undef SHAPES
+#undef ATTEND
+}
+
+/* q: [T, H, D] at q + t * q_row_stride + h * D. kt: [slots, Hkv, D, L] and v: [slots, Hkv, L, D],
+ * contiguous, L a multiple of LANES. slot, nvis: [T] (the row's slot and its visible keys, 1 .. L).
+ * out: [T, H, D] contiguous. scratch: nthreads * ROWS * G * n_pad floats, n_pad = max(nvis) rounded
+ * up to LANES plus LANES. Returns 0, or -1 if the shapes are outside what the kernel handles. */
+int invariant_attention(const float *q, int64_t q_row_stride, const float *kt, const float *v, const int64_t *slot,
+                        const int64_t *nvis, float *out, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t L,
+                        float scale, float *scratch, int64_t n_pad, int nthreads) {
+    if (Hkv <= 0 || H % Hkv || H / Hkv > MAX_GROUP || D / LANES > MAX_DBLOCKS || L % LANES) return -1;
+    const int64_t G = H / Hkv;
+    int64_t work = 0;
+    for (int64_t t = 0; t < T; t++) {
+        if (nvis[t] < 1 || nvis[t] > L || nvis[t] + LANES >= n_pad) return -1;
+        work += nvis[t];
+    }
+    /* tiles: runs of consecutive rows in one slot, cut into ROWS rows (and single rows at a run's end) */
+    int64_t *first = (int64_t *)__builtin_alloca((size_t)(T + 1) * sizeof(int64_t));
+    int64_t tiles = 0;
+    for (int64_t t = 0; t < T;) {
+        int64_t end = t + 1;
+        while (end < T && slot[end] == slot[t] && end - t < ROWS) end++;
+        if (end - t < ROWS) end = t + 1;
+        first[tiles++] = t;
+        t = end;
+    }
+    first[tiles] = T;
+    const int64_t items = tiles * Hkv;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && work * H * D > 200000)
+    for (int64_t it = 0; it < items; it++) {
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        const int64_t t0 = first[it / Hkv], R = first[it / Hkv + 1] - t0, g = it % Hkv;
+        const int64_t base = slot[t0] * Hkv + g;
+        const float *qs[ROWS * MAX_GROUP];
+        float *os[ROWS * MAX_GROUP];
+        int n[ROWS];
+        for (int64_t r = 0; r < R; r++) {
+            n[r] = (int)nvis[t0 + r];
+            for (int64_t i = 0; i < G; i++) {
+                qs[r * G + i] = q + (t0 + r) * q_row_stride + (g * G + i) * D;
+                os[r * G + i] = out + ((t0 + r) * H + g * G + i) * D;
+            }
+        }
+        attend_tile(qs, (int)R, (int)G, n, kt + base * D * L, v + base * L * D, L, (int)D, scale,
+                    scratch + (int64_t)tid * ROWS * G * n_pad, n_pad, os);
+    }
+    return 0;
+}
