@@ -94,3 +94,16 @@ def test_the_torch_fallback_is_batch_invariant_too(tiny_loaded, dtype, monkeypat
     finally:
         monkeypatch.undo()
         native_attention.load.cache_clear()
+
+
+def test_an_unwritable_cache_falls_back_to_the_torch_ops(tmp_path, monkeypatch):
+    """A replica whose cache directory cannot be written still starts, on the torch-op attention."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    native_attention.load.cache_clear()
+    try:
+        assert native_attention.load() is None
+    finally:
+        monkeypatch.undo()
+        native_attention.load.cache_clear()

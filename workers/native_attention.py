@@ -33,8 +33,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "kernels" / "invariant_attention.c"
 # No -ffast-math: the compiler must neither reassociate a sum nor contract a multiply-add anywhere.
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared") + (
-    () if platform.machine() in ("x86_64", "AMD64") else ())
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared")
 ENV_DISABLE = "SPECSERVE_NATIVE_ATTENTION"  # "0": always the torch implementation
 
 
@@ -65,16 +64,20 @@ def load() -> "NativeAttention | None":
     src = SOURCE.read_bytes()
     key = hashlib.sha256(src + " ".join(FLAGS).encode() + cc.encode() + _cpu_key().encode()).hexdigest()[:16]
     lib = _cache_dir() / f"invariant_attention-{key}.so"
-    if not lib.exists():
-        lib.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-            out = Path(tmp) / lib.name
-            proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
-            if proc.returncode != 0:
-                log.warning("invariant attention kernel did not compile, using torch ops:\n%s", proc.stderr[-2000:])
-                return None
-            os.replace(out, lib)  # atomic: replicas starting together never load a half-written file
-    return NativeAttention(ctypes.CDLL(str(lib)))
+    try:
+        if not lib.exists():
+            lib.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+                out = Path(tmp) / lib.name
+                proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
+                if proc.returncode != 0:
+                    log.warning("invariant attention kernel did not compile, using torch ops:\n%s", proc.stderr[-2000:])
+                    return None
+                os.replace(out, lib)  # atomic: replicas starting together never load a half-written file
+        return NativeAttention(ctypes.CDLL(str(lib)))
+    except OSError as e:  # an unwritable cache, a library that does not load: the torch ops still work
+        log.warning("invariant attention kernel unavailable (%s), using torch ops", e)
+        return None
 
 
 LANES = 16  # the kernel's key block (LANES in the C source): the key axis is a multiple of it
