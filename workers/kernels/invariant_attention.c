@@ -5,7 +5,7 @@
  * denominator adds its terms in LANES fixed lanes and then a fixed tree, an output dimension adds
  * its keys from key 0 up. The result for a row is then a function of that row's query, keys and
  * values alone: not of the other rows in the step, how many there are, the slot, or how far any key
- * axis is padded. Threads split (row, kv head) items, whose outputs are independent.
+ * axis is padded. Threads split (tile of rows, kv head) items, whose outputs are independent.
  *
  * Keys are stored transposed, [D, L] per (slot, kv head), so one vector holds LANES keys' partial
  * scores and each lane is its own sequential chain over d: the vector code computes exactly what
@@ -22,6 +22,9 @@
 #endif
 
 #define LANES 16  /* keys per score block: a multiple of every vector width the compiler may use */
+#define MAX_GROUP 16  /* query heads per kv head */
+#define MAX_DBLOCKS 16  /* head_dim up to MAX_DBLOCKS * LANES */
+#define ROWS 4  /* query rows of one slot (a prompt chunk) that share each key and value load */
 
 /* LANES floats as one value: the compiler maps it onto whatever vector registers the CPU has (one
  * AVX-512 register, two AVX2 ones, ...). Its arithmetic is lane by lane, so the width never changes
@@ -33,9 +36,6 @@ static inline vlanes load_lanes(const float *p) {
     __builtin_memcpy(&x, p, sizeof x);
     return x;
 }
-#define MAX_GROUP 16  /* query heads per kv head */
-#define MAX_DBLOCKS 16  /* head_dim up to MAX_DBLOCKS * LANES */
-#define ROWS 4  /* query rows of one slot (a prompt chunk) that share each key and value load */
 
 typedef int32_t vlanes_i __attribute__((vector_size(LANES * sizeof(int32_t))));
 
