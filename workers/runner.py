@@ -203,16 +203,18 @@ class ModelRunner:
         # The invariant attention: one native call per layer where a C compiler is found (CPU), else torch
         # ops (workers/batch_invariant.py). The two round differently, so this is part of the fingerprint.
         self.native_attn = native_attention.load() if batch_invariant and self.device.type == "cpu" else None
-        self.attention_kernel = ("native" if self.native_attn else "torch") if batch_invariant else "sdpa"
         # The invariant attention reads whole KEY_BLOCKs of keys, so the cache is that much longer.
         kv_len = bi.padded_keys(max_model_len) if batch_invariant else max_model_len
         kv_shape = (num_slots, self.num_kv_heads, kv_len, self.head_dim)
-        # The native kernel reads keys transposed: [slots, Hkv, D, L].
-        k_shape = (num_slots, self.num_kv_heads, self.head_dim, kv_len) if self.native_attn else kv_shape
         # The invariant attention computes in fp32; a bf16 runner then keeps its (bf16-rounded) keys and
         # values in fp32 too, so no step converts the whole context again in every layer.
         kv_dtype = torch.float32 if batch_invariant else dtype
-        self.k_cache = [torch.zeros(k_shape, dtype=kv_dtype, device=self.device) for _ in range(self.num_layers)]
+        # Every path reads and writes keys as [slots, Hkv, L, D]; for the native kernel that is a view of
+        # keys stored transposed ([slots, Hkv, D, L], contiguous), the layout it reads.
+        k_storage = (num_slots, self.num_kv_heads, self.head_dim, kv_len) if self.native_attn else kv_shape
+        self._k_storage = [torch.zeros(k_storage, dtype=kv_dtype, device=self.device)
+                           for _ in range(self.num_layers)]
+        self.k_cache = [kt.transpose(2, 3) for kt in self._k_storage] if self.native_attn else self._k_storage
         self.v_cache = [torch.zeros(kv_shape, dtype=kv_dtype, device=self.device) for _ in range(self.num_layers)]
         # One row blocking per weight shape (all layers share them), probed with the thread count the
         # steps run with (a library partitions work by thread count too): re-probed if that changes.
@@ -235,6 +237,14 @@ class ModelRunner:
         self._probed_threads = torch.get_num_threads()
 
     @property
+    def attention_kernel(self) -> str:
+        """Which attention this runner uses: ``native`` or ``torch`` (invariant, each its own rounding), or
+        ``sdpa`` (fastest, not invariant)."""
+        if not self.batch_invariant:
+            return "sdpa"
+        return "native" if self.native_attn else "torch"
+
+    @property
     def kv_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache)
 
@@ -246,10 +256,7 @@ class ModelRunner:
         than the prefill it replaces.
         """
         for kc, vc in zip(self.k_cache, self.v_cache):
-            if self.native_attn:
-                kc[dst, :, :, :n] = kc[src, :, :, :n]  # [Hkv, D, n]: keys transposed
-            else:
-                kc[dst, :, :n] = kc[src, :, :n]  # [Hkv, n, D]
+            kc[dst, :, :n] = kc[src, :, :n]  # [Hkv, n, D]
             vc[dst, :, :n] = vc[src, :, :n]
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -333,14 +340,7 @@ class ModelRunner:
             q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D]
             v = qkv[:, (H + Hkv) * D :].view(total, Hkv, D)
             kc, vc = self.k_cache[li], self.v_cache[li]
-            if self.native_attn:  # keys transposed: [slots, Hkv, D, L]
-                if single:
-                    kc[lo, :, :, batch.start_pos[0]] = k[0]  # [Hkv, D]
-                    vc[lo, :, batch.start_pos[0]] = v[0]
-                else:
-                    kc[slot_of_tok, :, :, positions] = k.to(kc.dtype)  # [T, Hkv, D] at (slot, :, :, pos)
-                    vc[slot_of_tok, :, positions] = v.to(vc.dtype)
-            elif single:
+            if single:
                 p0 = batch.start_pos[0]
                 kc[lo, :, p0] = k[0]  # plain slice write, [Hkv, D]
                 vc[lo, :, p0] = v[0]
@@ -348,7 +348,8 @@ class ModelRunner:
                 kc[slot_of_tok, :, positions] = k.to(kc.dtype)  # in-place write, [T, Hkv, D] at (slot, :, pos)
                 vc[slot_of_tok, :, positions] = v.to(vc.dtype)
             if self.native_attn:
-                o = self.native_attn(q.float(), kc, vc, slot_of_tok, nvis, max_kv, D**-0.5)  # [T, H, D] fp32
+                o = self.native_attn(q.float(), self._k_storage[li], vc, slot_of_tok, nvis, max_kv,
+                                     D**-0.5)  # [T, H, D] fp32
                 o = o.reshape(total, H * D).to(self.dtype)
             elif self.batch_invariant:
                 if len(groups) == 1 and groups[0].dense_row0 == 0 and groups[0].tok.numel() == total:
