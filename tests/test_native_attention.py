@@ -5,6 +5,7 @@ The whole forward's invariance with it, and with the torch fallback, is in test_
 from __future__ import annotations
 
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -107,3 +108,19 @@ def test_an_unwritable_cache_falls_back_to_the_torch_ops(tmp_path, monkeypatch):
     finally:
         monkeypatch.undo()
         native_attention.load.cache_clear()
+
+
+def test_threads_calling_the_kernel_at_once_get_their_own_results(kernel):
+    """One kernel object serves every runner in a process; engines stepping in two threads at once must
+    not share its scratch."""
+    gen = torch.Generator().manual_seed(5)
+    kt = torch.randn(4, 3, 64, 512, generator=gen)  # [slots, Hkv, D, L]
+    v = torch.randn(4, 3, 512, 64, generator=gen)
+    calls = [(torch.randn(6, 9, 64, generator=gen), torch.tensor([i % 4] * 6),
+              torch.randint(300, 513, (6,), generator=gen)) for i in range(8)]
+    alone = [kernel(q, kt, v, s, n, int(n.max()), 0.125) for q, s, n in calls]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(
+            lambda c: [kernel(c[0], kt, v, c[1], c[2], int(c[2].max()), 0.125) for _ in range(20)], calls))
+    for a, outs in zip(alone, together):
+        assert all(torch.equal(a, o) for o in outs)

@@ -25,6 +25,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -94,7 +95,7 @@ class NativeAttention:
         fn.argtypes = [p, i64, p, p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float, p, i64, ctypes.c_int]
         fn.restype = ctypes.c_int
         self._fn = fn
-        self._scratch = torch.empty(0)
+        self._local = threading.local()  # scratch per thread: engines in one process may step concurrently
 
     def __call__(
         self,
@@ -118,11 +119,12 @@ class NativeAttention:
         threads = torch.get_num_threads()
         n_pad = -(-max_nvis // LANES) * LANES + 2 * LANES
         need = threads * ROWS * (H // Hkv) * n_pad
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need, dtype=torch.float32)
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None or scratch.numel() < need:
+            scratch = self._local.scratch = torch.empty(need, dtype=torch.float32)
         out = torch.empty(T, H, D, dtype=torch.float32)
         rc = self._fn(q.data_ptr(), q.stride(0), kt_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-                      nvis.data_ptr(), out.data_ptr(), T, H, Hkv, D, L, scale, self._scratch.data_ptr(), n_pad,
+                      nvis.data_ptr(), out.data_ptr(), T, H, Hkv, D, L, scale, scratch.data_ptr(), n_pad,
                       threads)
         if rc != 0:
             raise ValueError(f"attention shapes outside the kernel: T={T} H={H} Hkv={Hkv} D={D} L={L} "
