@@ -77,24 +77,24 @@ def test_runner_reports_its_attention_kernel(tiny_loaded, kernel, monkeypatch):
     assert ModelRunner(tiny_loaded.model, 2, 64, batch_invariant=True).attention_kernel == "native"
     assert ModelRunner(tiny_loaded.model, 2, 64, batch_invariant=False).attention_kernel == "sdpa"
     monkeypatch.setenv(native_attention.ENV_DISABLE, "0")
-    native_attention.load.cache_clear()
+    native_attention.clear_cache()
     try:
         assert ModelRunner(tiny_loaded.model, 2, 64, batch_invariant=True).attention_kernel == "torch"
     finally:
         monkeypatch.undo()
-        native_attention.load.cache_clear()
+        native_attention.clear_cache()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_torch_fallback_is_batch_invariant_too(tiny_loaded, dtype, monkeypatch):
     """Where no compiler is found the runner attends with torch ops: also invariant (other rounding)."""
     monkeypatch.setenv(native_attention.ENV_DISABLE, "0")
-    native_attention.load.cache_clear()
+    native_attention.clear_cache()
     try:
         assert check_forward_invariance(tiny_loaded.model, dtype, length=40, seed=4, max_neighbours=16) > 300
     finally:
         monkeypatch.undo()
-        native_attention.load.cache_clear()
+        native_attention.clear_cache()
 
 
 def test_an_unwritable_cache_falls_back_to_the_torch_ops(tmp_path, monkeypatch):
@@ -102,12 +102,12 @@ def test_an_unwritable_cache_falls_back_to_the_torch_ops(tmp_path, monkeypatch):
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
-    native_attention.load.cache_clear()
+    native_attention.clear_cache()
     try:
         assert native_attention.load() is None
     finally:
         monkeypatch.undo()
-        native_attention.load.cache_clear()
+        native_attention.clear_cache()
 
 
 def test_threads_calling_the_kernel_at_once_get_their_own_results(kernel):

@@ -1,4 +1,5 @@
-"""The batch-invariant attention as one native call per layer (workers/kernels/invariant_attention.c).
+"""The batch-invariant attention as one native call per layer (workers/kernels/invariant_attention.c),
+and the layer's row-wise ops as three more (workers/kernels/invariant_layer.c).
 
 Why: built from torch ops, an invariant attention pads every request's key axis to whole blocks,
 masks, and adds ``P @ V`` block by block: about a dozen small ops per layer where SDPA makes one,
@@ -12,6 +13,10 @@ The kernel is compiled on first use with the machine's C compiler for the machin
 :func:`load` returns ``None`` and the runner keeps the torch implementation
 (workers/batch_invariant.py): also invariant, with other rounding, so every replica of one
 deployment must make the same choice (``/v1/speculation/stats`` reports it as ``attention_kernel``).
+
+The same library holds the residual add + RMSNorm, RoPE + cache write and SiLU * up of a layer
+(:class:`NativeLayerOps`): as torch ops they are ~35 dispatches per layer, which at one row cost
+about as much as the layer's GEMMs. Every output row is a function of its input row alone.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "kernels" / "invariant_attention.c"
+SOURCES = tuple(Path(__file__).parent / "kernels" / f for f in ("invariant_attention.c", "invariant_layer.c"))
 # No -ffast-math: the compiler must neither reassociate a sum nor contract a multiply-add anywhere.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared")
 ENV_DISABLE = "SPECSERVE_NATIVE_ATTENTION"  # "0": always the torch implementation
@@ -54,31 +59,51 @@ def _cache_dir() -> Path:
 
 
 @functools.lru_cache(maxsize=1)
-def load() -> "NativeAttention | None":
-    """The compiled kernel, or ``None`` where it cannot be built (no compiler) or is turned off."""
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernels, or ``None`` where they cannot be built (no compiler) or are turned off."""
     if os.environ.get(ENV_DISABLE, "1") == "0":
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         log.warning("no C compiler: batch-invariant attention runs as torch ops (slower)")
         return None
-    src = SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in SOURCES)
     key = hashlib.sha256(src + " ".join(FLAGS).encode() + cc.encode() + _cpu_key().encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"invariant_attention-{key}.so"
+    lib = _cache_dir() / f"invariant_kernels-{key}.so"
     try:
         if not lib.exists():
             lib.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
                 out = Path(tmp) / lib.name
-                proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
+                proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True)
                 if proc.returncode != 0:
                     log.warning("invariant attention kernel did not compile, using torch ops:\n%s", proc.stderr[-2000:])
                     return None
                 os.replace(out, lib)  # atomic: replicas starting together never load a half-written file
-        return NativeAttention(ctypes.CDLL(str(lib)))
+        return ctypes.CDLL(str(lib))
     except OSError as e:  # an unwritable cache, a library that does not load: the torch ops still work
         log.warning("invariant attention kernel unavailable (%s), using torch ops", e)
         return None
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> "NativeAttention | None":
+    """The attention kernel, or ``None`` where the library cannot be built or is turned off."""
+    dll = _library()
+    return NativeAttention(dll) if dll is not None else None
+
+
+@functools.lru_cache(maxsize=1)
+def load_layer_ops() -> "NativeLayerOps | None":
+    """The layer's row-wise ops, from the same library as :func:`load` (``None`` exactly when it is)."""
+    dll = _library()
+    return NativeLayerOps(dll) if dll is not None else None
+
+
+def clear_cache() -> None:
+    """Forget the loaded library, so the next :func:`load` looks again (tests toggle the environment)."""
+    for f in (_library, load, load_layer_ops):
+        f.cache_clear()
 
 
 LANES = 16  # the kernel's key block (LANES in the C source): the key axis is a multiple of it
@@ -129,4 +154,80 @@ class NativeAttention:
         if rc != 0:
             raise ValueError(f"attention shapes outside the kernel: T={T} H={H} Hkv={Hkv} D={D} L={L} "
                              f"max visible keys {max_nvis}")
+        return out
+
+
+class NativeLayerOps:
+    """A decoder layer's row-wise ops over the compiled kernels (workers/kernels/invariant_layer.c).
+    Tensors are fp32 or bf16 (the model's dtype), contiguous unless said otherwise."""
+
+    def __init__(self, dll: ctypes.CDLL) -> None:
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._rms = dll.rms_norm
+        self._rms.argtypes = [p, p, p, p, i64, i64, ctypes.c_float, i32, i32]
+        self._rope = dll.rope_kv
+        self._rope.argtypes = [p, i64, p, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i32, i32]
+        self._silu = dll.silu_mul
+        self._silu.argtypes = [p, p, i64, i64, i32, i32]
+        for fn in (self._rms, self._rope, self._silu):
+            fn.restype = ctypes.c_int
+
+    @staticmethod
+    def _bf16(*ts: torch.Tensor) -> int:
+        dt = ts[0].dtype
+        if dt not in (torch.float32, torch.bfloat16) or any(t.dtype != dt or not t.is_contiguous() for t in ts):
+            raise ValueError("tensors must be contiguous and all fp32 or all bf16")
+        return int(dt == torch.bfloat16)
+
+    def add_rms_norm(
+        self,
+        h: torch.Tensor,  # [T, n] the residual stream, updated in place when delta is given
+        delta: torch.Tensor | None,  # [T, n] added to h first, or None
+        weight: torch.Tensor,  # [n]
+        out: torch.Tensor,  # [T, n] the normalized rows
+        eps: float,
+    ) -> torch.Tensor:
+        T, n = h.shape
+        bf16 = self._bf16(h, weight, out, *(() if delta is None else (delta,)))
+        if out.shape != h.shape or weight.shape != (n,) or (delta is not None and delta.shape != h.shape):
+            raise ValueError("rms_norm shapes disagree")
+        self._rms(h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                  T, n, eps, bf16, torch.get_num_threads())
+        return out
+
+    def rope_kv(
+        self,
+        qkv: torch.Tensor,  # [T, (H + 2 Hkv) * D] the fused projection
+        positions: torch.Tensor,  # [T] int64
+        slots: torch.Tensor,  # [T] int64
+        cos: torch.Tensor,  # [max_len, D]
+        sin: torch.Tensor,  # [max_len, D]
+        kt_cache: torch.Tensor,  # [slots, Hkv, D, L] fp32: keys written at (slot, :, :, pos), transposed
+        v_cache: torch.Tensor,  # [slots, Hkv, L, D] fp32: values written at (slot, :, pos)
+        num_heads: int,
+    ) -> torch.Tensor:  # [T, H, D] fp32: the rotated queries
+        T = qkv.shape[0]
+        _, Hkv, D, L = kt_cache.shape
+        bf16 = self._bf16(qkv, cos, sin)
+        if qkv.shape[1] != (num_heads + 2 * Hkv) * D or cos.shape[1] != D or sin.shape != cos.shape:
+            raise ValueError("rope_kv shapes disagree")
+        if not (kt_cache.is_contiguous() and v_cache.is_contiguous()
+                and kt_cache.dtype == v_cache.dtype == torch.float32):
+            raise ValueError("the key and value caches must be contiguous fp32")
+        if not (positions.dtype == slots.dtype == torch.int64 and positions.is_contiguous() and slots.is_contiguous()):
+            raise ValueError("positions and slots must be contiguous int64")
+        q = torch.empty(T, num_heads, D, dtype=torch.float32)
+        rc = self._rope(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), slots.data_ptr(), cos.data_ptr(),
+                        sin.data_ptr(), q.data_ptr(), kt_cache.data_ptr(), v_cache.data_ptr(), T, num_heads, Hkv,
+                        D, L, cos.shape[0], bf16, torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"rope_kv: a position outside 0..{min(L, cos.shape[0]) - 1} or head_dim {D} unsupported")
+        return q
+
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """``[T, 2 I]`` (gate, up) -> ``[T, I]`` silu(gate) * up."""
+        T, two_i = gu.shape
+        bf16 = self._bf16(gu)
+        out = torch.empty(T, two_i // 2, dtype=gu.dtype)
+        self._silu(gu.data_ptr(), out.data_ptr(), T, two_i // 2, bf16, torch.get_num_threads())
         return out

@@ -203,6 +203,9 @@ class ModelRunner:
         # The invariant attention: one native call per layer where a C compiler is found (CPU), else torch
         # ops (workers/batch_invariant.py). The two round differently, so this is part of the fingerprint.
         self.native_attn = native_attention.load() if batch_invariant and self.device.type == "cpu" else None
+        # With it come the layer's row-wise ops (residual + RMSNorm, RoPE + cache write, SiLU * up) as
+        # three native calls, where torch makes ~35 small ones (workers/kernels/invariant_layer.c).
+        self.native_ops = native_attention.load_layer_ops() if self.native_attn else None
         # The invariant attention reads whole KEY_BLOCKs of keys, so the cache is that much longer.
         kv_len = bi.padded_keys(max_model_len) if batch_invariant else max_model_len
         kv_shape = (num_slots, self.num_kv_heads, kv_len, self.head_dim)
@@ -332,7 +335,9 @@ class ModelRunner:
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
 
         h = self.embed[flat_ids]  # [T, hidden]
-        for li, L in enumerate(self.layers):
+        if self.native_ops:
+            h = self._layers_native(h, positions, slot_of_tok, max_kv)
+        for li, L in enumerate(self.layers if not self.native_ops else ()):
             x = self._rms_norm(h, L["in_norm"])
             qkv = self._linear(x, L, "qkv")  # [T, (H + 2 Hkv) * D]
             qk = qkv[:, : (H + Hkv) * D].view(total, H + Hkv, D)
@@ -400,6 +405,27 @@ class ModelRunner:
             )  # [M']
             extra = self._rms_norm(h[hrows], self.final_norm)  # [M', hidden]
         return StepOutput(logits=self._lm_head(hs), hidden=hs, extra_hidden=extra)
+
+    def _layers_native(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, max_kv: int) -> torch.Tensor:
+        """Every decoder layer with the native row-wise ops and attention; the GEMMs stay oneDNN's.
+
+        Each residual add is fused into the RMSNorm after it, so ``h`` is updated in place there.
+        """
+        # h: [T, hidden] (a fresh tensor, never the embedding table) -> [T, hidden]
+        ops, H, D = self.native_ops, self.num_heads, self.head_dim
+        x = torch.empty_like(h)  # [T, hidden] the normalized rows each GEMM reads
+        nvis = positions + 1  # [T] keys each query row sees
+        delta = None
+        for li, L in enumerate(self.layers):
+            ops.add_rms_norm(h, delta, L["in_norm"], x, self.eps)
+            qkv = self._linear(x, L, "qkv")  # [T, (H + 2 Hkv) * D]
+            q = ops.rope_kv(qkv, positions, slots, self.cos, self.sin, self._k_storage[li], self.v_cache[li], H)
+            o = self.native_attn(q, self._k_storage[li], self.v_cache[li], slots, nvis, max_kv, D**-0.5)  # [T, H, D] fp32
+            delta = self._linear(o.view(-1, H * D).to(self.dtype), L, "o")  # [T, hidden]
+            ops.add_rms_norm(h, delta, L["post_norm"], x, self.eps)
+            gu = self._linear(x, L, "gate_up")  # [T, 2 * inter]
+            delta = self._linear(ops.silu_mul(gu), L, "down")  # [T, hidden]
+        return h + delta
 
     def _attention_groups(
         self, batch: StepBatch, num_new: list[int], offsets: list[int], pad_keys: bool = False

@@ -1,0 +1,195 @@
+/* The elementwise and row-wise ops of a decoder layer, fused, on the CPU: residual add + RMSNorm,
+ * RoPE + the key/value cache write, and SiLU(gate) * up.
+ *
+ * Why: built from torch ops these are ~35 small calls per layer, and a one-row decode step then
+ * spends about as long dispatching them as streaming every weight through the GEMMs. Here they are
+ * three calls per layer.
+ *
+ * Every output element is a function of its own row alone, computed in one fixed order: the sum of
+ * squares of RMSNorm adds its columns in LANES fixed lanes and then a fixed tree, and every other
+ * value is elementwise. A row's result does not depend on how many rows the call holds, on the
+ * vector width, or on which rows a thread takes. Values are stored in the model's dtype (fp32 or
+ * bf16, as uint16 rounded to nearest even, as torch rounds) after each op torch would round after,
+ * so results stay close to the torch ops' (not bit-equal: exp differs).
+ *
+ * Built with invariant_attention.c into one library (workers/native_attention.py), with
+ * -ffp-contract=off and without -ffast-math.
+ */
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define LANES 16
+
+typedef float vlanes __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t vlanes_i __attribute__((vector_size(LANES * sizeof(int32_t))));
+typedef uint32_t vlanes_u __attribute__((vector_size(LANES * sizeof(uint32_t))));
+typedef uint16_t vlanes_h __attribute__((vector_size(LANES * sizeof(uint16_t))));
+
+/* bf16 <-> fp32, round to nearest even, NaN kept quiet: the rounding torch's BFloat16 does. */
+static inline vlanes from_bf16(vlanes_h h) {
+    return (vlanes)(__builtin_convertvector(h, vlanes_u) << 16);
+}
+
+static inline vlanes_h to_bf16(vlanes x) {
+    const vlanes_u u = (vlanes_u)x;
+    const vlanes_u nan = (vlanes_u)((u & 0x7fffffffu) > 0x7f800000u);
+    const vlanes_u r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return __builtin_convertvector((nan & ((u >> 16) | 0x40u)) | (~nan & r), vlanes_h);
+}
+
+/* The value x would hold once stored in the model's dtype. */
+static inline vlanes round_to(vlanes x, int bf16) { return bf16 ? from_bf16(to_bf16(x)) : x; }
+
+/* LANES values from p[i ..], or the first n of them (the rest 0) at a row's end. */
+static inline vlanes load(const void *p, int64_t i, int n, int bf16) {
+    if (bf16) {
+        vlanes_h h = {0};
+        __builtin_memcpy(&h, (const uint16_t *)p + i, (size_t)n * sizeof(uint16_t));
+        return from_bf16(h);
+    }
+    vlanes x = {0};
+    __builtin_memcpy(&x, (const float *)p + i, (size_t)n * sizeof(float));
+    return x;
+}
+
+static inline void store(void *p, int64_t i, vlanes x, int n, int bf16) {
+    if (bf16) {
+        const vlanes_h h = to_bf16(x);
+        __builtin_memcpy((uint16_t *)p + i, &h, (size_t)n * sizeof(uint16_t));
+    } else {
+        __builtin_memcpy((float *)p + i, &x, (size_t)n * sizeof(float));
+    }
+}
+
+/* exp(x) for x <= 0, lane by lane: the same polynomial as the attention kernel's, flushed to 0
+ * below -87 (where fp32 would go subnormal). */
+static inline vlanes exp_nonpos(vlanes x) {
+    const vlanes lo = (vlanes){0} - 87.0f;
+    const vlanes_i below = x < lo;
+    x = (vlanes)(((vlanes_i)lo & below) | ((vlanes_i)x & ~below));
+    const vlanes_i ki = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vlanes_i);
+    const vlanes kf = __builtin_convertvector(ki, vlanes);
+    vlanes r = x - kf * 0.693359375f;
+    r = r - kf * -2.12194440e-4f;
+    vlanes p = (vlanes){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    return (vlanes)((vlanes_i)(p * (vlanes)((ki + 127) << 23)) & ~below);
+}
+
+#define CHUNK(n, j) ((n) - (j) < LANES ? (int)((n) - (j)) : LANES)
+
+/* h: [T, n]. If delta is given, h += delta first (in place, rounded to the dtype). Then
+ * out = w * dtype(h * rsqrt(mean(h^2) + eps)), with mean(h^2) summed in fp32: HF's LlamaRMSNorm. */
+int rms_norm(void *h, const void *delta, const void *w, void *out, int64_t T, int64_t n, float eps, int bf16,
+             int nthreads) {
+    if (T < 0 || n <= 0) return -1;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T * n >= 65536)
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t row = t * n;
+        vlanes ss = {0};
+        for (int64_t j = 0; j < n; j += LANES) {
+            const int c = CHUNK(n, j);
+            vlanes x = load(h, row + j, c, bf16);
+            if (delta) {
+                x = round_to(x + load(delta, row + j, c, bf16), bf16);
+                store(h, row + j, x, c, bf16);
+            }
+            ss = ss + x * x;  /* lanes past the row's end add 0 */
+        }
+        float acc[LANES];
+        __builtin_memcpy(acc, &ss, sizeof acc);
+        for (int k = LANES / 2; k > 0; k /= 2)
+            for (int l = 0; l < k; l++) acc[l] = acc[l] + acc[l + k];
+        const float r = 1.0f / sqrtf(acc[0] / (float)n + eps);
+        for (int64_t j = 0; j < n; j += LANES) {
+            const int c = CHUNK(n, j);
+            const vlanes y = round_to(load(h, row + j, c, bf16) * r, bf16);
+            store(out, row + j, load(w, j, c, bf16) * y, c, bf16);
+        }
+    }
+    return 0;
+}
+
+/* RoPE on the query and key heads of a fused qkv projection, as HF's rotate_half form:
+ * y = x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype.
+ * qkv: [T, (H + 2 Hkv) * D] with row stride qkv_stride. pos, slot: [T]. cos, sin: [max_len, D].
+ * Returns -1 (nothing written) if a position lies outside the tables or the cache.
+ * Writes q_out [T, H, D] (fp32), keys into kt [slots, Hkv, D, L] (transposed) and values into
+ * v [slots, Hkv, L, D], both fp32, at (slot, head, pos). */
+int rope_kv(const void *qkv, int64_t qkv_stride, const int64_t *pos, const int64_t *slot, const void *cos,
+            const void *sin, float *q_out, float *kt, float *v, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+            int64_t L, int64_t max_len, int bf16, int nthreads) {
+    if (D % 2 || D > 1024 || Hkv <= 0) return -1;
+    for (int64_t t = 0; t < T; t++)
+        if (pos[t] < 0 || pos[t] >= L || pos[t] >= max_len) return -1;
+    const int64_t half = D / 2;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T >= 64)
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t p = pos[t], row = t * qkv_stride;
+        float c[1024], s[1024], x[1024], y[1024];
+        for (int64_t d = 0; d < D; d += LANES) {
+            const int n = CHUNK(D, d);
+            store(c, d, load(cos, p * D + d, n, bf16), n, 0);
+            store(s, d, load(sin, p * D + d, n, bf16), n, 0);
+        }
+        for (int64_t hh = 0; hh < H + Hkv; hh++) {
+            for (int64_t d = 0; d < D; d += LANES) {
+                const int n = CHUNK(D, d);
+                store(x, d, load(qkv, row + hh * D + d, n, bf16), n, 0);
+            }
+            for (int64_t d = 0; d < D; d += LANES) {
+                const int n = CHUNK(D, d);
+                vlanes rot;
+                for (int l = 0; l < LANES; l++) {
+                    const int64_t e = d + l < D ? d + l : 0;
+                    rot[l] = e < half ? -x[e + half] : x[e - half];
+                }
+                const vlanes a = round_to(load(x, d, n, 0) * load(c, d, n, 0), bf16);
+                const vlanes b = round_to(rot * load(s, d, n, 0), bf16);
+                store(y, d, round_to(a + b, bf16), n, 0);
+            }
+            if (hh < H) {
+                __builtin_memcpy(q_out + (t * H + hh) * D, y, (size_t)D * sizeof(float));
+            } else {
+                float *k = kt + ((slot[t] * Hkv + (hh - H)) * D) * L + p;
+                for (int64_t d = 0; d < D; d++) k[d * L] = y[d];
+            }
+        }
+        for (int64_t g = 0; g < Hkv; g++) {
+            float *dst = v + ((slot[t] * Hkv + g) * L + p) * D;
+            for (int64_t d = 0; d < D; d += LANES) {
+                const int n = CHUNK(D, d);
+                store(dst, d, load(qkv, row + (H + Hkv + g) * D + d, n, bf16), n, 0);
+            }
+        }
+    }
+    return 0;
+}
+
+/* gu: [T, 2 I] (gate then up, as the fused gate_up projection writes them). out: [T, I] =
+ * dtype(dtype(silu(gate)) * up), silu(x) = x / (1 + exp(-x)) computed from exp(-|x|), which never
+ * overflows. */
+int silu_mul(const void *gu, void *out, int64_t T, int64_t I, int bf16, int nthreads) {
+    if (T < 0 || I <= 0) return -1;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T * I >= 65536)
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t j = 0; j < I; j += LANES) {
+            const int n = CHUNK(I, j);
+            const vlanes g = load(gu, t * 2 * I + j, n, bf16);
+            const vlanes u = load(gu, t * 2 * I + I + j, n, bf16);
+            const vlanes e = exp_nonpos((vlanes)((vlanes_u)g | 0x80000000u));  /* exp(-|g|) */
+            const vlanes_i pos = g >= 0.0f;
+            const vlanes num = (vlanes)((pos & (vlanes_i)g) | (~pos & (vlanes_i)(g * e)));
+            const vlanes sg = round_to(num / (1.0f + e), bf16);
+            store(out, t * I + j, sg * u, n, bf16);
+        }
+    }
+    return 0;
+}
