@@ -176,6 +176,8 @@ class Ingress:
         rt.on_route(route, t_route)
         payload = {"request_id": rid, "prompt_ids": prompt_ids, "params": params,
                    "proposer": req.proposer, "speculation": req.speculation}
+        if route.get("policy_version") is not None:
+            payload["policy_version"] = route["policy_version"]  # the target runs it under at least this policy
         carrier = rt.carrier()
         if carrier:
             payload["trace_context"] = carrier  # W3C traceparent: the target's spans join this trace

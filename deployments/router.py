@@ -78,7 +78,7 @@ class Router:
         """The replica for a new request (never ``exclude``: one that just failed it) and its expected path."""
         fresh = {r: v for r, v in self._fresh().items() if r != exclude}
         if not fresh:
-            return {"replica_id": None, "path": "unknown", "k": None, "load_age_s": None}
+            return {"replica_id": None, "path": "unknown", "k": None, "load_age_s": None, "policy_version": self.version}
         rid = self.pick(fresh)
         at, snap = fresh[rid]
         self.assigned[rid] = self.assigned.get(rid, 0) + 1
@@ -86,7 +86,14 @@ class Router:
         s.decoding += self.assigned[rid]  # as if this request and the others sent since the report were running
         k = self.policy.decide(s, [SpecCandidate("route", proposer or "default", speculation, k_max)])[0]
         self.route_decisions.add(1, {"path": "spec" if k > 0 else "plain", "k": str(k)})
-        return {"replica_id": rid, "path": "spec" if k > 0 else "plain", "k": k, "load_age_s": time.time() - at}
+        return {"replica_id": rid, "path": "spec" if k > 0 else "plain", "k": k, "load_age_s": time.time() - at,
+                "policy_version": self.version}
+
+    def policy(self) -> dict[str, Any]:
+        """The live policy and its version: a target handed a request routed under a newer version than
+        its own fetches it here before admitting the request (an idle target reports, and so learns of
+        a change, only every heartbeat)."""
+        return {"version": self.version, "policy": self.user_config.policy_dump()}
 
     def load(self, replica_id: str, snap: dict[str, Any]) -> float:
         """Requests in the replica's engine and routed to it since its report, plus its KV share in use."""

@@ -147,14 +147,28 @@ class TargetWorker:
                     continue
                 last_key, last_sent = key, time.monotonic()
                 answer = await self.router.report.remote(self.replica_id, snap.as_dict(), self.policy_version)
-                if answer and answer.get("version", -1) != self.policy_version:
-                    self.policy = self._make_policy(answer["policy"])
-                    self.policy_version = answer["version"]
+                if answer:
+                    self._apply_policy(answer)
             except asyncio.CancelledError:
                 raise
             except Exception:  # the router restarting must not take the engine down
                 log.warning("load report to the router failed", exc_info=True)
             await asyncio.sleep(interval)
+
+    def _apply_policy(self, answer: dict[str, Any]) -> None:
+        if answer.get("version", -1) != self.policy_version:  # != : a restarted Router counts from 0 again
+            self.policy = self._make_policy(answer["policy"])
+            self.policy_version = answer["version"]
+
+    async def _catch_up_policy(self, version: int | None) -> None:
+        """Before admitting a request routed under policy ``version``, fetch that policy if this replica
+        has not seen it yet: a request sent after ``serve deploy`` returns runs under the new policy."""
+        if version is None or version <= self.policy_version:
+            return
+        try:
+            self._apply_policy(await self.router.policy.remote())
+        except Exception:  # the Router restarting: the request runs under the policy this replica has
+            log.warning("could not fetch policy version %s from the router", version, exc_info=True)
 
     async def generate(self, request: dict[str, Any], replica_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
         """Stream output chunks as dicts; an invalid request yields one ``{"error": ...}`` chunk.
@@ -165,6 +179,7 @@ class TargetWorker:
         parent = self.telemetry.trace_parent(request.get("trace_context"))
         start_ns = time.time_ns() if parent is not None else 0
         finish_reason = "abort"
+        await self._catch_up_policy(request.get("policy_version"))
         try:
             async for o in self.engine.generate(
                 request["request_id"],
