@@ -40,8 +40,9 @@ class EngineConfig(BaseModel):
         True,
         description="Kernels whose result for a position does not depend on the rest of the step (rows fed, "
         "neighbours, slot, prefix-cache hit): output is then bit-identical with speculation on or off, alone or "
-        "in any batch (workers/batch_invariant.py). False keeps the fastest kernels, whose rounding depends on "
-        "the batch (greedy bf16 output then changes with load).",
+        "in any batch (workers/batch_invariant.py). False runs the library's kernels as chosen by shape (SDPA, "
+        "whole-prompt GEMMs, torch row-wise ops), whose rounding depends on the batch (greedy bf16 output then "
+        "changes with load): faster prefill, but on a CPU where the native kernels build, slower decode.",
     )
     verification: Literal["coupled", "rejection"] = Field(
         "coupled",

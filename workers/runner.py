@@ -116,7 +116,7 @@ class ModelRunner:
         """``head_rows``: compute logits only for these vocabulary rows (a draft model's trained
         vocabulary); ``StepOutput.logits`` then has ``len(head_rows)`` columns, in that order.
         ``batch_invariant``: every position's logits and hidden states are bit-identical whatever
-        else the step holds (workers/batch_invariant.py); ``False`` keeps the fastest kernels."""
+        else the step holds (workers/batch_invariant.py); ``False`` runs the library's kernels as chosen by shape."""
         if cpu_gemm not in ("onednn", "mkl"):
             raise ValueError(f"cpu_gemm must be 'onednn' or 'mkl', got {cpu_gemm!r}")
         cfg = hf_model.config
@@ -242,7 +242,7 @@ class ModelRunner:
     @property
     def attention_kernel(self) -> str:
         """Which attention this runner uses: ``native`` or ``torch`` (invariant, each its own rounding), or
-        ``sdpa`` (fastest, not invariant)."""
+        ``sdpa`` (the library's, not invariant)."""
         if not self.batch_invariant:
             return "sdpa"
         return "native" if self.native_attn else "torch"

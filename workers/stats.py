@@ -187,7 +187,7 @@ class LoadSnapshot:
     timestamp: float = 0.0  # time.time() when taken
     dtype: str = ""  # the engine's resolved dtype ("float32" / "bfloat16")
     batch_invariant: bool = False  # whether its kernels make output a pure function of the request
-    attention_kernel: str = ""  # "native" / "torch" (invariant, each its own rounding) or "sdpa" (fastest)
+    attention_kernel: str = ""  # "native" / "torch" (invariant, each its own rounding) or "sdpa" (not invariant)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
