@@ -37,7 +37,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "kernels" / f for f in ("invariant_attention.c", "invariant_layer.c"))
+_KERNELS = Path(__file__).parent / "kernels"
+SOURCES = (_KERNELS / "invariant_attention.c", _KERNELS / "invariant_layer.c")
+HEADERS = (_KERNELS / "vec_math.h",)  # included by the sources: part of the cache key, not of the command
 # No -ffast-math: the compiler must neither reassociate a sum nor contract a multiply-add anywhere.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared")
 ENV_DISABLE = "SPECSERVE_NATIVE_ATTENTION"  # "0": always the torch implementation
@@ -67,7 +69,7 @@ def _library() -> ctypes.CDLL | None:
     if cc is None:
         log.warning("no C compiler: batch-invariant attention runs as torch ops (slower)")
         return None
-    src = b"".join(p.read_bytes() for p in SOURCES)
+    src = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
     key = hashlib.sha256(src + " ".join(FLAGS).encode() + cc.encode() + _cpu_key().encode()).hexdigest()[:16]
     lib = _cache_dir() / f"invariant_kernels-{key}.so"
     try:

@@ -26,39 +26,7 @@
 #define MAX_DBLOCKS 16  /* head_dim up to MAX_DBLOCKS * LANES */
 #define ROWS 4  /* query rows of one slot (a prompt chunk) that share each key and value load */
 
-/* LANES floats as one value: the compiler maps it onto whatever vector registers the CPU has (one
- * AVX-512 register, two AVX2 ones, ...). Its arithmetic is lane by lane, so the width never changes
- * a result; it keeps the accumulators in registers where plain arrays would go through memory. */
-typedef float vlanes __attribute__((vector_size(LANES * sizeof(float))));
-
-static inline vlanes load_lanes(const float *p) {
-    vlanes x;
-    __builtin_memcpy(&x, p, sizeof x);
-    return x;
-}
-
-typedef int32_t vlanes_i __attribute__((vector_size(LANES * sizeof(int32_t))));
-
-/* exp(x) for x <= 0, lane by lane (Cody-Waite reduction, Cephes' degree-6 polynomial), in vector
- * arithmetic only: every lane computes the same function, so a key's weight never depends on the
- * lane it falls in. Lanes past a row's keys compute garbage that is never read. */
-static inline vlanes exp_nonpos(vlanes x) {
-    const vlanes lo = (vlanes){0} - 87.0f;
-    const vlanes_i below = x < lo;
-    x = (vlanes)(((vlanes_i)lo & below) | ((vlanes_i)x & ~below));
-    const vlanes_i ki = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vlanes_i);  /* nearest, x <= 0 */
-    const vlanes kf = __builtin_convertvector(ki, vlanes);
-    vlanes r = x - kf * 0.693359375f;
-    r = r - kf * -2.12194440e-4f;
-    vlanes p = (vlanes){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    return p * (vlanes)((ki + 127) << 23);
-}
+#include "vec_math.h"
 
 /* A tile: R query rows of one slot (R = 1, or ROWS for rows of a prompt chunk, which share their
  * keys) times the G query heads of one kv head, against the slot's first n[r] keys each.

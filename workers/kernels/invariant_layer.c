@@ -22,8 +22,8 @@
 
 #define LANES 16
 
-typedef float vlanes __attribute__((vector_size(LANES * sizeof(float))));
-typedef int32_t vlanes_i __attribute__((vector_size(LANES * sizeof(int32_t))));
+#include "vec_math.h"
+
 typedef uint32_t vlanes_u __attribute__((vector_size(LANES * sizeof(uint32_t))));
 typedef uint16_t vlanes_h __attribute__((vector_size(LANES * sizeof(uint16_t))));
 
@@ -63,24 +63,9 @@ static inline void store(void *p, int64_t i, vlanes x, int n, int bf16) {
     }
 }
 
-/* exp(x) for x <= 0, lane by lane: the same polynomial as the attention kernel's, flushed to 0
- * below -87 (where fp32 would go subnormal). */
-static inline vlanes exp_nonpos(vlanes x) {
-    const vlanes lo = (vlanes){0} - 87.0f;
-    const vlanes_i below = x < lo;
-    x = (vlanes)(((vlanes_i)lo & below) | ((vlanes_i)x & ~below));
-    const vlanes_i ki = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vlanes_i);
-    const vlanes kf = __builtin_convertvector(ki, vlanes);
-    vlanes r = x - kf * 0.693359375f;
-    r = r - kf * -2.12194440e-4f;
-    vlanes p = (vlanes){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    return (vlanes)((vlanes_i)(p * (vlanes)((ki + 127) << 23)) & ~below);
+/* exp(x) for x <= 0, flushed to 0 below -87 (where fp32 would go subnormal). */
+static inline vlanes exp_nonpos_flushed(vlanes x) {
+    return (vlanes)((vlanes_i)exp_nonpos(x) & ~(x < -87.0f));
 }
 
 #define CHUNK(n, j) ((n) - (j) < LANES ? (int)((n) - (j)) : LANES)
@@ -184,7 +169,7 @@ int silu_mul(const void *gu, void *out, int64_t T, int64_t I, int bf16, int nthr
             const int n = CHUNK(I, j);
             const vlanes g = load(gu, t * 2 * I + j, n, bf16);
             const vlanes u = load(gu, t * 2 * I + I + j, n, bf16);
-            const vlanes e = exp_nonpos((vlanes)((vlanes_u)g | 0x80000000u));  /* exp(-|g|) */
+            const vlanes e = exp_nonpos_flushed((vlanes)((vlanes_u)g | 0x80000000u));  /* exp(-|g|) */
             const vlanes_i pos = g >= 0.0f;
             const vlanes num = (vlanes)((pos & (vlanes_i)g) | (~pos & (vlanes_i)(g * e)));
             const vlanes sg = round_to(num / (1.0f + e), bf16);
