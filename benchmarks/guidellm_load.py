@@ -17,6 +17,12 @@ ingress, the Router, the draft worker, Ray's daemons, and guidellm), in cores: o
 the cores the engine keeps bound what the service can read against the engine in process, which
 has both to itself and no client beside it.
 
+3. Unless ``--no-beside-client``: the in-process loop once more at each level, with processes
+   beside it that burn as many cores as guidellm itself used at that level over HTTP (10 ms duty
+   cycles, normal priority). That is what a server costing nothing could read on these cores with
+   this client beside it: where a goal fails there too, the client's share of 2 cores is enough to
+   miss it, whatever the serving path does.
+
 Prints TTFT p50/p99, ITL p50/p99 (guidellm's: (latency - TTFT) / (tokens - 1) per request),
 output tok/s and the HTTP / in-process ratio per level, and checks the serving goals; writes
 benchmarks/results/guidellm_load.{json,png}. Both halves run on the same machine in one run; the
@@ -126,6 +132,26 @@ def run_engine(engine: LLMEngine, streams: int, seconds: float, prompt_tokens: i
             "tok_s": res.steady_tok_s or res.tok_s, "num_requests": len(kept), "num_errors": 0}
 
 
+_BURN = """import sys, time
+duty = float(sys.argv[1])
+while True:
+    t = time.perf_counter()
+    while time.perf_counter() - t < 0.01 * duty:
+        pass
+    time.sleep(0.01 * (1 - duty))
+"""
+
+
+def burn_cores(cores: float) -> list[subprocess.Popen]:
+    """Processes that keep ``cores`` CPUs busy between them (one per whole core), as a client would."""
+    procs = []
+    while cores > 0.01:
+        duty = min(cores, 1.0)
+        cores -= duty
+        procs.append(subprocess.Popen([sys.executable, "-c", _BURN, str(duty)]))
+    return procs
+
+
 def goals(http: dict[int, dict[str, Any]], engine: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """The serving goals at 16 streams, each with its measured value and whether it holds."""
     out: dict[str, Any] = {}
@@ -156,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                          "wave of simultaneous arrivals); the in-process run leaves out its first wave too")
     ap.add_argument("--skip-http", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--no-beside-client", action="store_true",
+                    help="skip the in-process run beside processes burning guidellm's measured cores")
     ap.add_argument("--out", default=str(RESULTS_DIR / "guidellm_load"))
     args = ap.parse_args(argv)
     levels = [int(s) for s in args.streams.split(",")]
@@ -163,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(cfg.engine.model)
     http: dict[int, dict[str, Any]] = {}
     engine_res: dict[int, dict[str, Any]] = {}
+    beside: dict[int, dict[str, Any]] = {}  # in process, beside the client's measured CPU
     with tempfile.TemporaryDirectory() as tmp:
         tok_dir = Path(tmp) / "tokenizer"
         loaded.tokenizer.save_pretrained(tok_dir)
@@ -199,6 +228,18 @@ def main(argv: list[str] | None = None) -> int:
                 engine_res[c] = run_engine(eng, c, args.seconds, args.prompt_tokens, args.output_tokens, seed=c,
                                            warmup=args.warmup)
                 print(f"  engine c={c}: {engine_res[c]}", flush=True)
+            for c in progress([c for c in levels if c in http] if not args.no_beside_client else [],
+                              desc="engine beside the client's CPU", unit="level"):
+                burners = burn_cores(http[c]["client_cpu_cores"])
+                try:
+                    beside[c] = run_engine(eng, c, args.seconds, args.prompt_tokens, args.output_tokens, seed=c,
+                                           warmup=args.warmup)
+                finally:
+                    for b in burners:
+                        b.kill()
+                        b.wait()
+                beside[c]["client_cpu_cores"] = http[c]["client_cpu_cores"]
+                print(f"  engine beside {http[c]['client_cpu_cores']:.2f} client cores, c={c}: {beside[c]}", flush=True)
 
     rows = []
     for c in levels:
@@ -206,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"streams": c, "http": h, "engine": e,
                      "tok_s_http/engine": h["tok_s"] / e["tok_s"] if h and e else None})
     result = {"env": env_info(), "args": vars(args), "service": cfg.model_dump(mode="json"), "rows": rows,
-              "goals": goals(http, engine_res)}
+              "goals": goals(http, engine_res), "engine_beside_client": beside,
+              # the goals for a server that costs nothing, with guidellm's CPU beside it
+              "goals_costless_server": goals(beside, engine_res) if beside else {}}
     print(f"\n{'streams':>7} | {'TTFT p50/p99 ms (HTTP)':>24} | {'ITL p50/p99 ms (HTTP)':>22} | {'tok/s HTTP':>10} | "
           f"{'TTFT p50/p99 (eng)':>19} | {'ITL p50/p99 (eng)':>18} | {'tok/s eng':>9} | HTTP/eng")
     for r in rows:
@@ -225,15 +268,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"c={c}: the target replica used {cpu.get('target replica', 0.0):.2f} cores, the rest of the service "
                   f"{sum(v for k, v in cpu.items() if k != 'target replica'):.2f}, guidellm itself "
                   f"{http[c]['client_cpu_cores']:.2f}")
+    for c, b in beside.items():
+        print(f"c={c} in process beside {b['client_cpu_cores']:.2f} burnt client cores: TTFT p99 "
+              f"{b['ttft_p99_ms']:.0f} ms, ITL p50 {b['itl_p50_ms']:.0f} ms, {b['tok_s']:.1f} tok/s")
     for k, g in result["goals"].items():
-        print(f"goal {k}: {g['value']} {'met' if g['met'] else 'NOT met'}")
+        bound = result["goals_costless_server"].get(k)
+        print(f"goal {k}: {g['value']} {'met' if g['met'] else 'NOT met'}"
+              + (f"  (a server costing nothing, beside the client's CPU: {bound['value']}"
+                 f" {'met' if bound['met'] else 'NOT met'})" if bound else ""))
     out = Path(args.out)
     write_json(out.with_suffix(".json"), result)
     fig, axes = figure(ncols=3, width=5.5)
     for ax, key, label in zip(axes, ["ttft_p99_ms", "itl_p50_ms", "tok_s"],
                               ["TTFT p99 (ms)", "ITL p50 (ms)", "output tok/s"]):
         series = {name: [(d.get(c) or {}).get(key) for c in levels]
-                  for name, d in [("HTTP (guidellm)", http), ("engine in process", engine_res)] if d}
+                  for name, d in [("HTTP (guidellm)", http), ("engine in process", engine_res),
+                                  ("in process beside the client's CPU", beside)] if d}
         line_panel(ax, levels, series, title=label, xlabel="concurrent streams", ylabel=label)
     save_figure(fig, out.with_suffix(".png"), suptitle=f"guidellm {args.prompt_tokens} in / {args.output_tokens} out, "
                 f"{env_info().get('cpu', '')}")
