@@ -19,6 +19,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from cluster.config import DRAFT_WORKER_PROPOSERS, AppConfig
+from deployments.calls import within
 from deployments.target_telemetry import TargetTelemetry
 from policies.registry import make_policy
 from workers.cost_model import StepCostModel
@@ -162,12 +163,16 @@ class TargetWorker:
 
     async def _catch_up_policy(self, version: int | None) -> None:
         """Before admitting a request routed under policy ``version``, fetch that policy if this replica
-        has not seen it yet: a request sent after ``serve deploy`` returns runs under the new policy."""
+        has not seen it yet: a request sent after ``serve deploy`` returns runs under the new policy.
+        Bounded by ``router.route_timeout_s`` like the route itself, so the Router is never on a
+        request's failure path; a request the Router did not route (it was slow) carries no version."""
         if version is None or version <= self.policy_version:
             return
+        resp = self.router.policy.remote()
         try:
-            self._apply_policy(await self.router.policy.remote())
-        except Exception:  # the Router restarting: the request runs under the policy this replica has
+            self._apply_policy(await within(resp, self.cfg.router.route_timeout_s))
+        except Exception:  # slow or restarting: the request runs under the policy this replica has
+            resp.cancel()
             log.warning("could not fetch policy version %s from the router", version, exc_info=True)
 
     async def generate(self, request: dict[str, Any], replica_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
@@ -248,8 +253,8 @@ class TargetWorker:
         the tokens fed, the seconds taken, the decoding requests of a prefill-free step, and the
         policy's reasons (``why``: :meth:`Policy.step_detail`, e.g. goodput's prediction per K)."""
         def collect(e: LLMEngine) -> dict[str, Any]:  # in the engine thread, which owns both
-            return {"policy": self.policy.state(),
-                    "steps": list(self._trace)}
+            return {"policy": self.policy.state(), "policy_name": self.policy.name,
+                    "policy_version": self.policy_version, "steps": list(self._trace)}
 
         return {"replica_id": self.replica_id, **await self.engine.call(collect)}
 

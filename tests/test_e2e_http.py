@@ -253,13 +253,16 @@ def test_live_policy_reconfigure_without_restart(cluster, client):
 
 
 def _wait_policy(cluster, name: str, timeout_s: float = 60) -> None:
+    """Until the Router and the target run ``name`` (a target fetches a newer policy before admitting a
+    request the Router routed, and otherwise with its next load report)."""
     import time
 
     t0 = time.time()
     while time.time() - t0 < timeout_s:
-        if cluster.stats()["policy"]["name"] == name:
-            return  # no wait for a load report: a target fetches a newer policy before admitting a request
-        time.sleep(0.3)
+        if (cluster.stats()["policy"]["name"] == name
+                and cluster.call("TargetWorker", "policy_trace")["policy_name"] == name):
+            return
+        time.sleep(0.1)
     raise TimeoutError(f"policy {name} not applied")
 
 
