@@ -11,11 +11,13 @@ import httpx
 import openai
 import psutil
 import pytest
+import torch
 
 from cluster import cpu_priority
 from cluster.local_cluster import LocalCluster
 from cluster.serve_env import SERVE_ENV
 from tests.e2e_helpers import started
+from workers.hardware import resolve_dtype
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -44,6 +46,7 @@ def test_models_and_health(cluster, client):
     assert httpx.get(f"{cluster.base_url}/health").status_code == 200
     (replica,) = cluster.stats()["replicas"].values()
     assert replica["batch_invariant"] and replica["attention_kernel"] == "native"  # CI has a C compiler
+    assert replica["dtype"] == str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")  # dtype: auto
 
 
 def test_target_and_draft_on_different_nodes_and_the_engine_first_on_the_cpu(cluster):

@@ -330,13 +330,15 @@ class ModelRunner:
         elif nreq > 1:
             groups = self._attention_groups(batch, num_new, offsets)
 
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-
         h = self.embed[flat_ids]  # [T, hidden]
         if self.native_ops:
             h = self._layers_native(h, positions, slot_of_tok, max_kv)
+        else:
+            cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
+            sin = self.sin[positions].unsqueeze(1)
+        # The layers as torch ops: no C compiler, a non-invariant runner, or (tests isolating the row-wise
+        # ops) the native attention with native_ops switched off.
         for li, L in enumerate(self.layers if not self.native_ops else ()):
             x = self._rms_norm(h, L["in_norm"])
             qkv = self._linear(x, L, "qkv")  # [T, (H + 2 Hkv) * D]
