@@ -333,68 +333,68 @@ class ModelRunner:
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         h = self.embed[flat_ids]  # [T, hidden]
         if self.native_ops:
-            h = self._layers_native(h, positions, slot_of_tok, max_kv)
+            h = self._layers_native(h, positions, slot_of_tok, nvis, max_kv)
         else:
+            # The layers as torch ops: no C compiler, a non-invariant runner, or (tests isolating the
+            # row-wise ops) the native attention with native_ops switched off.
             cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
             sin = self.sin[positions].unsqueeze(1)
-        # The layers as torch ops: no C compiler, a non-invariant runner, or (tests isolating the row-wise
-        # ops) the native attention with native_ops switched off.
-        for li, L in enumerate(self.layers if not self.native_ops else ()):
-            x = self._rms_norm(h, L["in_norm"])
-            qkv = self._linear(x, L, "qkv")  # [T, (H + 2 Hkv) * D]
-            qk = qkv[:, : (H + Hkv) * D].view(total, H + Hkv, D)
-            qk = qk * cos + self._rotate_half(qk) * sin  # [T, H + Hkv, D]: RoPE on q and k in one pass
-            q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D]
-            v = qkv[:, (H + Hkv) * D :].view(total, Hkv, D)
-            kc, vc = self.k_cache[li], self.v_cache[li]
-            if single:
-                p0 = batch.start_pos[0]
-                kc[lo, :, p0] = k[0]  # plain slice write, [Hkv, D]
-                vc[lo, :, p0] = v[0]
-            else:
-                kc[slot_of_tok, :, positions] = k.to(kc.dtype)  # in-place write, [T, Hkv, D] at (slot, :, pos)
-                vc[slot_of_tok, :, positions] = v.to(vc.dtype)
-            if self.native_attn:
-                o = self.native_attn(q.float(), self._k_storage[li], vc, slot_of_tok, nvis, max_kv,
-                                     D**-0.5)  # [T, H, D] fp32
-                o = o.reshape(total, H * D).to(self.dtype)
-            elif self.batch_invariant:
-                if len(groups) == 1 and groups[0].dense_row0 == 0 and groups[0].tok.numel() == total:
-                    g = groups[0]  # every row in one dense group (a decode batch, a lone prefill): views only
-                    o = bi.attention(q.reshape(g.hi - g.lo, g.n, H, D), kc[g.lo : g.hi, :, : g.max_kv],
-                                     vc[g.lo : g.hi, :, : g.max_kv], g.mask, D**-0.5,
-                                     self.attn_blocking).reshape(total, H * D)
+            for li, L in enumerate(self.layers):
+                x = self._rms_norm(h, L["in_norm"])
+                qkv = self._linear(x, L, "qkv")  # [T, (H + 2 Hkv) * D]
+                qk = qkv[:, : (H + Hkv) * D].view(total, H + Hkv, D)
+                qk = qk * cos + self._rotate_half(qk) * sin  # [T, H + Hkv, D]: RoPE on q and k in one pass
+                q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D]
+                v = qkv[:, (H + Hkv) * D :].view(total, Hkv, D)
+                kc, vc = self.k_cache[li], self.v_cache[li]
+                if single:
+                    p0 = batch.start_pos[0]
+                    kc[lo, :, p0] = k[0]  # plain slice write, [Hkv, D]
+                    vc[lo, :, p0] = v[0]
+                else:
+                    kc[slot_of_tok, :, positions] = k.to(kc.dtype)  # in-place write, [T, Hkv, D] at (slot, :, pos)
+                    vc[slot_of_tok, :, positions] = v.to(vc.dtype)
+                if self.native_attn:
+                    o = self.native_attn(q.float(), self._k_storage[li], vc, slot_of_tok, nvis, max_kv,
+                                         D**-0.5)  # [T, H, D] fp32
+                    o = o.reshape(total, H * D).to(self.dtype)
+                elif self.batch_invariant:
+                    if len(groups) == 1 and groups[0].dense_row0 == 0 and groups[0].tok.numel() == total:
+                        g = groups[0]  # every row in one dense group (a decode batch, a lone prefill): views only
+                        o = bi.attention(q.reshape(g.hi - g.lo, g.n, H, D), kc[g.lo : g.hi, :, : g.max_kv],
+                                         vc[g.lo : g.hi, :, : g.max_kv], g.mask, D**-0.5,
+                                         self.attn_blocking).reshape(total, H * D)
+                    else:
+                        o = q.new_empty(total, H, D)
+                        for g in groups:
+                            qp = q.new_zeros(g.hi - g.lo, g.n, H, D)
+                            qp[g.sl, g.qrow] = q[g.tok]
+                            attn = bi.attention(qp, kc[g.lo : g.hi, :, : g.max_kv], vc[g.lo : g.hi, :, : g.max_kv],
+                                                g.mask, D**-0.5, self.attn_blocking)  # [S_g, n_g, H, D]
+                            o[g.tok] = attn[g.sl, g.qrow]
+                        o = o.reshape(total, H * D)
+                elif nreq == 1:
+                    qp = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+                    attn = F.scaled_dot_product_attention(
+                        qp, kc[lo:hi, :, :max_kv], vc[lo:hi, :, :max_kv], attn_mask=mask, enable_gqa=True
+                    )  # [1, H, T, D]
+                    o = attn[0].transpose(0, 1).reshape(total, H * D)
                 else:
                     o = q.new_empty(total, H, D)
                     for g in groups:
                         qp = q.new_zeros(g.hi - g.lo, g.n, H, D)
                         qp[g.sl, g.qrow] = q[g.tok]
-                        attn = bi.attention(qp, kc[g.lo : g.hi, :, : g.max_kv], vc[g.lo : g.hi, :, : g.max_kv],
-                                            g.mask, D**-0.5, self.attn_blocking)  # [S_g, n_g, H, D]
-                        o[g.tok] = attn[g.sl, g.qrow]
+                        attn = F.scaled_dot_product_attention(
+                            qp.transpose(1, 2), kc[g.lo : g.hi, :, : g.max_kv], vc[g.lo : g.hi, :, : g.max_kv],
+                            attn_mask=g.mask, enable_gqa=True,
+                        )  # [S_g, H, n_g, D]
+                        o[g.tok] = attn.transpose(1, 2)[g.sl, g.qrow]
                     o = o.reshape(total, H * D)
-            elif nreq == 1:
-                qp = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
-                attn = F.scaled_dot_product_attention(
-                    qp, kc[lo:hi, :, :max_kv], vc[lo:hi, :, :max_kv], attn_mask=mask, enable_gqa=True
-                )  # [1, H, T, D]
-                o = attn[0].transpose(0, 1).reshape(total, H * D)
-            else:
-                o = q.new_empty(total, H, D)
-                for g in groups:
-                    qp = q.new_zeros(g.hi - g.lo, g.n, H, D)
-                    qp[g.sl, g.qrow] = q[g.tok]
-                    attn = F.scaled_dot_product_attention(
-                        qp.transpose(1, 2), kc[g.lo : g.hi, :, : g.max_kv], vc[g.lo : g.hi, :, : g.max_kv],
-                        attn_mask=g.mask, enable_gqa=True,
-                    )  # [S_g, H, n_g, D]
-                    o[g.tok] = attn.transpose(1, 2)[g.sl, g.qrow]
-                o = o.reshape(total, H * D)
-            h = h + self._linear(o, L, "o")
-            x = self._rms_norm(h, L["post_norm"])
-            gu = self._linear(x, L, "gate_up")  # [T, 2 * inter]
-            gate, up = gu.chunk(2, dim=-1)
-            h = h + self._linear(F.silu(gate) * up, L, "down")
+                h = h + self._linear(o, L, "o")
+                x = self._rms_norm(h, L["post_norm"])
+                gu = self._linear(x, L, "gate_up")  # [T, 2 * inter]
+                gate, up = gu.chunk(2, dim=-1)
+                h = h + self._linear(F.silu(gate) * up, L, "down")
 
         rows = torch.tensor(
             [offsets[i] + r for i, rs in enumerate(batch.logits_rows) for r in rs], dtype=torch.long, device=dev
@@ -408,15 +408,15 @@ class ModelRunner:
             extra = self._rms_norm(h[hrows], self.final_norm)  # [M', hidden]
         return StepOutput(logits=self._lm_head(hs), hidden=hs, extra_hidden=extra)
 
-    def _layers_native(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, max_kv: int) -> torch.Tensor:
+    def _layers_native(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, nvis: torch.Tensor,
+                       max_kv: int) -> torch.Tensor:
         """Every decoder layer with the native row-wise ops and attention; the GEMMs stay oneDNN's.
 
         Each residual add is fused into the RMSNorm after it, so ``h`` is updated in place there.
         """
         # h: [T, hidden] (a fresh tensor, never the embedding table) -> [T, hidden]
         ops, H, D = self.native_ops, self.num_heads, self.head_dim
-        x = torch.empty_like(h)  # [T, hidden] the normalized rows each GEMM reads
-        nvis = positions + 1  # [T] keys each query row sees
+        x = torch.empty_like(h)  # [T, hidden] the normalized rows each GEMM reads; nvis: [T] keys each row sees
         delta = None
         for li, L in enumerate(self.layers):
             ops.add_rms_norm(h, delta, L["in_norm"], x, self.eps)
