@@ -67,7 +67,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        log.warning("no C compiler: batch-invariant attention runs as torch ops (slower)")
+        log.warning("no C compiler: batch-invariant attention and row-wise ops run as torch ops (slower)")
         return None
     src = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
     key = hashlib.sha256(src + " ".join(FLAGS).encode() + cc.encode() + _cpu_key().encode()).hexdigest()[:16]
@@ -79,12 +79,12 @@ def _library() -> ctypes.CDLL | None:
                 out = Path(tmp) / lib.name
                 proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True)
                 if proc.returncode != 0:
-                    log.warning("invariant attention kernel did not compile, using torch ops:\n%s", proc.stderr[-2000:])
+                    log.warning("native kernels did not compile, using torch ops:\n%s", proc.stderr[-2000:])
                     return None
                 os.replace(out, lib)  # atomic: replicas starting together never load a half-written file
         return ctypes.CDLL(str(lib))
     except OSError as e:  # an unwritable cache, a library that does not load: the torch ops still work
-        log.warning("invariant attention kernel unavailable (%s), using torch ops", e)
+        log.warning("native kernels unavailable (%s), using torch ops", e)
         return None
 
 
@@ -106,6 +106,13 @@ def clear_cache() -> None:
     """Forget the loaded library, so the next :func:`load` looks again (tests toggle the environment)."""
     for f in (_library, load, load_layer_ops):
         f.cache_clear()
+
+
+def _check_caches(kt_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Both kernels read and write the caches through raw pointers: contiguous fp32 only."""
+    if not (kt_cache.is_contiguous() and v_cache.is_contiguous()
+            and kt_cache.dtype == v_cache.dtype == torch.float32):
+        raise ValueError("the key and value caches must be contiguous fp32")
 
 
 LANES = 16  # the kernel's key block (LANES in the C source): the key axis is a multiple of it
@@ -138,9 +145,7 @@ class NativeAttention:
         _, Hkv, _, L = kt_cache.shape
         if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != D:
             raise ValueError("q must be fp32 with each row's heads contiguous")
-        if not (kt_cache.is_contiguous() and v_cache.is_contiguous()
-                and kt_cache.dtype == v_cache.dtype == torch.float32):
-            raise ValueError("the key and value caches must be contiguous fp32")
+        _check_caches(kt_cache, v_cache)
         if slots.dtype != torch.int64 or nvis.dtype != torch.int64 or not (slots.is_contiguous() and nvis.is_contiguous()):
             raise ValueError("slots and nvis must be contiguous int64")
         threads = torch.get_num_threads()
@@ -213,9 +218,7 @@ class NativeLayerOps:
         bf16 = self._bf16(qkv, cos, sin)
         if qkv.shape[1] != (num_heads + 2 * Hkv) * D or cos.shape[1] != D or sin.shape != cos.shape:
             raise ValueError("rope_kv shapes disagree")
-        if not (kt_cache.is_contiguous() and v_cache.is_contiguous()
-                and kt_cache.dtype == v_cache.dtype == torch.float32):
-            raise ValueError("the key and value caches must be contiguous fp32")
+        _check_caches(kt_cache, v_cache)
         if not (positions.dtype == slots.dtype == torch.int64 and positions.is_contiguous() and slots.is_contiguous()):
             raise ValueError("positions and slots must be contiguous int64")
         q = torch.empty(T, num_heads, D, dtype=torch.float32)
