@@ -332,7 +332,9 @@ def test_target_worker_killed_fails_cleanly_and_is_replaced(cluster, probe, refs
 
 LIMITS = {
     "target": {"max_ongoing_requests": 2, "max_queued_requests": 2},
-    "ingress": {"request_timeout_s": 5, "api_key": API_KEY},
+    # short enough that a 450-token plain request outlasts it on any CPU we run on (~13 ms per token on the
+    # fastest so far), long enough for the other tests' 2-24-token requests on the slowest
+    "ingress": {"request_timeout_s": 2.5, "api_key": API_KEY},
     "draft": {"state_ttl_s": STATE_TTL_S, "call_timeout_s": 0.02},
 }
 AUTH = {"authorization": f"Bearer {API_KEY}"}
@@ -404,7 +406,8 @@ def test_backpressure_rejects_with_503_and_admitted_requests_complete(limited, r
 
 
 def test_request_timeout_answers_408_and_frees_the_request(limited, probe):
-    long = body("Write a long story about a lighthouse keeper.", 400, ignore_eos=True)
+    # plain decoding (no speculation to shorten it) up to max_model_len: seconds past the timeout
+    long = body("Write a long story about a lighthouse keeper.", 450, ignore_eos=True, speculation="off")
     t0 = time.monotonic()
     r = httpx.post(f"{limited.base_url}/v1/chat/completions", json=long, headers=AUTH, timeout=60)
     assert r.status_code == 408 and is_error_shape(r), (r.status_code, r.text)
