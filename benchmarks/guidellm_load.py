@@ -1,32 +1,39 @@
 """Serving under load: guidellm (an outside load generator) over HTTP vs the same workload in process.
 
     python -m benchmarks.guidellm_load [--streams 1,4,16,32] [--seconds 40] [--prompt-tokens 128]
-                                       [--output-tokens 64] [--skip-http] [--skip-engine]
+                                       [--output-tokens 64] [--guidellm-workers 10,1] [--no-bounds]
+                                       [--skip-http] [--skip-engine]
 
-1. Starts the default service (ray_config.yaml as shipped, on a local two-node cluster, as the
-   end-to-end tests run it) and drives it with ``guidellm run``: closed loop (``concurrent``
-   profile) at each stream count for ``--seconds``, synthetic prompts of ``--prompt-tokens`` tokens
-   made with the served model's own tokenizer (saved to a temp dir: no hub access), exactly
-   ``--output-tokens`` output tokens each (guidellm sends ``ignore_eos``), ``/v1/completions``.
-2. Stops it and runs the same closed loop on the engine in this process (the same EngineConfig,
-   the goodput policy on the engine's own cost model, random-token prompts of the same length):
-   time to first token and time per output token from each request's step times.
+One run, one machine, four passes over the same stream counts (the CPU is named in the JSON):
 
-Over HTTP it also reads the CPU every process used per level (the target replica, the proxy, the
-ingress, the Router, the draft worker, Ray's daemons, and guidellm), in cores: on a 2-core machine
-the cores the engine keeps bound what the service can read against the engine in process, which
-has both to itself and no client beside it.
+1. **Engine alone**: the closed loop on the engine in this process (the shipped EngineConfig, the
+   goodput policy on the engine's own cost model, random-token prompts of ``--prompt-tokens``,
+   exactly ``--output-tokens`` each): time to first token and time per output token from each
+   request's step times. Requests sent in the first ``--warmup`` share of a level are left out, as
+   guidellm does.
+2. **Over HTTP**: the default service (ray_config.yaml as shipped, on a local two-node cluster, as
+   the end-to-end tests run it) driven by ``guidellm run``: closed loop (``concurrent`` profile) for
+   ``--seconds`` per level, synthetic prompts made with the served model's own tokenizer (saved to a
+   temp dir: no hub access), ``ignore_eos``, ``/v1/completions``. ``--guidellm-workers`` lists
+   guidellm's worker-process counts to run at every level, in alternating order (guidellm's default
+   is 10 Python processes, each polling, on the service's cores; one process drives 32 streams with
+   asyncio); the first count is the headline, every count gets its own goals. The CPU every
+   process used per level is read too (the target replica, the proxy, the ingress, the Router, the
+   draft worker, Ray's daemons, guidellm), in cores.
+3. **Beside the idle service** (unless ``--no-bounds``): pass 1 again with the service still up and
+   idle: Ray's daemons, the Serve controller, the proxy, the ingress, the Router and the idle
+   replicas wake up around the engine as they do while it serves.
+4. **Beside the idle service and the client's CPU**: pass 3 plus processes burning as many cores as
+   guidellm itself used at that level (10 ms duty cycles, normal priority). That is what a serving
+   path costing nothing could read on these cores: where a goal fails here too, what runs beside
+   the engine on a 2-core machine is enough to miss it, whatever the serving path does.
 
-3. Unless ``--no-beside-client``: the in-process loop once more at each level, with processes
-   beside it that burn as many cores as guidellm itself used at that level over HTTP (10 ms duty
-   cycles, normal priority). That is what a server costing nothing could read on these cores with
-   this client beside it: where a goal fails there too, the client's share of 2 cores is enough to
-   miss it, whatever the serving path does.
+Each engine step runs one OpenMP thread per core, and every parallel op waits for its slowest
+thread, so on 2 cores any other runnable process stalls the step, not just a core's share of it.
 
 Prints TTFT p50/p99, ITL p50/p99 (guidellm's: (latency - TTFT) / (tokens - 1) per request),
-output tok/s and the HTTP / in-process ratio per level, and checks the serving goals; writes
-benchmarks/results/guidellm_load.{json,png}. Both halves run on the same machine in one run; the
-CPU is named in the JSON.
+output tok/s and the HTTP / in-process ratio per level, and checks the serving goals against each
+pass; writes benchmarks/results/guidellm_load.{json,png}.
 """
 
 from __future__ import annotations
@@ -180,21 +187,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=0.2,
                     help="share of each level's duration guidellm leaves out of its statistics (the first "
                          "wave of simultaneous arrivals); the in-process run leaves out its first wave too")
+    ap.add_argument("--guidellm-workers", default="10",
+                    help="comma-separated guidellm worker-process counts, each run at every level (10 is guidellm's "
+                         "default)")
     ap.add_argument("--skip-http", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
-    ap.add_argument("--no-beside-client", action="store_true",
-                    help="skip the in-process run beside processes burning guidellm's measured cores")
+    ap.add_argument("--no-bounds", action="store_true",
+                    help="skip the in-process runs beside the idle service and guidellm's measured CPU")
     ap.add_argument("--out", default=str(RESULTS_DIR / "guidellm_load"))
     args = ap.parse_args(argv)
     levels = [int(s) for s in args.streams.split(",")]
+    worker_counts = [int(w) for w in args.guidellm_workers.split(",")]
     cfg = service_config()
     loaded = load_model(cfg.engine.model)
-    http: dict[int, dict[str, Any]] = {}
-    engine_res: dict[int, dict[str, Any]] = {}
-    beside: dict[int, dict[str, Any]] = {}  # in process, beside the client's measured CPU
+    http_by_workers: dict[int, dict[int, dict[str, Any]]] = {w: {} for w in worker_counts}
+    http = http_by_workers[worker_counts[0]]  # the headline client setting
+    engine_res: dict[int, dict[str, Any]] = {}  # in process, alone on the machine
+    # in process with the service up and idle beside it, and also with guidellm's measured CPU burnt beside it
+    beside_service: dict[int, dict[str, Any]] = {}
+    beside: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tok_dir = Path(tmp) / "tokenizer"
         loaded.tokenizer.save_pretrained(tok_dir)
+        eng = None
+        if not args.skip_engine:
+            set_threads(cfg.engine.num_threads or 2)
+            eng = LLMEngine(cfg.engine, loaded, decide=(policy := make_policy({"name": "goodput"})))
+            policy.use_cost_model(eng.cost_model)
+            run_closed_loop(eng, [(list(range(10, 10 + args.prompt_tokens)), {"max_tokens": 8})], 1,
+                            show_progress=False)  # warm-up
+            for c in progress(levels, desc="engine in process, alone", unit="level"):
+                engine_res[c] = run_engine(eng, c, args.seconds, args.prompt_tokens, args.output_tokens, seed=c,
+                                           warmup=args.warmup)
+                print(f"  engine c={c}: {engine_res[c]}", flush=True)
         if not args.skip_http:
             # the shipped config as is, on the local two-node cluster (only its ports differ)
             cluster = LocalCluster(Path(tmp), args_patch={"engine": {"num_threads": cfg.engine.num_threads,
@@ -208,38 +233,37 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(3):  # the first requests after a start are slower (allocations, first kernels)
                     httpx.post(f"{cluster.base_url}/v1/completions", json=warm, timeout=120).raise_for_status()
                 procs = cluster.processes()
-                for c in progress(levels, desc="guidellm over HTTP", unit="level"):
-                    cpu0, t0 = cpu_by_role(procs), time.perf_counter()
-                    http[c] = run_guidellm(cluster.base_url, cfg.engine.served_model_name, str(tok_dir), c,
+                for i, c in enumerate(progress(levels, desc="guidellm over HTTP", unit="level")):
+                    for w in worker_counts if i % 2 == 0 else worker_counts[::-1]:
+                        cpu0, t0 = cpu_by_role(procs), time.perf_counter()
+                        res = run_guidellm(cluster.base_url, cfg.engine.served_model_name, str(tok_dir), c,
                                            args.seconds, args.prompt_tokens, args.output_tokens,
-                                           Path(tmp) / f"guidellm_{c}.json", args.warmup)
-                    cpu1, wall = cpu_by_role(procs), time.perf_counter() - t0
-                    http[c]["service_cpu_cores"] = {k: (cpu1[k] - cpu0.get(k, 0.0)) / wall for k in cpu1}
-                    print(f"  HTTP c={c}: {http[c]}", flush=True)
+                                           Path(tmp) / f"guidellm_{c}_{w}.json", args.warmup, workers=w)
+                        cpu1, wall = cpu_by_role(procs), time.perf_counter() - t0
+                        res["service_cpu_cores"] = {k: (cpu1[k] - cpu0.get(k, 0.0)) / wall for k in cpu1}
+                        http_by_workers[w][c] = res
+                        print(f"  HTTP c={c}, {w} guidellm workers: {res}", flush=True)
+                if eng is not None and not args.no_bounds:
+                    # What a serving path costing nothing could read: the engine in process with everything
+                    # that still runs around it, the service's idle processes (Ray's daemons, the Serve
+                    # controller, the proxy, ingress, Router, the idle replicas), and the client's CPU.
+                    for c in progress(levels, desc="engine beside the idle service (+ client CPU)", unit="level"):
+                        beside_service[c] = run_engine(eng, c, args.seconds, args.prompt_tokens, args.output_tokens,
+                                                       seed=c, warmup=args.warmup)
+                        print(f"  engine beside the idle service, c={c}: {beside_service[c]}", flush=True)
+                        burners = burn_cores(http[c]["client_cpu_cores"])
+                        try:
+                            beside[c] = run_engine(eng, c, args.seconds, args.prompt_tokens, args.output_tokens,
+                                                   seed=c, warmup=args.warmup)
+                        finally:
+                            for b in burners:
+                                b.kill()
+                                b.wait()
+                        beside[c]["client_cpu_cores"] = http[c]["client_cpu_cores"]
+                        print(f"  engine beside the idle service and {http[c]['client_cpu_cores']:.2f} client cores, "
+                              f"c={c}: {beside[c]}", flush=True)
             finally:
                 cluster.stop()
-        if not args.skip_engine:
-            set_threads(cfg.engine.num_threads or 2)
-            eng = LLMEngine(cfg.engine, loaded, decide=(policy := make_policy({"name": "goodput"})))
-            policy.use_cost_model(eng.cost_model)
-            run_closed_loop(eng, [(list(range(10, 10 + args.prompt_tokens)), {"max_tokens": 8})], 1,
-                            show_progress=False)  # warm-up
-            for c in progress(levels, desc="engine in process", unit="level"):
-                engine_res[c] = run_engine(eng, c, args.seconds, args.prompt_tokens, args.output_tokens, seed=c,
-                                           warmup=args.warmup)
-                print(f"  engine c={c}: {engine_res[c]}", flush=True)
-            for c in progress([c for c in levels if c in http] if not args.no_beside_client else [],
-                              desc="engine beside the client's CPU", unit="level"):
-                burners = burn_cores(http[c]["client_cpu_cores"])
-                try:
-                    beside[c] = run_engine(eng, c, args.seconds, args.prompt_tokens, args.output_tokens, seed=c,
-                                           warmup=args.warmup)
-                finally:
-                    for b in burners:
-                        b.kill()
-                        b.wait()
-                beside[c]["client_cpu_cores"] = http[c]["client_cpu_cores"]
-                print(f"  engine beside {http[c]['client_cpu_cores']:.2f} client cores, c={c}: {beside[c]}", flush=True)
 
     rows = []
     for c in levels:
@@ -247,8 +271,12 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"streams": c, "http": h, "engine": e,
                      "tok_s_http/engine": h["tok_s"] / e["tok_s"] if h and e else None})
     result = {"env": env_info(), "args": vars(args), "service": cfg.model_dump(mode="json"), "rows": rows,
-              "goals": goals(http, engine_res), "engine_beside_client": beside,
-              # the goals for a server that costs nothing, with guidellm's CPU beside it
+              "goals": goals(http, engine_res), "engine_beside_idle_service": beside_service,
+              "engine_beside_idle_service_and_client": beside,
+              "http_by_guidellm_workers": http_by_workers,
+              "goals_by_guidellm_workers": {w: goals(h, engine_res) for w, h in http_by_workers.items()},
+              # the goals for a serving path that costs nothing: the idle service (and guidellm's CPU) beside it
+              "goals_beside_idle_service": goals(beside_service, engine_res) if beside_service else {},
               "goals_costless_server": goals(beside, engine_res) if beside else {}}
     print(f"\n{'streams':>7} | {'TTFT p50/p99 ms (HTTP)':>24} | {'ITL p50/p99 ms (HTTP)':>22} | {'tok/s HTTP':>10} | "
           f"{'TTFT p50/p99 (eng)':>19} | {'ITL p50/p99 (eng)':>18} | {'tok/s eng':>9} | HTTP/eng")
@@ -262,19 +290,30 @@ def main(argv: list[str] | None = None) -> int:
               f"{f(e, 'ttft_p50_ms') + ' / ' + f(e, 'ttft_p99_ms'):>19} | "
               f"{f(e, 'itl_p50_ms') + ' / ' + f(e, 'itl_p99_ms'):>18} | {e.get('tok_s', float('nan')):>9.1f} | "
               f"{r['tok_s_http/engine'] or float('nan'):.2f}")
-    for c in levels:
-        if c in http:
-            cpu = http[c]["service_cpu_cores"]
-            print(f"c={c}: the target replica used {cpu.get('target replica', 0.0):.2f} cores, the rest of the service "
-                  f"{sum(v for k, v in cpu.items() if k != 'target replica'):.2f}, guidellm itself "
-                  f"{http[c]['client_cpu_cores']:.2f}")
+    for w, hw in http_by_workers.items():
+        for c in levels:
+            if c in hw:
+                cpu = hw[c]["service_cpu_cores"]
+                print(f"c={c}, {w} guidellm workers: {hw[c]['tok_s']:.1f} tok/s, TTFT p99 {hw[c]['ttft_p99_ms']:.0f} ms, "
+                      f"ITL p50 {hw[c]['itl_p50_ms']:.1f} ms; the target replica used "
+                      f"{cpu.get('target replica', 0.0):.2f} cores, the rest of the service "
+                      f"{sum(v for k, v in cpu.items() if k != 'target replica'):.2f}, guidellm itself "
+                      f"{hw[c]['client_cpu_cores']:.2f}")
+    for c, b in beside_service.items():
+        print(f"c={c} in process beside the idle service: TTFT p99 {b['ttft_p99_ms']:.0f} ms, ITL p50 "
+              f"{b['itl_p50_ms']:.1f} ms, {b['tok_s']:.1f} tok/s")
     for c, b in beside.items():
-        print(f"c={c} in process beside {b['client_cpu_cores']:.2f} burnt client cores: TTFT p99 "
-              f"{b['ttft_p99_ms']:.0f} ms, ITL p50 {b['itl_p50_ms']:.0f} ms, {b['tok_s']:.1f} tok/s")
+        print(f"c={c} in process beside the idle service and {b['client_cpu_cores']:.2f} burnt client cores: TTFT p99 "
+              f"{b['ttft_p99_ms']:.0f} ms, ITL p50 {b['itl_p50_ms']:.1f} ms, {b['tok_s']:.1f} tok/s")
+    for w, gw in list(result["goals_by_guidellm_workers"].items())[1:]:
+        print(f"goals with {w} guidellm workers: "
+              + ", ".join(f"{k} {g['value']} {'met' if g['met'] else 'NOT met'}" for k, g in gw.items()))
+    print(f"goals with {worker_counts[0]} guidellm workers (headline):")
     for k, g in result["goals"].items():
-        bound = result["goals_costless_server"].get(k)
+        idle, bound = result["goals_beside_idle_service"].get(k), result["goals_costless_server"].get(k)
         print(f"goal {k}: {g['value']} {'met' if g['met'] else 'NOT met'}"
-              + (f"  (a server costing nothing, beside the client's CPU: {bound['value']}"
+              + (f"  (beside the idle service: {idle['value']} {'met' if idle['met'] else 'NOT met'})" if idle else "")
+              + (f"  (a serving path costing nothing, beside the idle service and the client's CPU: {bound['value']}"
                  f" {'met' if bound['met'] else 'NOT met'})" if bound else ""))
     out = Path(args.out)
     write_json(out.with_suffix(".json"), result)
@@ -282,8 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     for ax, key, label in zip(axes, ["ttft_p99_ms", "itl_p50_ms", "tok_s"],
                               ["TTFT p99 (ms)", "ITL p50 (ms)", "output tok/s"]):
         series = {name: [(d.get(c) or {}).get(key) for c in levels]
-                  for name, d in [("HTTP (guidellm)", http), ("engine in process", engine_res),
-                                  ("in process beside the client's CPU", beside)] if d}
+                  for name, d in [*((f"HTTP (guidellm, {w} workers)", h) for w, h in http_by_workers.items()),
+                                  ("engine in process", engine_res),
+                                  ("in process beside the idle service", beside_service),
+                                  ("... and the client's CPU", beside)] if d}
         line_panel(ax, levels, series, title=label, xlabel="concurrent streams", ylabel=label)
     save_figure(fig, out.with_suffix(".png"), suptitle=f"guidellm {args.prompt_tokens} in / {args.output_tokens} out, "
                 f"{env_info().get('cpu', '')}")

@@ -44,3 +44,37 @@ def test_burners_use_about_the_cores_asked(cores, procs):
             b.kill()
             b.wait()
     assert all(b.poll() is not None for b in burners)
+
+
+def test_run_guidellm_sets_the_worker_count_and_reads_its_report(tmp_path, monkeypatch):
+    """The command guidellm gets (closed loop at the stream count, the local tokenizer, the worker count in
+    its environment) and the numbers read back from its JSON report, with a stand-in for the process."""
+    import json
+    import subprocess
+
+    from benchmarks import guidellm_load
+
+    seen = {}
+
+    def dist(p50, p99, mean=0.0):
+        return {"successful": {"percentiles": {"p50": p50, "p99": p99}, "mean": mean}}
+
+    def fake_run(cmd, env, **kwargs):
+        seen["cmd"], seen["workers"] = cmd, env.get("GUIDELLM__MAX_WORKER_PROCESSES")
+        report = {"benchmarks": [{"metrics": {"time_to_first_token_ms": dist(100, 300),
+                                              "inter_token_latency_ms": dist(20, 40),
+                                              "output_tokens_per_second": dist(0, 0, mean=55.0)},
+                                  "requests": {"successful": [{}] * 7, "errored": []}}]}
+        (tmp_path / "out.json").write_text(json.dumps(report))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(guidellm_load.subprocess, "run", fake_run)
+    res = guidellm_load.run_guidellm("http://127.0.0.1:1", "m", "/tok", 16, 5.0, 128, 64, tmp_path / "out.json",
+                                     0.2, workers=1)
+    assert seen["workers"] == "1"
+    assert "kind=concurrent,streams=16,warmup=0.2" in seen["cmd"]
+    assert "kind=huggingface_auto,model=/tok" in seen["cmd"]
+    assert {k: res[k] for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tok_s", "num_requests",
+                                "num_errors")} == {"ttft_p50_ms": 100, "ttft_p99_ms": 300, "itl_p50_ms": 20,
+                                                   "itl_p99_ms": 40, "tok_s": 55.0, "num_requests": 7, "num_errors": 0}
+    assert res["client_cpu_cores"] >= 0
