@@ -210,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
         tok_dir = Path(tmp) / "tokenizer"
         loaded.tokenizer.save_pretrained(tok_dir)
         eng = None
+
+        def engine_level(c: int) -> dict[str, Any]:  # one level of the closed loop on the in-process engine
+            return run_engine(eng, c, args.seconds, args.prompt_tokens, args.output_tokens, seed=c, warmup=args.warmup)
+
         if not args.skip_engine:
             set_threads(cfg.engine.num_threads or 2)
             eng = LLMEngine(cfg.engine, loaded, decide=(policy := make_policy({"name": "goodput"})))
@@ -217,8 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             run_closed_loop(eng, [(list(range(10, 10 + args.prompt_tokens)), {"max_tokens": 8})], 1,
                             show_progress=False)  # warm-up
             for c in progress(levels, desc="engine in process, alone", unit="level"):
-                engine_res[c] = run_engine(eng, c, args.seconds, args.prompt_tokens, args.output_tokens, seed=c,
-                                           warmup=args.warmup)
+                engine_res[c] = engine_level(c)
                 print(f"  engine c={c}: {engine_res[c]}", flush=True)
         if not args.skip_http:
             # the shipped config as is, on the local two-node cluster (only its ports differ)
@@ -248,13 +251,11 @@ def main(argv: list[str] | None = None) -> int:
                     # that still runs around it, the service's idle processes (Ray's daemons, the Serve
                     # controller, the proxy, ingress, Router, the idle replicas), and the client's CPU.
                     for c in progress(levels, desc="engine beside the idle service (+ client CPU)", unit="level"):
-                        beside_service[c] = run_engine(eng, c, args.seconds, args.prompt_tokens, args.output_tokens,
-                                                       seed=c, warmup=args.warmup)
+                        beside_service[c] = engine_level(c)
                         print(f"  engine beside the idle service, c={c}: {beside_service[c]}", flush=True)
                         burners = burn_cores(http[c]["client_cpu_cores"])
                         try:
-                            beside[c] = run_engine(eng, c, args.seconds, args.prompt_tokens, args.output_tokens,
-                                                   seed=c, warmup=args.warmup)
+                            beside[c] = engine_level(c)
                         finally:
                             for b in burners:
                                 b.kill()
