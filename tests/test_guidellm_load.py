@@ -3,11 +3,14 @@ the in-process engine beside."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 import time
 
 import psutil
 import pytest
 
+from benchmarks import guidellm_load
 from benchmarks.guidellm_load import burn_cores, goals
 
 
@@ -49,11 +52,6 @@ def test_burners_use_about_the_cores_asked(cores, procs):
 def test_run_guidellm_sets_the_worker_count_and_reads_its_report(tmp_path, monkeypatch):
     """The command guidellm gets (closed loop at the stream count, the local tokenizer, the worker count in
     its environment) and the numbers read back from its JSON report, with a stand-in for the process."""
-    import json
-    import subprocess
-
-    from benchmarks import guidellm_load
-
     seen = {}
 
     def dist(p50, p99, mean=0.0):
