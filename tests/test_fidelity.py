@@ -118,6 +118,38 @@ def test_keyed_noise_is_a_function_of_seed_and_position():
     assert bool((e > 0).all()) and abs(float(e.mean()) - 1.0) < 0.02 and abs(float(e.var()) - 1.0) < 0.05
 
 
+@pytest.mark.parametrize("shape", ["peaky", "flat", "top_k", "bf16_ties", "uniform", "one_hot", "zero_row", "near_tie"])
+def test_keyed_sample_is_exactly_the_race_on_the_exact_noise(shape):
+    """keyed_sample's cheap float32 race picks exactly ``argmax(p / keyed_exponentials)``, first index on
+    ties, on a real vocabulary: sharp and flat rows, top-k zeros, bf16-coarse and uniform probabilities
+    (many exact ties, since 49152 draws from 2^24 values collide), a one-hot row, an all-zero row, and
+    rows whose two best exact scores are a few ulps apart or tied (where a float32 race alone errs)."""
+    gen = torch.Generator().manual_seed(hash(shape) % 2**31)
+    n, vocab = 64, 49152
+    scale = {"peaky": 12.0, "flat": 0.05}.get(shape, 2.0)
+    p = torch.softmax(torch.randn(n, vocab, generator=gen) * scale, dim=-1)  # [n, vocab]
+    if shape == "top_k":
+        p = torch.where(p >= p.topk(40, dim=-1).values[:, -1:], p, torch.zeros_like(p))
+    elif shape == "bf16_ties":
+        p = p.bfloat16().float()
+    elif shape == "uniform":
+        p = torch.full((n, vocab), 1.0 / vocab)
+    elif shape == "one_hot":
+        p = torch.zeros(n, vocab).scatter_(1, torch.randint(0, vocab, (n, 1), generator=gen), 1.0)
+    elif shape == "zero_row":
+        p[::3] = 0.0
+    keys = [position_key(17, t) for t in range(n)]
+    if shape == "near_tie":  # entry b's exact score is entry a's times (1 + j ulp), j = -3..3
+        e = keyed_exponentials(keys, vocab, "cpu")
+        p = torch.full((n, vocab), 1e-9)
+        for i in range(n):
+            a, b = torch.randperm(vocab, generator=gen)[:2].tolist()
+            p[i, a] = 1.0
+            p[i, b] = float(e[i, b] / e[i, a]) * (1.0 + (i % 7 - 3) * 2.0**-23)
+    definition = (p / keyed_exponentials(keys, vocab, "cpu")).argmax(dim=-1)
+    assert torch.equal(keyed_sample(p, keys), definition)
+
+
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     expected = probs * counts.sum()
     keep = expected > 0

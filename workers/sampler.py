@@ -161,21 +161,37 @@ def position_key(seed: int, position: int) -> int:
     return _splitmix64((seed & _M64) ^ _splitmix64(position & _M64))
 
 
-def keyed_exponentials(
+def keyed_uniforms(
     keys: list[int],  # [n] position keys (position_key)
     vocab: int,
-    device: torch.device | str,
-) -> torch.Tensor:  # [n, vocab] float32 Exp(1) draws, row i a pure function of keys[i]
-    """``-log(u)``, ``u`` uniform from a generator seeded with the row's key (drawn on the CPU, so
-    the numbers are the same whatever the device the logits live on)."""
+) -> torch.Tensor:  # [n, vocab] float32 multiples of 2^-24 in [0, 1), row i a pure function of keys[i]
+    """Uniforms from a CPU generator seeded with the row's key (so the numbers are the same whatever
+    the device the logits live on)."""
     u = torch.empty(len(keys), vocab, dtype=torch.float32)  # [n, vocab]
     g = torch.Generator(device="cpu")
     for i, key in enumerate(keys):
         g.manual_seed(key)
         u[i].uniform_(generator=g)
+    return u
+
+
+def _exponentials_of(u: torch.Tensor) -> torch.Tensor:  # [..] float32 -> [..] float32
     # uniform_ gives multiples of 2^-24 in [0, 1); the midpoints of that grid (exact in fp64) are in (0, 1),
     # so every draw is finite and positive and no token is excluded
-    return (-torch.log(u.double() + 2.0**-25)).float().to(device)
+    return (-torch.log(u.double() + 2.0**-25)).float()
+
+
+def keyed_exponentials(
+    keys: list[int],  # [n] position keys (position_key)
+    vocab: int,
+    device: torch.device | str,
+) -> torch.Tensor:  # [n, vocab] float32 Exp(1) draws, row i a pure function of keys[i]
+    """``-log(u)`` of :func:`keyed_uniforms`: the noise of the exponential race, by definition."""
+    return _exponentials_of(keyed_uniforms(keys, vocab)).to(device)
+
+
+# A candidate's float32 race score may be off by a few ulps (~1e-6 relative); the margin is 100x that.
+_RACE_MARGIN = 1e-4
 
 
 def keyed_sample(
@@ -183,8 +199,26 @@ def keyed_sample(
     keys: list[int],  # [n] position keys
 ) -> torch.Tensor:  # [n] long
     """The exponential race ``argmax_v p_v / E_v`` with position-keyed ``E`` (see :func:`sample`):
-    distributed exactly as ``p``; the same (p, key) always gives the same token."""
+    distributed exactly as ``p``; the same (p, key) always gives the same token.
+
+    The winner is exactly ``(p / keyed_exponentials(keys)).argmax(-1)``, computed cheaper on the CPU:
+    the fp64 log of every draw costs more than the rest of sampling together, so the race is first
+    run with a float32 ``E`` (``-log1p(u - 1 + 2^-25)``, a few ulps from the exact one), and only the
+    entries within ``_RACE_MARGIN`` of each row's best get the exact ``E``; the exact scores decide,
+    first index on ties, as ``argmax`` does. The true winner is always among those entries."""
     if probs.shape[0] == 0:
         return torch.zeros(0, dtype=torch.long, device=probs.device)
-    e = keyed_exponentials(keys, probs.shape[1], probs.device)
-    return (probs.float() / e).argmax(dim=-1)
+    if probs.device.type != "cpu":
+        e = keyed_exponentials(keys, probs.shape[1], probs.device)
+        return (probs.float() / e).argmax(dim=-1)
+    p = probs.float()  # [n, vocab]
+    u = keyed_uniforms(keys, probs.shape[1])  # [n, vocab]
+    # u - 1 is exact (Sterbenz for u >= 1/2, an integer multiple of 2^-24 below); + 2^-25 rounds at most once
+    approx = p / -torch.log1p((u - 1.0) + 2.0**-25)  # [n, vocab] float32 race scores, ~1e-6 relative off
+    best = approx.max(dim=-1, keepdim=True).values  # [n, 1]
+    if not bool(torch.isfinite(best).all()):  # a non-finite probability: the plain definition decides
+        return (p / _exponentials_of(u)).argmax(dim=-1)
+    rows, cols = (approx >= best * (1.0 - _RACE_MARGIN)).nonzero(as_tuple=True)  # [m] candidates
+    exact = torch.full_like(p, -float("inf"))  # [n, vocab]; -inf loses to every candidate (scores >= 0)
+    exact[rows, cols] = p[rows, cols] / _exponentials_of(u[rows, cols])
+    return exact.argmax(dim=-1)
