@@ -8,7 +8,8 @@ One run, one machine, four passes over the same stream counts (the CPU is named 
 
 1. **Engine alone**: the closed loop on the engine in this process (the shipped EngineConfig, the
    goodput policy on the engine's own cost model, random-token prompts of ``--prompt-tokens``,
-   exactly ``--output-tokens`` each): time to first token and time per output token from each
+   exactly ``--output-tokens`` each, sampled as guidellm's requests are: they name no temperature,
+   so the API's default 1.0 applies): time to first token and time per output token from each
    request's step times. Requests sent in the first ``--warmup`` share of a level are left out, as
    guidellm does.
 2. **Over HTTP**: the default service (ray_config.yaml as shipped, on a local two-node cluster, as
@@ -19,12 +20,14 @@ One run, one machine, four passes over the same stream counts (the CPU is named 
    is 10 Python processes, each polling, on the service's cores; one process drives 32 streams with
    asyncio); the first count is the headline, every count gets its own goals. The CPU every
    process used per level is read too (the target replica, the proxy, the ingress, the Router, the
-   draft worker, Ray's daemons, guidellm), in cores.
+   draft worker, Ray's daemons), in cores; guidellm's own CPU is read while its requests run
+   (its start-up, a few seconds of tokenizer load and data synthesis at up to two cores, is
+   reported apart: nothing is served then).
 3. **Beside the idle service** (unless ``--no-bounds``): pass 1 again with the service still up and
    idle: Ray's daemons, the Serve controller, the proxy, the ingress, the Router and the idle
    replicas wake up around the engine as they do while it serves.
 4. **Beside the idle service and the client's CPU**: pass 3 plus processes burning as many cores as
-   guidellm itself used at that level (10 ms duty cycles, normal priority). That is what a serving
+   guidellm itself used while its requests ran at that level (10 ms duty cycles, normal priority). That is what a serving
    path costing nothing could read on these cores: where a goal fails here too, what runs beside
    the engine on a 2-core machine is enough to miss it, whatever the serving path does.
 
@@ -46,11 +49,13 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import yaml
 
 from benchmarks.common import (RESULTS_DIR, env_info, figure, line_panel, percentile, progress, run_closed_loop,
@@ -58,6 +63,7 @@ from benchmarks.common import (RESULTS_DIR, env_info, figure, line_panel, percen
 from benchmarks.serving_profile import cpu_by_role
 from cluster.config import AppConfig
 from cluster.local_cluster import ROOT, LocalCluster
+from deployments.protocol import CompletionRequest
 from policies import make_policy
 from workers.engine import LLMEngine
 from workers.model_loader import load_model
@@ -88,13 +94,67 @@ def run_guidellm(url: str, model: str, tokenizer_dir: str, streams: int, seconds
     env = dict(os.environ)
     if workers:  # guidellm's worker processes (default 10): each a Python process on the service's cores
         env["GUIDELLM__MAX_WORKER_PROCESSES"] = str(workers)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds * 3 + 120, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    samples: list[tuple[float, float]] = []  # (wall clock s, CPU s of guidellm's processes so far)
+    sampler = threading.Thread(target=_sample_cpu, args=(proc, samples), daemon=True)
+    sampler.start()
+    try:
+        stdout, stderr = proc.communicate(timeout=seconds * 3 + 120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+    sampler.join()
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"guidellm failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"guidellm failed ({proc.returncode}):\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    report = json.loads(out.read_text())
+    [bench] = report["benchmarks"]
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {**parse_guidellm(json.loads(out.read_text())), "client_cpu_cores": cpu / wall}
+    return {**parse_guidellm(report),
+            # while its measured requests ran: what it takes from the engine's cores
+            "client_cpu_cores": window_rate(samples, bench["start_time"], bench["end_time"]),
+            "client_cpu_cores_whole_run": cpu / wall}  # start-up included
+
+
+def _sample_cpu(proc: subprocess.Popen, samples: list[tuple[float, float]], every_s: float = 0.25) -> None:
+    """Append (time, CPU seconds of ``proc`` and its children) until it exits."""
+    try:
+        root = psutil.Process(proc.pid)
+    except psutil.Error:
+        return
+    seen: dict[int, psutil.Process] = {}
+    while proc.poll() is None:
+        try:
+            for p in [root, *root.children(recursive=True)]:
+                seen.setdefault(p.pid, p)
+        except psutil.Error:
+            pass
+        total = 0.0
+        for p in seen.values():
+            try:
+                total += sum(p.cpu_times()[:2])
+            except psutil.Error:  # gone: its last reading is lost, so a window over its exit reads low
+                pass
+        samples.append((time.time(), total))
+        time.sleep(every_s)
+
+
+def window_rate(samples: list[tuple[float, float]], start: float, end: float) -> float:
+    """The rate of a cumulative counter sampled as (time, value) over [start, end], reading it at both
+    ends by linear interpolation between the nearest samples (clamped to the first and last)."""
+    if len(samples) < 2 or end <= start:
+        return 0.0
+
+    def at(t: float) -> float:
+        if t <= samples[0][0]:
+            return samples[0][1]
+        for (t0, v0), (t1, v1) in zip(samples, samples[1:]):
+            if t <= t1:
+                return v0 + (v1 - v0) * (t - t0) / (t1 - t0) if t1 > t0 else v1
+        return samples[-1][1]
+
+    return (at(end) - at(start)) / (end - start)
 
 
 def _dist(metrics: dict[str, Any], name: str) -> dict[str, Any]:
@@ -118,6 +178,17 @@ def parse_guidellm(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def guidellm_sampling(output_tokens: int) -> dict[str, Any]:
+    """The engine's sampling parameters for a request as guidellm 0.8 sends it to ``/v1/completions``
+    (model, prompt, stream with usage, ``max_tokens``, ``stop: null``, ``ignore_eos``), read through
+    the API's own request model, so that the in-process passes sample exactly as the served ones."""
+    body = {"model": "m", "prompt": "x", "stream": True, "max_tokens": output_tokens, "stop": None, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    req = CompletionRequest.model_validate(body)
+    return {"max_tokens": req.max_tokens, "ignore_eos": req.ignore_eos, "temperature": req.temperature,
+            "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed}
+
+
 def run_engine(engine: LLMEngine, streams: int, seconds: float, prompt_tokens: int, output_tokens: int,
                seed: int, warmup: float) -> dict[str, Any]:
     """The same closed loop on the engine in process: enough requests for about ``seconds``; requests
@@ -127,8 +198,8 @@ def run_engine(engine: LLMEngine, streams: int, seconds: float, prompt_tokens: i
     rate_guess = max(engine.num_output_tokens / max(engine.num_steps, 1), 1.0)  # tokens per step so far
     step_s = engine.step_time_ema.value or 0.05
     n = max(2 * streams, int(seconds / step_s * min(rate_guess, streams) / output_tokens))
-    work = [([rng.randrange(3, vocab) for _ in range(prompt_tokens)],
-             {"max_tokens": output_tokens, "ignore_eos": True, "temperature": 0.0}) for _ in range(n)]
+    params = guidellm_sampling(output_tokens)
+    work = [([rng.randrange(3, vocab) for _ in range(prompt_tokens)], dict(params)) for _ in range(n)]
     res = run_closed_loop(engine, work, streams, speculation="auto", name=f"engine c={streams}", show_progress=False)
     kept = [r for r in res.records if r.submit_s >= warmup * res.wall_s] or res.records
     ttfts = [r.ttft for r in kept]

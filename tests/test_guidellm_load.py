@@ -1,17 +1,18 @@
-"""The load benchmark's arithmetic: its goals from hand-written numbers, and the client-CPU burners it runs
-the in-process engine beside."""
+"""The load benchmark's arithmetic: its goals from hand-written numbers, the client's CPU over the window
+its requests ran, the sampling its in-process passes share with guidellm's requests, and the client-CPU
+burners it runs the in-process engine beside."""
 
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 import time
 
 import psutil
 import pytest
 
 from benchmarks import guidellm_load
-from benchmarks.guidellm_load import burn_cores, goals
+from benchmarks.guidellm_load import burn_cores, goals, guidellm_sampling, window_rate
 
 
 def _lvl(ttft_p99_ms: float, itl_p50_ms: float, tok_s: float) -> dict:
@@ -49,6 +50,22 @@ def test_burners_use_about_the_cores_asked(cores, procs):
     assert all(b.poll() is not None for b in burners)
 
 
+def test_window_rate_reads_the_counter_between_the_window_ends():
+    samples = [(10.0, 0.0), (11.0, 2.0), (12.0, 2.5), (13.0, 2.5)]  # 2 cores busy, then 0.5, then idle
+    assert window_rate(samples, 10.0, 11.0) == 2.0
+    assert window_rate(samples, 10.5, 12.5) == (2.5 - 1.0) / 2.0  # interpolated at both ends
+    assert window_rate(samples, 12.0, 20.0) == 0.0  # past the last sample: its value holds
+    assert window_rate(samples, 5.0, 11.0) == 2.0 / 6.0  # before the first: the first value holds
+    assert window_rate(samples[:1], 10.0, 11.0) == 0.0 and window_rate(samples, 11.0, 11.0) == 0.0
+
+
+def test_in_process_passes_sample_as_guidellms_requests_do():
+    """guidellm names no temperature, so the API's default (1.0) samples every token; an in-process pass
+    that decodes greedily would skip the sampler's work and flatter the engine."""
+    assert guidellm_sampling(64) == {"max_tokens": 64, "ignore_eos": True, "temperature": 1.0, "top_p": 1.0,
+                                     "top_k": 0, "seed": None}
+
+
 def test_run_guidellm_sets_the_worker_count_and_reads_its_report(tmp_path, monkeypatch):
     """The command guidellm gets (closed loop at the stream count, the local tokenizer, the worker count in
     its environment) and the numbers read back from its JSON report, with a stand-in for the process."""
@@ -57,16 +74,26 @@ def test_run_guidellm_sets_the_worker_count_and_reads_its_report(tmp_path, monke
     def dist(p50, p99, mean=0.0):
         return {"successful": {"percentiles": {"p50": p50, "p99": p99}, "mean": mean}}
 
-    def fake_run(cmd, env, **kwargs):
-        seen["cmd"], seen["workers"] = cmd, env.get("GUIDELLM__MAX_WORKER_PROCESSES")
-        report = {"benchmarks": [{"metrics": {"time_to_first_token_ms": dist(100, 300),
-                                              "inter_token_latency_ms": dist(20, 40),
-                                              "output_tokens_per_second": dist(0, 0, mean=55.0)},
-                                  "requests": {"successful": [{}] * 7, "errored": []}}]}
-        (tmp_path / "out.json").write_text(json.dumps(report))
-        return subprocess.CompletedProcess(cmd, 0, "", "")
+    class FakePopen:
+        pid, returncode = os.getpid(), 0
 
-    monkeypatch.setattr(guidellm_load.subprocess, "run", fake_run)
+        def __init__(self, cmd, env, **kwargs):
+            seen["cmd"], seen["workers"] = cmd, env.get("GUIDELLM__MAX_WORKER_PROCESSES")
+
+        def poll(self):
+            return 0
+
+        def communicate(self, timeout=None):
+            now = time.time()
+            report = {"benchmarks": [{"metrics": {"time_to_first_token_ms": dist(100, 300),
+                                                  "inter_token_latency_ms": dist(20, 40),
+                                                  "output_tokens_per_second": dist(0, 0, mean=55.0)},
+                                      "requests": {"successful": [{}] * 7, "errored": []},
+                                      "start_time": now - 5.0, "end_time": now}]}
+            (tmp_path / "out.json").write_text(json.dumps(report))
+            return "", ""
+
+    monkeypatch.setattr(guidellm_load.subprocess, "Popen", FakePopen)
     res = guidellm_load.run_guidellm("http://127.0.0.1:1", "m", "/tok", 16, 5.0, 128, 64, tmp_path / "out.json",
                                      0.2, workers=1)
     assert seen["workers"] == "1"
@@ -75,4 +102,5 @@ def test_run_guidellm_sets_the_worker_count_and_reads_its_report(tmp_path, monke
     assert {k: res[k] for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tok_s", "num_requests",
                                 "num_errors")} == {"ttft_p50_ms": 100, "ttft_p99_ms": 300, "itl_p50_ms": 20,
                                                    "itl_p99_ms": 40, "tok_s": 55.0, "num_requests": 7, "num_errors": 0}
-    assert res["client_cpu_cores"] >= 0
+    assert res["client_cpu_cores"] == 0.0  # the stand-in exits at once: no samples inside its window
+    assert res["client_cpu_cores_whole_run"] >= 0
