@@ -192,6 +192,9 @@ def keyed_exponentials(
 
 # A candidate's float32 race score may be off by a few ulps (~1e-6 relative); the margin is 100x that.
 _RACE_MARGIN = 1e-4
+# Below this many rows the extra passes of the float32 race cost more than the fp64 logs they save
+# (benchmarks/sampler_bench.py).
+_RACE_MIN_ROWS = 8
 
 
 def keyed_sample(
@@ -201,24 +204,27 @@ def keyed_sample(
     """The exponential race ``argmax_v p_v / E_v`` with position-keyed ``E`` (see :func:`sample`):
     distributed exactly as ``p``; the same (p, key) always gives the same token.
 
-    The winner is exactly ``(p / keyed_exponentials(keys)).argmax(-1)``, computed cheaper on the CPU:
-    the fp64 log of every draw costs more than the rest of sampling together, so the race is first
-    run with a float32 ``E`` (``-log1p(u - 1 + 2^-25)``, a few ulps from the exact one), and only the
-    entries within ``_RACE_MARGIN`` of each row's best get the exact ``E``; the exact scores decide,
-    first index on ties, as ``argmax`` does. The true winner is always among those entries."""
+    The winner is exactly ``(p / keyed_exponentials(keys)).argmax(-1)``, computed cheaper on the CPU
+    for batches of rows: instead of an fp64 log of every draw, the race first runs with a float32
+    ``E`` (``-log1p(u - 1 + 2^-25)``, a few ulps from the exact one), and only the entries within
+    ``_RACE_MARGIN`` of each row's best get the exact ``E``; the exact scores decide, first index on
+    ties, as ``argmax`` does. The true winner is always among those entries."""
     if probs.shape[0] == 0:
         return torch.zeros(0, dtype=torch.long, device=probs.device)
-    if probs.device.type != "cpu":
+    if probs.device.type != "cpu" or probs.shape[0] < _RACE_MIN_ROWS:
         e = keyed_exponentials(keys, probs.shape[1], probs.device)
         return (probs.float() / e).argmax(dim=-1)
     p = probs.float()  # [n, vocab]
     u = keyed_uniforms(keys, probs.shape[1])  # [n, vocab]
-    # u - 1 is exact (Sterbenz for u >= 1/2, an integer multiple of 2^-24 below); + 2^-25 rounds at most once
-    approx = p / -torch.log1p((u - 1.0) + 2.0**-25)  # [n, vocab] float32 race scores, ~1e-6 relative off
-    best = approx.max(dim=-1, keepdim=True).values  # [n, 1]
+    # In place, one [n, vocab] buffer: E' = -log1p((u - 1) + 2^-25), where u - 1 is exact (Sterbenz for
+    # u >= 1/2, an integer multiple of 2^-24 below) and + 2^-25 rounds at most once; then the scores p / E'.
+    race = torch.sub(u, 1.0).add_(2.0**-25).log1p_().neg_()  # [n, vocab] float32 E', ~1e-6 relative off
+    torch.div(p, race, out=race)  # [n, vocab] float32 race scores
+    best = race.max(dim=-1, keepdim=True).values  # [n, 1]
     if not bool(torch.isfinite(best).all()):  # a non-finite probability: the plain definition decides
         return (p / _exponentials_of(u)).argmax(dim=-1)
-    rows, cols = (approx >= best * (1.0 - _RACE_MARGIN)).nonzero(as_tuple=True)  # [m] candidates
-    exact = torch.full_like(p, -float("inf"))  # [n, vocab]; -inf loses to every candidate (scores >= 0)
-    exact[rows, cols] = p[rows, cols] / _exponentials_of(u[rows, cols])
-    return exact.argmax(dim=-1)
+    rows, cols = (race >= best * (1.0 - _RACE_MARGIN)).nonzero(as_tuple=True)  # [m] candidates
+    exact = p[rows, cols] / _exponentials_of(u[rows, cols])  # [m] the definition's scores
+    race.fill_(-float("inf"))  # -inf loses to every candidate (scores >= 0)
+    race[rows, cols] = exact
+    return race.argmax(dim=-1)
