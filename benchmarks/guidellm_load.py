@@ -27,9 +27,10 @@ One run, one machine, four passes over the same stream counts (the CPU is named 
    idle: Ray's daemons, the Serve controller, the proxy, the ingress, the Router and the idle
    replicas wake up around the engine as they do while it serves.
 4. **Beside the idle service and the client's CPU**: pass 3 plus processes burning as many cores as
-   guidellm itself used while its requests ran at that level (10 ms duty cycles, normal priority). That is what a serving
-   path costing nothing could read on these cores: where a goal fails here too, what runs beside
-   the engine on a 2-core machine is enough to miss it, whatever the serving path does.
+   guidellm itself used while its requests ran at that level (10 ms duty cycles, normal priority).
+   That is what a serving path costing nothing could read on these cores: where a goal fails here
+   too, what runs beside the engine on a 2-core machine is enough to miss it, whatever the serving
+   path does.
 
 Each engine step runs one OpenMP thread per core, and every parallel op waits for its slowest
 thread, so on 2 cores any other runnable process stalls the step, not just a core's share of it.
@@ -377,16 +378,18 @@ def main(argv: list[str] | None = None) -> int:
     for c, b in beside.items():
         print(f"c={c} in process beside the idle service and {b['client_cpu_cores']:.2f} burnt client cores: TTFT p99 "
               f"{b['ttft_p99_ms']:.0f} ms, ITL p50 {b['itl_p50_ms']:.1f} ms, {b['tok_s']:.1f} tok/s")
+    def verdict(g: dict[str, Any]) -> str:
+        return f"{g['value']} {'met' if g['met'] else 'NOT met'}"
+
     for w, gw in list(result["goals_by_guidellm_workers"].items())[1:]:
-        print(f"goals with {w} guidellm workers: "
-              + ", ".join(f"{k} {g['value']} {'met' if g['met'] else 'NOT met'}" for k, g in gw.items()))
+        print(f"goals with {w} guidellm workers: " + ", ".join(f"{k} {verdict(g)}" for k, g in gw.items()))
     print(f"goals with {worker_counts[0]} guidellm workers (headline):")
     for k, g in result["goals"].items():
         idle, bound = result["goals_beside_idle_service"].get(k), result["goals_costless_server"].get(k)
-        print(f"goal {k}: {g['value']} {'met' if g['met'] else 'NOT met'}"
-              + (f"  (beside the idle service: {idle['value']} {'met' if idle['met'] else 'NOT met'})" if idle else "")
-              + (f"  (a serving path costing nothing, beside the idle service and the client's CPU: {bound['value']}"
-                 f" {'met' if bound['met'] else 'NOT met'})" if bound else ""))
+        print(f"goal {k}: {verdict(g)}"
+              + (f"  (beside the idle service: {verdict(idle)})" if idle else "")
+              + (f"  (a serving path costing nothing, beside the idle service and the client's CPU: {verdict(bound)})"
+                 if bound else ""))
     out = Path(args.out)
     write_json(out.with_suffix(".json"), result)
     fig, axes = figure(ncols=3, width=5.5)
