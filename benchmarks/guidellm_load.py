@@ -20,12 +20,14 @@ One run, one machine, four passes over the same stream counts (the CPU is named 
    is 10 Python processes, each polling, on the service's cores; one process drives 32 streams with
    asyncio); the first count is the headline, every count gets its own goals. The CPU every
    process used per level is read too (the target replica, the proxy, the ingress, the Router, the
-   draft worker, Ray's daemons), in cores; guidellm's own CPU is read while its requests run
-   (its start-up, a few seconds of tokenizer load and data synthesis at up to two cores, is
-   reported apart: nothing is served then).
+   draft worker, Ray's daemons, and guidellm), in cores, every 0.25 s over the window its measured
+   requests ran in (guidellm's start-up, a few seconds of tokenizer load and data synthesis at up to
+   two cores, serves nothing; its own whole-run CPU is reported apart).
 3. **Beside the idle service** (unless ``--no-bounds``): pass 1 again with the service still up and
    idle: Ray's daemons, the Serve controller, the proxy, the ingress, the Router and the idle
-   replicas wake up around the engine as they do while it serves.
+   replicas wake up around the engine as they do while it serves. Paired with the same pass while
+   every process of the service is stopped (SIGSTOP: memory held, no CPU, no wake-ups), back to back
+   in alternating order, so the idle service's cost is read within minutes, not across the run.
 4. **Beside the idle service and the client's CPU**: pass 3 plus processes burning as many cores as
    guidellm itself used while its requests ran at that level (10 ms duty cycles, normal priority).
    That is what a serving path costing nothing could read on these cores: where a goal fails here
@@ -43,6 +45,7 @@ pass; writes benchmarks/results/guidellm_load.{json,png}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -53,7 +56,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 import psutil
@@ -79,9 +82,11 @@ def service_config() -> AppConfig:
 
 
 def run_guidellm(url: str, model: str, tokenizer_dir: str, streams: int, seconds: float, prompt_tokens: int,
-                 output_tokens: int, out: Path, warmup: float, workers: int | None = None) -> dict[str, Any]:
+                 output_tokens: int, out: Path, warmup: float, workers: int | None = None,
+                 service: list[psutil.Process] | None = None) -> dict[str, Any]:
     """One guidellm closed-loop run at ``streams`` concurrent streams; returns its metrics, and the CPU
-    seconds guidellm itself used (it runs on the same cores as the service)."""
+    guidellm itself used (it runs on the same cores as the service) and, given the ``service``'s
+    processes, theirs by role, both in cores over the window its measured requests ran in."""
     cmd = [str(BIN / "guidellm"), "run",
            "--backend", f"kind=openai_http,target={url},model={model},request_format=/v1/completions",
            "--profile", f"kind=concurrent,streams={streams},warmup={warmup}",
@@ -97,7 +102,8 @@ def run_guidellm(url: str, model: str, tokenizer_dir: str, streams: int, seconds
         env["GUIDELLM__MAX_WORKER_PROCESSES"] = str(workers)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     samples: list[tuple[float, float]] = []  # (wall clock s, CPU s of guidellm's processes so far)
-    sampler = threading.Thread(target=_sample_cpu, args=(proc, samples), daemon=True)
+    by_role: list[tuple[float, dict[str, float]]] = []  # (wall clock s, CPU s of each service role so far)
+    sampler = threading.Thread(target=_sample_cpu, args=(proc, samples, service or [], by_role), daemon=True)
     sampler.start()
     try:
         stdout, stderr = proc.communicate(timeout=seconds * 3 + 120)
@@ -112,14 +118,20 @@ def run_guidellm(url: str, model: str, tokenizer_dir: str, streams: int, seconds
     report = json.loads(out.read_text())
     [bench] = report["benchmarks"]
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    window = bench["start_time"], bench["end_time"]
+    roles = sorted({r for _, d in by_role for r in d})
     return {**parse_guidellm(report),
             # while its measured requests ran: what it takes from the engine's cores
-            "client_cpu_cores": window_rate(samples, bench["start_time"], bench["end_time"]),
-            "client_cpu_cores_whole_run": cpu / wall}  # start-up included
+            "client_cpu_cores": window_rate(samples, *window),
+            "client_cpu_cores_whole_run": cpu / wall,  # start-up included
+            # the same window: over guidellm's whole run its start-up, when nothing is served, dilutes them
+            "service_cpu_cores": {r: window_rate([(t, d.get(r, 0.0)) for t, d in by_role], *window) for r in roles}}
 
 
-def _sample_cpu(proc: subprocess.Popen, samples: list[tuple[float, float]], every_s: float = 0.25) -> None:
-    """Append (time, CPU seconds of ``proc`` and its children) until it exits."""
+def _sample_cpu(proc: subprocess.Popen, samples: list[tuple[float, float]], service: list[psutil.Process],
+                by_role: list[tuple[float, dict[str, float]]], every_s: float = 0.25) -> None:
+    """Append (time, CPU seconds of ``proc`` and its children) to ``samples``, and (time, CPU seconds of
+    the ``service``'s processes by role) to ``by_role``, until ``proc`` exits."""
     try:
         root = psutil.Process(proc.pid)
     except psutil.Error:
@@ -137,7 +149,10 @@ def _sample_cpu(proc: subprocess.Popen, samples: list[tuple[float, float]], ever
                 total += sum(p.cpu_times()[:2])
             except psutil.Error:  # gone: its last reading is lost, so a window over its exit reads low
                 pass
-        samples.append((time.time(), total))
+        now = time.time()
+        samples.append((now, total))
+        if service:
+            by_role.append((now, cpu_by_role(service)))
         time.sleep(every_s)
 
 
@@ -221,6 +236,27 @@ while True:
 """
 
 
+@contextlib.contextmanager
+def stopped(procs: list[psutil.Process]) -> Iterator[None]:
+    """The processes stopped (SIGSTOP) inside the block and continued after it: they hold their memory
+    and state but take no CPU and wake no one."""
+    held = []
+    try:
+        for p in procs:
+            try:
+                p.suspend()
+                held.append(p)
+            except psutil.Error:  # gone or not ours: nothing to stop
+                pass
+        yield
+    finally:
+        for p in held:
+            try:
+                p.resume()
+            except psutil.Error:
+                pass
+
+
 def burn_cores(cores: float) -> list[subprocess.Popen]:
     """Processes that keep ``cores`` CPUs busy between them (one per whole core), as a client would."""
     procs = []
@@ -278,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     # in process with the service up and idle beside it, and also with guidellm's measured CPU burnt beside it
     beside_service: dict[int, dict[str, Any]] = {}
     beside: dict[int, dict[str, Any]] = {}
+    beside_frozen: dict[int, dict[str, Any]] = {}  # paired with beside_service: the service's processes stopped
     with tempfile.TemporaryDirectory() as tmp:
         tok_dir = Path(tmp) / "tokenizer"
         loaded.tokenizer.save_pretrained(tok_dir)
@@ -310,21 +347,28 @@ def main(argv: list[str] | None = None) -> int:
                 procs = cluster.processes()
                 for i, c in enumerate(progress(levels, desc="guidellm over HTTP", unit="level")):
                     for w in worker_counts if i % 2 == 0 else worker_counts[::-1]:
-                        cpu0, t0 = cpu_by_role(procs), time.perf_counter()
                         res = run_guidellm(cluster.base_url, cfg.engine.served_model_name, str(tok_dir), c,
                                            args.seconds, args.prompt_tokens, args.output_tokens,
-                                           Path(tmp) / f"guidellm_{c}_{w}.json", args.warmup, workers=w)
-                        cpu1, wall = cpu_by_role(procs), time.perf_counter() - t0
-                        res["service_cpu_cores"] = {k: (cpu1[k] - cpu0.get(k, 0.0)) / wall for k in cpu1}
+                                           Path(tmp) / f"guidellm_{c}_{w}.json", args.warmup, workers=w,
+                                           service=procs)
                         http_by_workers[w][c] = res
                         print(f"  HTTP c={c}, {w} guidellm workers: {res}", flush=True)
                 if eng is not None and not args.no_bounds:
                     # What a serving path costing nothing could read: the engine in process with everything
                     # that still runs around it, the service's idle processes (Ray's daemons, the Serve
                     # controller, the proxy, ingress, Router, the idle replicas), and the client's CPU.
-                    for c in progress(levels, desc="engine beside the idle service (+ client CPU)", unit="level"):
-                        beside_service[c] = engine_level(c)
-                        print(f"  engine beside the idle service, c={c}: {beside_service[c]}", flush=True)
+                    # The idle service's own cost, paired: the same pass with its processes stopped and
+                    # running, back to back in alternating order (the machine drifts between minutes).
+                    for i, c in enumerate(progress(levels, desc="engine beside the idle service (+ client CPU)",
+                                                   unit="level")):
+                        for frozen in ((True, False) if i % 2 == 0 else (False, True)):
+                            if frozen:
+                                with stopped(procs):
+                                    beside_frozen[c] = engine_level(c)
+                            else:
+                                beside_service[c] = engine_level(c)
+                        print(f"  engine beside the idle service, c={c}: {beside_service[c]}; with its processes "
+                              f"stopped: {beside_frozen[c]}", flush=True)
                         burners = burn_cores(http[c]["client_cpu_cores"])
                         try:
                             beside[c] = engine_level(c)
@@ -346,6 +390,10 @@ def main(argv: list[str] | None = None) -> int:
     result = {"env": env_info(), "args": vars(args), "service": cfg.model_dump(mode="json"), "rows": rows,
               "goals": goals(http, engine_res), "engine_beside_idle_service": beside_service,
               "engine_beside_idle_service_and_client": beside,
+              "engine_beside_stopped_service": beside_frozen,
+              # what the idle service costs the engine, paired in time: tok/s running / tok/s stopped
+              "idle_service_tok_s_ratio": {c: beside_service[c]["tok_s"] / beside_frozen[c]["tok_s"]
+                                           for c in beside_frozen},
               "http_by_guidellm_workers": http_by_workers,
               "goals_by_guidellm_workers": {w: goals(h, engine_res) for w, h in http_by_workers.items()},
               # the goals for a serving path that costs nothing: the idle service (and guidellm's CPU) beside it
@@ -375,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     for c, b in beside_service.items():
         print(f"c={c} in process beside the idle service: TTFT p99 {b['ttft_p99_ms']:.0f} ms, ITL p50 "
               f"{b['itl_p50_ms']:.1f} ms, {b['tok_s']:.1f} tok/s")
+    for c, r in result["idle_service_tok_s_ratio"].items():
+        print(f"c={c} in process: the idle service running / its processes stopped (paired) {r:.3f} tok/s "
+              f"({beside_service[c]['tok_s']:.1f} / {beside_frozen[c]['tok_s']:.1f})")
     for c, b in beside.items():
         print(f"c={c} in process beside the idle service and {b['client_cpu_cores']:.2f} burnt client cores: TTFT p99 "
               f"{b['ttft_p99_ms']:.0f} ms, ITL p50 {b['itl_p50_ms']:.1f} ms, {b['tok_s']:.1f} tok/s")

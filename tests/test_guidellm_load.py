@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import psutil
@@ -104,3 +106,43 @@ def test_run_guidellm_sets_the_worker_count_and_reads_its_report(tmp_path, monke
                                                    "itl_p99_ms": 40, "tok_s": 55.0, "num_requests": 7, "num_errors": 0}
     assert res["client_cpu_cores"] == 0.0  # the stand-in exits at once: no samples inside its window
     assert res["client_cpu_cores_whole_run"] >= 0
+
+
+def test_stopped_holds_the_processes_still_inside_the_block_and_continues_them_after(tmp_path):
+    """The paired pass beside the stopped service: a stopped process takes no CPU inside the block (its
+    CPU time does not move) and runs again after it, also when the block raises."""
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        p = psutil.Process(child.pid)
+        time.sleep(0.3)
+        with pytest.raises(RuntimeError):
+            with guidellm_load.stopped([p]):
+                assert p.status() == psutil.STATUS_STOPPED
+                before = sum(p.cpu_times()[:2])
+                time.sleep(0.5)
+                assert sum(p.cpu_times()[:2]) == before
+                raise RuntimeError("a pass failed")
+        assert p.status() != psutil.STATUS_STOPPED
+        before = sum(p.cpu_times()[:2])
+        time.sleep(0.5)
+        assert sum(p.cpu_times()[:2]) > before
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_the_sampler_reads_the_services_cpu_by_role_beside_the_clients():
+    """The service's CPU is sampled in the thread and on the clock the client's is, so both are read over
+    the window guidellm's requests ran in: a busy service process reads about a core there."""
+    client = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        samples, by_role = [], []
+        t0 = time.time()
+        guidellm_load._sample_cpu(client, samples, [psutil.Process(busy.pid)], by_role, every_s=0.1)
+        assert len(by_role) == len(samples) >= 5 and all(set(d) == {"other"} for _, d in by_role)
+        cores = guidellm_load.window_rate([(t, d["other"]) for t, d in by_role], t0 + 0.3, time.time() - 0.2)
+        assert 0.3 < cores <= 1.05
+    finally:
+        busy.kill()
+        busy.wait()
