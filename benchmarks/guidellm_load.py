@@ -6,11 +6,13 @@
 
 One run, one machine, four passes over the same stream counts (the CPU is named in the JSON):
 
-1. **Engine alone**: the closed loop on the engine in this process (the shipped EngineConfig, the
-   goodput policy on the engine's own cost model, random-token prompts of ``--prompt-tokens``,
-   exactly ``--output-tokens`` each, sampled as guidellm's requests are: they name no temperature,
-   so the API's default 1.0 applies): time to first token and time per output token from each
-   request's step times. Requests sent in the first ``--warmup`` share of a level are left out, as
+1. **Engine alone**: the closed loop on the engine in this process (the shipped EngineConfig with
+   the proposers the target replica runs itself, the goodput policy on the engine's own cost
+   model, prompts made as guidellm makes its synthetic ones: Faker text cut to ``--prompt-tokens``
+   of the served tokenizer, so n-gram speculation finds what it finds over HTTP; exactly
+   ``--output-tokens`` each, sampled as guidellm's requests are: they name no temperature, so the
+   API's default 1.0 applies): time to first token and time per output token from each request's
+   step times. Requests sent in the first ``--warmup`` share of a level are left out, as
    guidellm does.
 2. **Over HTTP**: the default service (ray_config.yaml as shipped, on a local two-node cluster, as
    the end-to-end tests run it) driven by ``guidellm run``: closed loop (``concurrent`` profile) for
@@ -39,7 +41,10 @@ thread, so on 2 cores any other runnable process stalls the step, not just a cor
 
 Prints TTFT p50/p99, ITL p50/p99 (guidellm's: (latency - TTFT) / (tokens - 1) per request),
 output tok/s and the HTTP / in-process ratio per level, and checks the serving goals against each
-pass; writes benchmarks/results/guidellm_load.{json,png}.
+pass; writes benchmarks/results/guidellm_load.{json,png}. Every level also records the engine's
+steps (benchmarks/step_profile.py: the target replica's over HTTP, the engine's own in process):
+seconds per step, decode rows and prompt tokens per step, and the median decode-only step, which
+tell a served level that runs smaller batches from one that runs the same batches slower.
 """
 
 from __future__ import annotations
@@ -48,7 +53,6 @@ import argparse
 import contextlib
 import json
 import os
-import random
 import resource
 import subprocess
 import sys
@@ -65,12 +69,14 @@ import yaml
 from benchmarks.common import (RESULTS_DIR, env_info, figure, line_panel, percentile, progress, run_closed_loop,
                                save_figure, set_threads, write_json)
 from benchmarks.serving_profile import cpu_by_role
-from cluster.config import AppConfig
-from cluster.local_cluster import ROOT, LocalCluster
+from benchmarks.step_profile import StepRecorder, compare, from_trace, since, summarize
+from cluster.config import DRAFT_WORKER_PROPOSERS, AppConfig
+from cluster.local_cluster import ROOT, LocalCluster, Probe
 from deployments.protocol import CompletionRequest
 from policies import make_policy
 from workers.engine import LLMEngine
 from workers.model_loader import load_model
+from workers.proposers.registry import make_proposer
 
 BIN = Path(sys.executable).parent
 
@@ -205,25 +211,70 @@ def guidellm_sampling(output_tokens: int) -> dict[str, Any]:
             "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed}
 
 
+def guidellm_prompts(tokenizer: Any, n: int, prompt_tokens: int, seed: int) -> list[list[int]]:
+    """``n`` prompts as guidellm 0.8's synthetic_text makes them (seeded Faker text, encoded, cut to
+    ``prompt_tokens``, decoded), then encoded as the service encodes the text it receives."""
+    from faker import Faker  # guidellm's own dependency
+
+    fake = Faker()
+    fake.seed_instance(seed)
+    out = []
+    for _ in range(n):
+        ids: list[int] = []
+        attempts = 0
+        while len(ids) < prompt_tokens:
+            attempts += 1
+            ids = tokenizer.encode(fake.text(max_nb_chars=int(prompt_tokens * 5 * 1.5 * attempts)),
+                                   add_special_tokens=False)
+        out.append(tokenizer.encode(tokenizer.decode(ids[:prompt_tokens], skip_special_tokens=True),
+                                    add_special_tokens=False))
+    return out
+
+
+def local_proposers(cfg: AppConfig) -> dict[str, Any]:
+    """The proposers the target replica runs in its own process (the draft worker's are remote)."""
+    return {p.name: make_proposer(p.name, **p.options) for p in cfg.engine.proposers
+            if p.name not in DRAFT_WORKER_PROPOSERS}
+
+
 def run_engine(engine: LLMEngine, streams: int, seconds: float, prompt_tokens: int, output_tokens: int,
                seed: int, warmup: float) -> dict[str, Any]:
     """The same closed loop on the engine in process: enough requests for about ``seconds``; requests
     sent in the first ``warmup`` share of the run are left out of the latencies, as guidellm does."""
-    rng = random.Random(seed)
-    vocab = engine.vocab_size
     rate_guess = max(engine.num_output_tokens / max(engine.num_steps, 1), 1.0)  # tokens per step so far
     step_s = engine.step_time_ema.value or 0.05
     n = max(2 * streams, int(seconds / step_s * min(rate_guess, streams) / output_tokens))
     params = guidellm_sampling(output_tokens)
-    work = [([rng.randrange(3, vocab) for _ in range(prompt_tokens)], dict(params)) for _ in range(n)]
-    res = run_closed_loop(engine, work, streams, speculation="auto", name=f"engine c={streams}", show_progress=False)
+    work = [(p, dict(params)) for p in guidellm_prompts(engine.tokenizer, n, prompt_tokens, seed)]
+    recorder, hook = StepRecorder(engine), engine.on_step
+    engine.on_step = recorder
+    try:
+        res = run_closed_loop(engine, work, streams, speculation="auto", name=f"engine c={streams}", show_progress=False)
+    finally:
+        engine.on_step = hook
     kept = [r for r in res.records if r.submit_s >= warmup * res.wall_s] or res.records
     ttfts = [r.ttft for r in kept]
     tpots = [r.tpot for r in kept]
     return {"ttft_p50_ms": 1e3 * percentile(ttfts, 50), "ttft_p99_ms": 1e3 * percentile(ttfts, 99),
             "itl_p50_ms": 1e3 * percentile(tpots, 50), "itl_p99_ms": 1e3 * percentile(tpots, 99),
             # at the concurrency (all streams in flight), as guidellm's rate over its active phase
-            "tok_s": res.steady_tok_s or res.tok_s, "num_requests": len(kept), "num_errors": 0}
+            "tok_s": res.steady_tok_s or res.tok_s, "num_requests": len(kept), "num_errors": 0,
+            "steps": summarize(recorder.steps)}
+
+
+def replica_steps(cluster: LocalCluster, steps_before: int | None = None) -> tuple[int, dict[str, Any]]:
+    """The target replica's step count now and, given the count before a level, its steps since then
+    summarized (benchmarks/step_profile.py). A short-lived probe each time: a driver left idle beside
+    the service would wake up on its cores during the level."""
+    probe = Probe(cluster)
+    try:
+        count = probe.call("TargetWorker", "load")["num_steps"]
+        if steps_before is None:
+            return count, {}
+        entries, truncated = since(probe.call("TargetWorker", "policy_trace")["steps"], steps_before, count)
+        return count, {**summarize(from_trace(entries)), "trace_truncated": truncated}
+    finally:
+        probe.close()
 
 
 _BURN = """import sys, time
@@ -325,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if not args.skip_engine:
             set_threads(cfg.engine.num_threads or 2)
-            eng = LLMEngine(cfg.engine, loaded, decide=(policy := make_policy({"name": "goodput"})))
+            eng = LLMEngine(cfg.engine, loaded, proposers=local_proposers(cfg),
+                            decide=(policy := make_policy({"name": "goodput"})))
             policy.use_cost_model(eng.cost_model)
             run_closed_loop(eng, [(list(range(10, 10 + args.prompt_tokens)), {"max_tokens": 8})], 1,
                             show_progress=False)  # warm-up
@@ -347,10 +399,12 @@ def main(argv: list[str] | None = None) -> int:
                 procs = cluster.processes()
                 for i, c in enumerate(progress(levels, desc="guidellm over HTTP", unit="level")):
                     for w in worker_counts if i % 2 == 0 else worker_counts[::-1]:
+                        steps_before, _ = replica_steps(cluster)
                         res = run_guidellm(cluster.base_url, cfg.engine.served_model_name, str(tok_dir), c,
                                            args.seconds, args.prompt_tokens, args.output_tokens,
                                            Path(tmp) / f"guidellm_{c}_{w}.json", args.warmup, workers=w,
                                            service=procs)
+                        res["steps"] = replica_steps(cluster, steps_before)[1]
                         http_by_workers[w][c] = res
                         print(f"  HTTP c={c}, {w} guidellm workers: {res}", flush=True)
                 if eng is not None and not args.no_bounds:
@@ -420,6 +474,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"{cpu.get('target replica', 0.0):.2f} cores, the rest of the service "
                       f"{sum(v for k, v in cpu.items() if k != 'target replica'):.2f}, guidellm itself "
                       f"{hw[c]['client_cpu_cores']:.2f}")
+    for c in levels:
+        if c in http and c in engine_res:
+            print(f"c={c}: {compare(http[c].get('steps', {}), engine_res[c].get('steps', {}))}")
+            if c in beside_service:
+                print(f"c={c}, against the engine beside the idle service: "
+                      f"{compare(http[c].get('steps', {}), beside_service[c].get('steps', {}))}")
     for c, b in beside_service.items():
         print(f"c={c} in process beside the idle service: TTFT p99 {b['ttft_p99_ms']:.0f} ms, ITL p50 "
               f"{b['itl_p50_ms']:.1f} ms, {b['tok_s']:.1f} tok/s")

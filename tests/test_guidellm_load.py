@@ -146,3 +146,26 @@ def test_the_sampler_reads_the_services_cpu_by_role_beside_the_clients():
     finally:
         busy.kill()
         busy.wait()
+
+
+def test_in_process_prompts_are_guidellm_like_text_of_the_asked_length(tiny_loaded):
+    """The in-process passes send what guidellm sends: seeded English-like text of about the asked
+    length in the served tokenizer (not random token ids, on which n-gram speculation never fires)."""
+    from benchmarks.guidellm_load import guidellm_prompts
+
+    tok = tiny_loaded.tokenizer
+    a = guidellm_prompts(tok, 4, 128, seed=3)
+    assert len(a) == 4 and all(abs(len(p) - 128) <= 4 for p in a)  # decode then encode may merge a token or two
+    assert a == guidellm_prompts(tok, 4, 128, seed=3) and a != guidellm_prompts(tok, 4, 128, seed=4)
+    text = tok.decode(a[0])
+    assert len(text.split()) > 40 and text.isascii()
+    words = text.lower().split()
+    assert len(set(words)) < len(words)  # natural text repeats words: what the n-gram proposer matches on
+
+
+def test_in_process_engine_runs_the_replicas_own_proposers():
+    from benchmarks.guidellm_load import local_proposers, service_config
+
+    cfg = service_config()
+    names = set(local_proposers(cfg))
+    assert names == {p.name for p in cfg.engine.proposers} - {"draft_model", "eagle"} and "ngram" in names
