@@ -169,3 +169,24 @@ def test_in_process_engine_runs_the_replicas_own_proposers():
     cfg = service_config()
     names = set(local_proposers(cfg))
     assert names == {p.name for p in cfg.engine.proposers} - {"draft_model", "eagle"} and "ngram" in names
+
+
+def test_steady_state_keeps_the_requests_sent_after_the_warmup_window():
+    """guidellm keeps every request that completes after its warm-up window, so a closed loop's first
+    wave (all streams at once) stays in its TTFT; the steady state keeps those *sent* after it."""
+    from benchmarks.guidellm_load import steady_state, steady_view
+
+    first_wave = [{"request_start_time": 100.0 + i / 100, "time_to_first_token_ms": 1000.0 + 500 * i,
+                   "inter_token_latency_ms": 150.0} for i in range(4)]
+    later = [{"request_start_time": 111.0 + i, "time_to_first_token_ms": 700.0 + 10 * i, "inter_token_latency_ms": 140.0}
+             for i in range(4)]
+    bench = {"start_time": 105.0, "requests": {"successful": first_wave + later}}
+    s = steady_state(bench)
+    assert s["steady_num_requests"] == 4
+    assert s["steady_ttft_p50_ms"] == pytest.approx(715.0) and s["steady_ttft_p99_ms"] == pytest.approx(729.7)
+    assert s["steady_itl_p50_ms"] == 140.0
+    assert steady_state({"start_time": 200.0, "requests": {"successful": later}}) == {"steady_num_requests": 0}
+    http = {32: {"ttft_p50_ms": 2000.0, "ttft_p99_ms": 2500.0, "itl_p50_ms": 145.0, "itl_p99_ms": 150.0,
+                 "tok_s": 180.0, **s}}
+    v = steady_view(http)[32]
+    assert v["ttft_p99_ms"] == s["steady_ttft_p99_ms"] and v["tok_s"] == 180.0
