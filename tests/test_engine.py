@@ -317,7 +317,9 @@ def test_stream_interval_sends_fewer_chunks_with_the_same_tokens_text_and_logpro
             ae.shutdown()
 
     one, four = run(1), run(4)
-    assert len(one) == 23 and len(four[0].token_ids) == 1
+    # A consumer that falls behind the engine (a loaded machine) takes the backlog as one chunk, so the
+    # chunk counts are upper bounds; the tokens, text and logprobs are exact whatever the timing.
+    assert sum(len(c.token_ids) for c in one) == 23 and len(one) <= 23 and len(four[0].token_ids) >= 1
     assert all(len(c.token_ids) >= 4 for c in four[1:-1]) and len(four) <= 1 + -(-22 // 4)
     for a, b in [(one, four)]:
         assert [t for c in a for t in c.token_ids] == [t for c in b for t in c.token_ids]
