@@ -297,7 +297,7 @@ def test_slow_stream_consumer_gets_the_backlog_as_one_chunk(tiny_loaded):
 
 
 def test_stream_interval_sends_fewer_chunks_with_the_same_tokens_text_and_logprobs(tiny_loaded):
-    """stream_interval N: the first token alone, then chunks of at least N tokens (the last may be
+    """stream_interval N: the first token without waiting for N, then chunks of at least N tokens (the last may be
     shorter); merged chunks keep every token, the text and every logprob."""
     import asyncio
 
