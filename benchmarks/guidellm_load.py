@@ -65,27 +65,19 @@ from typing import Any, Iterator
 
 import httpx
 import psutil
-import yaml
 
 from benchmarks.common import (RESULTS_DIR, env_info, figure, line_panel, percentile, progress, run_closed_loop,
                                save_figure, set_threads, write_json)
+from benchmarks.guidellm_report import parse_guidellm, steady_view
+from benchmarks.guidellm_workload import guidellm_prompts, guidellm_sampling, local_proposers, service_config
 from benchmarks.serving_profile import cpu_by_role
 from benchmarks.step_profile import StepRecorder, compare, from_trace, since, summarize
-from cluster.config import DRAFT_WORKER_PROPOSERS, AppConfig
-from cluster.local_cluster import ROOT, LocalCluster, Probe
-from deployments.protocol import CompletionRequest
+from cluster.local_cluster import LocalCluster, Probe
 from policies import make_policy
 from workers.engine import LLMEngine
 from workers.model_loader import load_model
-from workers.proposers.registry import make_proposer
 
 BIN = Path(sys.executable).parent
-
-
-def service_config() -> AppConfig:
-    """The app config as shipped in ray_config.yaml."""
-    app = yaml.safe_load((ROOT / "ray_config.yaml").read_text())["applications"][0]
-    return AppConfig.model_validate(app["args"])
 
 
 def run_guidellm(url: str, model: str, tokenizer_dir: str, streams: int, seconds: float, prompt_tokens: int,
@@ -180,101 +172,10 @@ def window_rate(samples: list[tuple[float, float]], start: float, end: float) ->
     return (at(end) - at(start)) / (end - start)
 
 
-def _dist(metrics: dict[str, Any], name: str) -> dict[str, Any]:
-    """guidellm's distribution summary of ``name`` over successful requests."""
-    m = metrics[name]
-    return m.get("successful", m)
-
-
-def parse_guidellm(report: dict[str, Any]) -> dict[str, Any]:
-    [bench] = report["benchmarks"]
-    m = bench["metrics"]
-    ttft, itl = _dist(m, "time_to_first_token_ms"), _dist(m, "inter_token_latency_ms")
-    tok_s = _dist(m, "output_tokens_per_second")
-    reqs = bench.get("requests", {})
-    return {
-        "ttft_p50_ms": ttft["percentiles"]["p50"], "ttft_p99_ms": ttft["percentiles"]["p99"],
-        "itl_p50_ms": itl["percentiles"]["p50"], "itl_p99_ms": itl["percentiles"]["p99"],
-        "tok_s": tok_s["mean"],
-        "num_requests": len(reqs.get("successful", [])) if isinstance(reqs, dict) else None,
-        "num_errors": len(reqs.get("errored", [])) if isinstance(reqs, dict) else None,
-        **steady_state(bench),
-    }
-
-
-def steady_state(bench: dict[str, Any]) -> dict[str, Any]:
-    """TTFT and ITL percentiles over the requests guidellm *sent* after its warm-up window, the rule the
-    in-process passes use (``run_engine``), from guidellm's own per-request measurements.
-
-    Why: guidellm 0.8 leaves out the requests that *complete* inside its warm-up window. A closed loop
-    starts every stream at once, and at 32 streams that first wave (32 prompts at the same instant)
-    completes long after the window, so guidellm's own TTFT p99 is the first wave's queue for prefill,
-    not the steady state. Both are reported; the goals are checked on both."""
-    start = bench.get("start_time")
-    reqs = bench.get("requests", {})
-    done = reqs.get("successful", []) if isinstance(reqs, dict) else []
-    kept = [r for r in done if start is not None and r.get("request_start_time") is not None
-            and r["request_start_time"] >= start and r.get("time_to_first_token_ms") is not None]
-    if not kept:
-        return {"steady_num_requests": 0}
-    ttft = [r["time_to_first_token_ms"] for r in kept]
-    itl = [r["inter_token_latency_ms"] for r in kept if r.get("inter_token_latency_ms") is not None]
-    return {"steady_num_requests": len(kept),
-            "steady_ttft_p50_ms": percentile(ttft, 50), "steady_ttft_p99_ms": percentile(ttft, 99),
-            "steady_itl_p50_ms": percentile(itl, 50) if itl else None,
-            "steady_itl_p99_ms": percentile(itl, 99) if itl else None}
-
-
-def steady_view(http: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """The HTTP levels with their latencies replaced by the steady-state ones (tok/s as guidellm read it)."""
-    out = {}
-    for c, h in http.items():
-        if h.get("steady_num_requests"):
-            out[c] = {**h, **{k: h[f"steady_{k}"] for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")}}
-    return out
-
-
-def guidellm_sampling(output_tokens: int) -> dict[str, Any]:
-    """The engine's sampling parameters for a request as guidellm 0.8 sends it to ``/v1/completions``
-    (model, prompt, stream with usage, ``max_tokens``, ``stop: null``, ``ignore_eos``), read through
-    the API's own request model, so that the in-process passes sample exactly as the served ones."""
-    body = {"model": "m", "prompt": "x", "stream": True, "max_tokens": output_tokens, "stop": None, "ignore_eos": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    req = CompletionRequest.model_validate(body)
-    return {"max_tokens": req.max_tokens, "ignore_eos": req.ignore_eos, "temperature": req.temperature,
-            "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed}
-
-
-def guidellm_prompts(tokenizer: Any, n: int, prompt_tokens: int, seed: int) -> list[list[int]]:
-    """``n`` prompts as guidellm 0.8's synthetic_text makes them (seeded Faker text, encoded, cut to
-    ``prompt_tokens``, decoded), then encoded as the service encodes the text it receives."""
-    from faker import Faker  # guidellm's own dependency
-
-    fake = Faker()
-    fake.seed_instance(seed)
-    out = []
-    for _ in range(n):
-        ids: list[int] = []
-        attempts = 0
-        while len(ids) < prompt_tokens:
-            attempts += 1
-            ids = tokenizer.encode(fake.text(max_nb_chars=int(prompt_tokens * 5 * 1.5 * attempts)),
-                                   add_special_tokens=False)
-        out.append(tokenizer.encode(tokenizer.decode(ids[:prompt_tokens], skip_special_tokens=True),
-                                    add_special_tokens=False))
-    return out
-
-
-def local_proposers(cfg: AppConfig) -> dict[str, Any]:
-    """The proposers the target replica runs in its own process (the draft worker's are remote)."""
-    return {p.name: make_proposer(p.name, **p.options) for p in cfg.engine.proposers
-            if p.name not in DRAFT_WORKER_PROPOSERS}
-
-
 def run_engine(engine: LLMEngine, streams: int, seconds: float, prompt_tokens: int, output_tokens: int,
                seed: int, warmup: float) -> dict[str, Any]:
     """The same closed loop on the engine in process: enough requests for about ``seconds``; requests
-    sent in the first ``warmup`` share of the run are left out of the latencies (see :func:`steady_state`)."""
+    sent in the first ``warmup`` share of the run are left out of the latencies (see benchmarks/guidellm_report.py:steady_state)."""
     rate_guess = max(engine.num_output_tokens / max(engine.num_steps, 1), 1.0)  # tokens per step so far
     step_s = engine.step_time_ema.value or 0.05
     n = max(2 * streams, int(seconds / step_s * min(rate_guess, streams) / output_tokens))
@@ -296,17 +197,24 @@ def run_engine(engine: LLMEngine, streams: int, seconds: float, prompt_tokens: i
             "steps": summarize(recorder.steps)}
 
 
-def replica_steps(cluster: LocalCluster, steps_before: int | None = None) -> tuple[int, dict[str, Any]]:
-    """The target replica's step count now and, given the count before a level, its steps since then
-    summarized (benchmarks/step_profile.py). A short-lived probe each time: a driver left idle beside
-    the service would wake up on its cores during the level."""
+def replica_step_count(cluster: LocalCluster) -> int:
+    """The target replica's step count now. A short-lived probe: a driver left idle beside the service
+    would wake up on its cores during the level."""
+    probe = Probe(cluster)
+    try:
+        return probe.call("TargetWorker", "load")["num_steps"]
+    finally:
+        probe.close()
+
+
+def replica_steps_since(cluster: LocalCluster, steps_before: int) -> dict[str, Any]:
+    """The target replica's steps since it had taken ``steps_before``, summarized
+    (benchmarks/step_profile.py), with ``trace_truncated`` set when its bounded trace dropped some."""
     probe = Probe(cluster)
     try:
         count = probe.call("TargetWorker", "load")["num_steps"]
-        if steps_before is None:
-            return count, {}
         entries, truncated = since(probe.call("TargetWorker", "policy_trace")["steps"], steps_before, count)
-        return count, {**summarize(from_trace(entries)), "trace_truncated": truncated}
+        return {**summarize(from_trace(entries)), "trace_truncated": truncated}
     finally:
         probe.close()
 
@@ -433,12 +341,12 @@ def main(argv: list[str] | None = None) -> int:
                 procs = cluster.processes()
                 for i, c in enumerate(progress(levels, desc="guidellm over HTTP", unit="level")):
                     for w in worker_counts if i % 2 == 0 else worker_counts[::-1]:
-                        steps_before, _ = replica_steps(cluster)
+                        steps_before = replica_step_count(cluster)
                         res = run_guidellm(cluster.base_url, cfg.engine.served_model_name, str(tok_dir), c,
                                            args.seconds, args.prompt_tokens, args.output_tokens,
                                            Path(tmp) / f"guidellm_{c}_{w}.json", args.warmup, workers=w,
                                            service=procs)
-                        res["steps"] = replica_steps(cluster, steps_before)[1]
+                        res["steps"] = replica_steps_since(cluster, steps_before)
                         http_by_workers[w][c] = res
                         print(f"  HTTP c={c}, {w} guidellm workers: {res}", flush=True)
                 if eng is not None and not args.no_bounds:
