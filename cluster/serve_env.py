@@ -11,22 +11,6 @@ cluster/cpu_priority.py for why a little CPU costs a lot there). Serve's default
 - ``RAY_SERVE_METRICS_EXPORT_INTERVAL_MS`` (default 100 ms): every replica and proxy flushes its
   cached Ray metrics ten times a second; Prometheus scrapes every few seconds at best.
 
-Serve's request path also pays per request and per streamed chunk for threads and logs a serving
-node does not need. The next five are the ones Ray's own throughput-optimized mode
-(``RAY_SERVE_THROUGHPUT_OPTIMIZED``) sets, without its direct ingress, which binds every ingress
-replica's own HTTP port on all interfaces and holds a stopping replica open for 30 s:
-
-- ``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0`` and ``RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0``:
-  each replica runs the deployment's code and its handles' routing on its main event loop, so a
-  chunk crosses no thread on its way out of the target or through the ingress. Our deployments
-  never block their loop: the engine steps in its own thread (workers/async_engine.py).
-- ``RAY_SERVE_USE_GRPC_BY_DEFAULT=1``: handle calls between replicas (ingress -> Router, ingress
-  -> target, target -> Router) go over Serve's gRPC data plane instead of Ray actor calls.
-- ``RAY_SERVE_LOG_TO_STDERR=0``: replica logs go to their files under the Ray session's
-  ``logs/serve/`` only, not also to stderr, which Ray's log monitor tails and forwards.
-- ``RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE=1000``: per-request access log lines are written in
-  batches of 1000, and at once when an ERROR is logged.
-
 The user's own environment wins: a variable already set is passed on as it is. The ``ray up``
 configs (cluster/aws.yaml, cluster/local.yaml) export the same values; a config test keeps them in
 step with :data:`SERVE_ENV`.
@@ -37,11 +21,6 @@ from __future__ import annotations
 SERVE_ENV = {
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
-    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
-    "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
-    "RAY_SERVE_LOG_TO_STDERR": "0",
-    "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
 }
 
 
