@@ -175,7 +175,8 @@ def window_rate(samples: list[tuple[float, float]], start: float, end: float) ->
 def run_engine(engine: LLMEngine, streams: int, seconds: float, prompt_tokens: int, output_tokens: int,
                seed: int, warmup: float) -> dict[str, Any]:
     """The same closed loop on the engine in process: enough requests for about ``seconds``; requests
-    sent in the first ``warmup`` share of the run are left out of the latencies (see benchmarks/guidellm_report.py:steady_state)."""
+    sent in the first ``warmup`` share of the run are left out of the latencies
+    (see benchmarks/guidellm_report.py:steady_state)."""
     rate_guess = max(engine.num_output_tokens / max(engine.num_steps, 1), 1.0)  # tokens per step so far
     step_s = engine.step_time_ema.value or 0.05
     n = max(2 * streams, int(seconds / step_s * min(rate_guess, streams) / output_tokens))
