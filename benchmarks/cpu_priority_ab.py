@@ -86,9 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             print("starting the service ...", flush=True)
             cluster.start()
-            probe = Probe(cluster)
-            place = probe.call("TargetWorker", "placement")
-            probe.close()
+            with Probe(cluster) as probe:
+                place = probe.call("TargetWorker", "placement")
             replica = psutil.Process(place["pid"])
             # the threads that claimed SCHED_OTHER under the shipped launch: the loop thread and its pool
             engine_tids = {t.id for t in replica.threads() if os.sched_getscheduler(t.id) == OTHER}

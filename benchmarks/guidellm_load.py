@@ -201,23 +201,17 @@ def run_engine(engine: LLMEngine, streams: int, seconds: float, prompt_tokens: i
 def replica_step_count(cluster: LocalCluster) -> int:
     """The target replica's step count now. A short-lived probe: a driver left idle beside the service
     would wake up on its cores during the level."""
-    probe = Probe(cluster)
-    try:
+    with Probe(cluster) as probe:
         return probe.call("TargetWorker", "load")["num_steps"]
-    finally:
-        probe.close()
 
 
 def replica_steps_since(cluster: LocalCluster, steps_before: int) -> dict[str, Any]:
     """The target replica's steps since it had taken ``steps_before``, summarized
     (benchmarks/step_profile.py), with ``trace_truncated`` set when its bounded trace dropped some."""
-    probe = Probe(cluster)
-    try:
+    with Probe(cluster) as probe:
         count = probe.call("TargetWorker", "load")["num_steps"]
         entries, truncated = since(probe.call("TargetWorker", "policy_trace")["steps"], steps_before, count)
-        return {**summarize(from_trace(entries)), "trace_truncated": truncated}
-    finally:
-        probe.close()
+    return {**summarize(from_trace(entries)), "trace_truncated": truncated}
 
 
 _BURN = """import sys, time

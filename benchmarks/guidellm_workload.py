@@ -7,18 +7,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import yaml
-
 from cluster.config import DRAFT_WORKER_PROPOSERS, AppConfig
-from cluster.local_cluster import ROOT
+from cluster.local_cluster import shipped_app_args
 from deployments.protocol import CompletionRequest
 from workers.proposers.registry import make_proposer
 
 
 def service_config() -> AppConfig:
     """The app config as shipped in ray_config.yaml."""
-    app = yaml.safe_load((ROOT / "ray_config.yaml").read_text())["applications"][0]
-    return AppConfig.model_validate(app["args"])
+    return AppConfig.model_validate(shipped_app_args())
 
 
 def guidellm_sampling(output_tokens: int) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import tempfile
 import threading
@@ -257,10 +258,10 @@ def main() -> None:
                        "enable_prefix_caching": a.prefix_caching == "on"},
             "draft": {"enabled": False},
         })
-        probe = None
-        try:
+        with contextlib.ExitStack() as stack:
+            stack.callback(cluster.stop)
             cluster.start()
-            probe = Probe(cluster)
+            probe = stack.enter_context(Probe(cluster))
             save = lambda: write_json(RESULTS_DIR / f"{name}.partial.json", {  # after every cell and window,
                 "env": info, "rounds": rounds, "switchback": windows, "switchback_client": client})  # so a cut-short run keeps them
             modes = list(MODES)
@@ -302,10 +303,6 @@ def main() -> None:
                                            **{k: s[k] for k in ("itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "gaps")}})
                         save()
             bar.close()
-        finally:
-            if probe is not None:
-                probe.close()
-            cluster.stop()
     render(rounds, windows, client, plan, info, name, list(mixes))
 
 

@@ -31,6 +31,16 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
+def shipped_config() -> dict[str, Any]:
+    """ray_config.yaml as shipped, a fresh copy each call (callers patch it)."""
+    return yaml.safe_load((ROOT / "ray_config.yaml").read_text())
+
+
+def shipped_app_args() -> dict[str, Any]:
+    """The ``args`` of the shipped app: what build_app gets, what AppConfig validates."""
+    return shipped_config()["applications"][0]["args"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -88,7 +98,7 @@ class LocalCluster:
         return cpu_priority.session_processes(self.gcs_port)
 
     def config(self, policy: dict[str, Any]) -> dict[str, Any]:
-        cfg = yaml.safe_load((ROOT / "ray_config.yaml").read_text())
+        cfg = shipped_config()
         cfg["http_options"]["port"] = self.http_port
         app = cfg["applications"][0]
         args = app["args"]
@@ -179,6 +189,12 @@ class Probe:
                 if "error" in out:
                     raise RuntimeError(out["error"])
                 return out["ok"]
+
+    def __enter__(self) -> "Probe":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         try:

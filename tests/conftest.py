@@ -82,6 +82,5 @@ def probe(cluster):
     """A long-lived driver on the module's ``cluster`` (each end-to-end module defines its own cluster)."""
     from cluster.local_cluster import Probe
 
-    p = Probe(cluster)
-    yield p
-    p.close()
+    with Probe(cluster) as p:
+        yield p

@@ -10,8 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import yaml
-
+from cluster.local_cluster import shipped_app_args
 from deployments.builder import build_app
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +32,7 @@ def _graph(args: dict) -> dict:
 
 
 def test_limits_from_yaml_reach_every_deployment() -> None:
-    args = yaml.safe_load((ROOT / "ray_config.yaml").read_text())["applications"][0]["args"]
+    args = shipped_app_args()
     args["ingress"]["max_ongoing_requests"] = 300
     g = _graph(args)
     assert {"Ingress", "TargetWorker", "Router"} <= set(g)

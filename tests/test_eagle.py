@@ -192,14 +192,10 @@ def test_remote_eagle_through_draft_worker_identical_to_plain(tiny_loaded, tiny_
 
 
 def test_ray_config_offers_eagle_and_config_validates_it() -> None:
-    from pathlib import Path
-
-    import yaml
-
     from cluster.config import AppConfig
+    from cluster.local_cluster import shipped_app_args
 
-    root = Path(__file__).resolve().parent.parent
-    args = yaml.safe_load((root / "ray_config.yaml").read_text())["applications"][0]["args"]
+    args = shipped_app_args()
     cfg = AppConfig.model_validate(args)
     assert "eagle" in [p.name for p in cfg.engine.proposers]
     assert cfg.draft.eagle and cfg.draft.model != "target"
