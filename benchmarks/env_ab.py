@@ -1,10 +1,10 @@
 """Two cluster environments, paired: serving_profile under arm A and arm B, interleaved, as ratios.
 
-    python -m benchmarks.env_ab --a "RAY_SERVE_USE_GRPC_BY_DEFAULT=0 ..." [--b "VAR=VALUE ..."]
+    python -m benchmarks.env_ab [--a "VAR=VALUE ..."] [--b "VAR=VALUE ..."]
                                 [--rounds 4] [--streams 1,4,16] [--seconds 15] [--out PATH]
 
 Each arm is the launchers' own environment (cluster/serve_env.py) with the listed variables set on
-top (a variable the user sets wins there, so this sets it for that arm's cluster only); ``--b``
+top (a variable the user sets wins there, so this sets it for that arm's cluster only); either
 defaults to no change, i.e. what ships. Every round starts a fresh local cluster per arm and runs
 ``benchmarks.serving_profile`` (streaming chat clients, closed loop, output tok/s and CPU per token
 by process) in that arm; the order alternates per round, so a machine that drifts between minutes
@@ -105,7 +105,7 @@ def report(rounds: list[dict[str, Any]], levels: list[int], envs: dict[str, dict
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--a", required=True, help="arm A: VAR=VALUE ... on top of the shipped environment")
+    ap.add_argument("--a", default="", help="arm A: VAR=VALUE ... on top of the shipped environment (default: none)")
     ap.add_argument("--b", default="", help="arm B: VAR=VALUE ... (default: the shipped environment)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--streams", default="1,4,16")

@@ -25,7 +25,7 @@ import psutil
 import yaml
 
 from cluster import cpu_priority
-from cluster.serve_env import with_serve_env
+from cluster.serve_env import DRIVER_ENV, with_serve_env
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -54,6 +54,7 @@ class LocalCluster:
         self.base_url = f"http://127.0.0.1:{self.http_port}"
         self.env = with_serve_env({**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"})
         self.env.pop("RAY_ADDRESS", None)
+        self.driver_env = {**self.env, **DRIVER_ENV}  # for processes that call handles (call, Probe)
         self.policy = policy or {"name": "goodput"}
         self.args_patch = args_patch or {}
 
@@ -141,7 +142,7 @@ class LocalCluster:
             f"h = serve.get_deployment_handle({deployment!r}, app_name='specserve')\n"
             f"print(json.dumps(getattr(h, {method!r}).remote(*{list(args)!r}).result()))\n"
         )
-        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=self.env, text=True,
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=self.driver_env, text=True,
                              capture_output=True, timeout=120)
         if out.returncode != 0:
             raise RuntimeError(out.stderr[-2000:])
@@ -171,7 +172,7 @@ class Probe:
 
     def __init__(self, cluster: LocalCluster) -> None:
         self.proc = subprocess.Popen([sys.executable, "-c", self._CODE, f"127.0.0.1:{cluster.gcs_port}"], cwd=ROOT,
-                                     env=cluster.env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=cluster.driver_env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL)
 
     def call(self, deployment: str, method: str, *args: Any, timeout_s: float = 60, **kwargs: Any) -> Any:

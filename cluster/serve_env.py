@@ -27,11 +27,13 @@ serving node does not need. The next four are settings of Ray's own throughput-o
 - ``RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE=1000``: per-request access log lines are written in
   batches of 1000, and at once when an ERROR is logged.
 
-Two settings of that mode stay off. ``RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0`` routes handle calls
-on the caller's event loop and refuses a call from any other thread, and the target's engine thread
-calls the draft worker synchronously (deployments/remote_draft.py): with it, every draft-model and
-EAGLE step falls back to a plain one, and a driver that calls a replica with ``.result()`` from
-outside an event loop (cluster/local_cluster.py:Probe) fails.
+Two settings of that mode stay off. ``RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0`` (handle calls routed
+on the caller's event loop instead of Serve's router thread) read slower here, paired against the
+four above (benchmarks/env_ab.py, ``benchmarks/results/serve_router_loop_ab.json``). It also refuses
+a handle call from any thread but the loop's: the target's engine thread therefore makes its draft
+calls on the replica's loop (deployments/remote_draft.py), and drivers that wait on ``.result()``
+outside a loop run with :data:`DRIVER_ENV`, so a user who turns it on (or Ray's whole mode) keeps
+draft-model speculation.
 Direct ingress (``RAY_SERVE_ENABLE_DIRECT_INGRESS``) binds every ingress replica's own HTTP port on
 all interfaces and holds a stopping replica open for 30 s.
 
@@ -50,6 +52,11 @@ SERVE_ENV = {
     "RAY_SERVE_LOG_TO_STDERR": "0",
     "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
 }
+
+
+# A driver (a script that calls replicas through handles and waits with ``.result()`` outside any
+# event loop) needs Serve's router thread, whatever the replicas route with.
+DRIVER_ENV = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
 
 
 def with_serve_env(env: dict[str, str]) -> dict[str, str]:

@@ -11,11 +11,17 @@ ride along in the next call's ``released``. Any failure or time-out makes this s
 for the requests involved (same output, fewer tokens per pass) and backs off for
 ``retry_after_s``; the requests stay tracked, so they are still released when they finish.
 
-Called from the engine thread (not an event loop), so a blocking ``result()`` is fine here.
+Called from the engine thread (not an event loop), so it may block on the answer. Given the
+replica's event loop, it makes every handle call on that loop: Serve may route a handle's calls on
+the loop that makes them (``RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0``, cluster/serve_env.py), and
+then refuses a call from any other thread. Without a loop it calls the handle from this thread,
+which needs Serve's router thread (Serve's default).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import time
 from typing import Any, Callable, Sequence
@@ -30,8 +36,10 @@ log = logging.getLogger("ray.serve")
 class RemoteDraftProposer(Proposer):
     name = "draft_model"
 
-    def __init__(self, handle: Any, timeout_s: float = 2.0, retry_after_s: float = 1.0) -> None:
+    def __init__(self, handle: Any, timeout_s: float = 2.0, retry_after_s: float = 1.0,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.handle = handle
+        self.loop = loop  # where handle calls are made (see the module docstring); None: the calling thread
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
         self._sent: dict[str, int] = {}  # request id -> committed tokens the draft worker has
@@ -50,7 +58,7 @@ class RemoteDraftProposer(Proposer):
         released, self._released = self._released, []
         t0 = time.perf_counter()
         try:
-            answer = self.handle.propose.remote(batch, released).result(timeout_s=self.timeout_s)
+            answer = self._call_propose(batch, released)
         except Exception as e:  # unreachable, crashed or too slow: plain step, output unchanged
             self.num_failures += 1
             self.up = False
@@ -77,6 +85,21 @@ class RemoteDraftProposer(Proposer):
             probs.append(a.get("draft_probs"))
         return Proposals(drafts, probs)
 
+    def _call_propose(self, batch: list[dict[str, Any]], released: list[str]) -> list[dict[str, Any]]:
+        """One ``propose`` call, waited for at most ``timeout_s``; raises on failure or time-out."""
+        if self.loop is None:
+            return self.handle.propose.remote(batch, released).result(timeout_s=self.timeout_s)
+
+        async def call() -> list[dict[str, Any]]:
+            return await self.handle.propose.remote(batch, released)
+
+        fut = asyncio.run_coroutine_threadsafe(call(), self.loop)
+        try:
+            return fut.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()  # cancels the awaited response, and with it the call
+            raise TimeoutError(f"draft call took over {self.timeout_s}s") from None
+
     def _message(self, r: ProposalRequest, off: int) -> dict[str, Any]:
         """One request's part of a draft call: the tokens committed since ``off`` (what the draft has)."""
         return {
@@ -95,6 +118,12 @@ class RemoteDraftProposer(Proposer):
             return
         self._released.append(request_id)
         released, self._released = self._released, []
+        if self.loop is not None:  # fire and forget, on the loop that makes handle calls
+            self.loop.call_soon_threadsafe(self._release_now, released)
+        else:
+            self._release_now(released)
+
+    def _release_now(self, released: list[str]) -> None:
         try:  # fire and forget: frees the draft's KV now, not at the next draft call
             self.handle.release.remote(released)
         except Exception:

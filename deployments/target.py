@@ -74,8 +74,9 @@ class TargetWorker:
             if p.name in DRAFT_WORKER_PROPOSERS:
                 if draft is not None:
                     remote = RemoteEagleProposer if p.name == "eagle" else RemoteDraftProposer
-                    proposers[p.name] = remote(
-                        draft, timeout_s=cfg.draft.call_timeout_s, retry_after_s=cfg.draft.retry_after_s
+                    proposers[p.name] = remote(  # handle calls on this replica's loop (deployments/remote_draft.py)
+                        draft, timeout_s=cfg.draft.call_timeout_s, retry_after_s=cfg.draft.retry_after_s,
+                        loop=asyncio.get_running_loop(),
                     )
             else:
                 proposers[p.name] = make_proposer(p.name, **p.options)

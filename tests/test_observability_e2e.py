@@ -180,7 +180,7 @@ def _driver_spans(cluster: LocalCluster, replica_ids: list[str]) -> dict[str, li
         "    out[rid] = t.debug_spans.remote(replica_id=rid).result()\n"
         "print(json.dumps(out))\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=cluster.env, text=True, capture_output=True,
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=cluster.driver_env, text=True, capture_output=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])

@@ -263,6 +263,61 @@ def test_remote_draft_resyncs_after_a_failed_call():
     assert h.held == {"a": 6}
 
 
+class _LoopOnlyMethod:
+    """A handle method as Serve makes it when it routes on the caller's loop: a call from any other
+    thread raises, and the response is awaited there."""
+
+    def __init__(self, fn, loop, delay_s: float = 0.0) -> None:
+        self.fn, self.loop, self.delay_s, self.cancelled = fn, loop, delay_s, 0
+
+    def remote(self, *args):
+        if asyncio.get_running_loop() is not self.loop:  # raises too when no loop runs in this thread
+            raise RuntimeError("not on the handle's loop")
+
+        async def answer():
+            try:
+                await asyncio.sleep(self.delay_s)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+            return self.fn(*args)
+
+        return self.loop.create_task(answer())
+
+
+def test_remote_draft_makes_its_handle_calls_on_the_replicas_loop():
+    """From the engine thread, given the replica's loop: propose and release run there, and a call
+    slower than ``timeout_s`` makes the step plain and is cancelled, not left running."""
+    from deployments.remote_draft import RemoteDraftProposer
+
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    try:
+        h = FakeDraftHandle()
+        h.propose, h.release = _LoopOnlyMethod(h._propose, loop), _LoopOnlyMethod(h._release, loop)
+        p = RemoteDraftProposer(h, timeout_s=0.5, retry_after_s=0.0, loop=loop)
+        assert p.propose([_req("a", 4), _req("b", 4)]).draft_token_ids == [[7, 7], [7, 7]]
+        p.finish("a", [])
+        deadline = time.monotonic() + 5
+        while "a" in h.held and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert set(h.held) == {"b"}
+        h.propose.delay_s = 2.0
+        t0 = time.monotonic()
+        assert p.propose([_req("b", 5)]).draft_token_ids == [[]]  # timed out: a plain step
+        assert time.monotonic() - t0 < 1.5 and p.num_failures == 1
+        deadline = time.monotonic() + 5
+        while not h.propose.cancelled and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert h.propose.cancelled == 1
+        # without the loop, the same handle refuses the engine thread's call: a plain step as well
+        assert RemoteDraftProposer(h, timeout_s=0.5).propose([_req("c", 4)]).draft_token_ids == [[]]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(5)
+
+
 def test_draft_worker_sweeps_state_nobody_releases(tiny_model_dir, monkeypatch):
     from deployments.draft import DraftWorker
 
