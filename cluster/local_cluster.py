@@ -112,10 +112,20 @@ class LocalCluster:
         app["deployments"] = [{"name": "Router", "user_config": {"policy": policy}}]
         return cfg
 
-    def deploy(self, policy: dict[str, Any]) -> None:
+    def deploy(self, policy: dict[str, Any], timeout_s: float = 60) -> None:
+        """``serve deploy`` through the dashboard, retried while it refuses: ``ray start`` returns before
+        the dashboard listens, and on a loaded machine it can take seconds more."""
         path = self.workdir / f"serve_{int(time.time() * 1000)}.yaml"
         path.write_text(yaml.safe_dump(self.config(policy)))
-        self._run(str(BIN / "serve"), "deploy", "-a", f"http://127.0.0.1:{self.dash_port}", str(path))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            out = self._run(str(BIN / "serve"), "deploy", "-a", f"http://127.0.0.1:{self.dash_port}", str(path),
+                            check=False)
+            if out.returncode == 0:
+                return
+            if "Connection refused" not in out.stderr or time.monotonic() > deadline:
+                raise RuntimeError(f"serve deploy failed ({out.returncode}):\n{out.stderr[-3000:]}")
+            time.sleep(1)
 
     def wait_healthy(self, timeout_s: float = 300) -> None:
         t0 = time.time()

@@ -239,3 +239,39 @@ def test_dashboard_bound_to_localhost_in_every_ray_start(path):
         hosts = re.findall(r"--dashboard-host[= ](\S+)", cmd)
         assert hosts == ["127.0.0.1"], cmd
     assert "0.0.0.0" not in path.read_text()
+
+
+def _run_answers(answers: list[tuple[int, str]], calls: list[tuple[str, ...]]):
+    def run(self, *cmd: str, check: bool = True, ray_start: bool = False) -> subprocess.CompletedProcess:
+        calls.append(cmd)
+        rc, err = answers.pop(0)
+        return subprocess.CompletedProcess(cmd, rc, "", err)
+    return run
+
+
+def test_local_deploy_waits_for_the_dashboard_and_names_any_other_failure(tmp_path, monkeypatch):
+    """``serve deploy`` is retried while the dashboard refuses connections (it listens a little after
+    ``ray start`` returns); any other failure is raised at once with serve's own message."""
+    from cluster import local_cluster
+    from cluster.local_cluster import LocalCluster
+
+    monkeypatch.setattr(local_cluster.time, "sleep", lambda s: None)
+    calls: list[tuple[str, ...]] = []
+    refused = "urllib3.exceptions.NewConnectionError: [Errno 111] Connection refused"
+    monkeypatch.setattr(LocalCluster, "_run", _run_answers([(1, refused), (1, refused), (0, "")], calls))
+    c = LocalCluster(tmp_path)
+    c.deploy({"name": "goodput"})
+    assert len(calls) == 3 and all(cmd[1:3] == ("deploy", "-a") for cmd in calls)
+    assert yaml.safe_load(Path(calls[-1][-1]).read_text())["applications"][0]["deployments"][0]["user_config"] == {
+        "policy": {"name": "goodput"}}
+
+    calls.clear()
+    monkeypatch.setattr(LocalCluster, "_run", _run_answers([(1, "ValidationError: unknown field 'enigne'")], calls))
+    with pytest.raises(RuntimeError, match="unknown field 'enigne'"):
+        c.deploy({"name": "goodput"})
+    assert len(calls) == 1
+
+    calls.clear()  # a dashboard that never comes up: the refusal is raised once the time is out
+    monkeypatch.setattr(LocalCluster, "_run", _run_answers([(1, refused)], calls))
+    with pytest.raises(RuntimeError, match="Connection refused"):
+        c.deploy({"name": "goodput"}, timeout_s=0)
