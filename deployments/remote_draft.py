@@ -118,10 +118,13 @@ class RemoteDraftProposer(Proposer):
             return
         self._released.append(request_id)
         released, self._released = self._released, []
-        if self.loop is not None:  # fire and forget, on the loop that makes handle calls
-            self.loop.call_soon_threadsafe(self._release_now, released)
-        else:
+        if self.loop is None:
             self._release_now(released)
+            return
+        try:  # fire and forget, on the loop that makes handle calls
+            self.loop.call_soon_threadsafe(self._release_now, released)
+        except RuntimeError:  # that loop is closed (the replica is stopping): never fail the engine's step
+            self._released.extend(released)
 
     def _release_now(self, released: list[str]) -> None:
         try:  # fire and forget: frees the draft's KV now, not at the next draft call

@@ -316,6 +316,11 @@ def test_remote_draft_makes_its_handle_calls_on_the_replicas_loop():
     finally:
         loop.call_soon_threadsafe(loop.stop)
         t.join(5)
+    # the replica's loop closed under the engine thread (shutdown): finishing neither raises nor loses the id
+    loop.close()
+    p.finish("b", [])
+    assert p._released == ["b"]
+    assert p.propose([_req("d", 4)]).draft_token_ids == [[]]  # and a draft call makes the step plain
 
 
 def test_draft_worker_sweeps_state_nobody_releases(tiny_model_dir, monkeypatch):
