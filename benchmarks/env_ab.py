@@ -97,7 +97,7 @@ def report(rounds: list[dict[str, Any]], levels: list[int], envs: dict[str, dict
                                  for arm in ("a", "b")},
                title="ingress + proxy + Router CPU ms per token (median)", xlabel="streams", ylabel="ms")
     label = {arm: " ".join(f"{k}={v}" for k, v in envs[arm].items()) or "shipped" for arm in ("a", "b")}
-    title = f"{env_info().get('cpu', '')}; A: {label['a']}; B: {label['b']}"
+    title = f"{result['env'].get('cpu', '')}; A: {label['a']}; B: {label['b']}"
     save_figure(fig, out.with_suffix(".png"), suptitle=textwrap.fill(title, 150))
     print(f"wrote {out.with_suffix('.json')} and .png")
     return result
