@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -41,16 +42,51 @@ def shipped_app_args() -> dict[str, Any]:
     return shipped_config()["applications"][0]["args"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Ports a cluster's listeners are picked from: above Ray's worker ports (10002-19999 by default) and below
+# the kernel's ephemeral range, which is what every bind to port 0 (a gRPC server, an outgoing connection)
+# draws from. A number picked from the ephemeral range can be taken by such a bind before our process binds
+# it (seen: the HTTP proxy failing to bind its port).
+PORT_RANGE = range(20000, 32768)
+
+
+def ephemeral_low() -> int:
+    """The lowest port the kernel hands out for port 0 (Linux's default where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(n: int, rng: random.Random | None = None) -> list[int]:
+    """``n`` distinct ports on 127.0.0.1 that nothing listens on now, from :data:`PORT_RANGE` below the
+    ephemeral range (the kernel's own pick for port 0 where that leaves too little room)."""
+    rng = rng or random.Random()
+    hi = min(PORT_RANGE.stop, ephemeral_low())
+    out: list[int] = []
+    for _ in range(100 * n):
+        if len(out) == n or hi - PORT_RANGE.start < 100 * n:
+            break
+        port = rng.randrange(PORT_RANGE.start, hi)
+        if port in out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        out.append(port)
+    while len(out) < n:  # no room below the ephemeral range: the kernel's pick
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            if (port := s.getsockname()[1]) not in out:
+                out.append(port)
+    return out
 
 
 class LocalCluster:
     def __init__(self, workdir: Path, policy: dict[str, Any] | None = None, args_patch: dict | None = None) -> None:
         self.workdir = workdir
-        self.gcs_port, self.dash_port, self.http_port = free_port(), free_port(), free_port()
+        self.gcs_port, self.dash_port, self.http_port, self.client_port = free_ports(4)
         self.base_url = f"http://127.0.0.1:{self.http_port}"
         self.env = with_serve_env({**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"})
         self.env.pop("RAY_ADDRESS", None)
@@ -72,7 +108,7 @@ class LocalCluster:
     def start(self) -> "LocalCluster":
         self._run(str(BIN / "ray"), "start", "--head", f"--port={self.gcs_port}", "--num-cpus=2",
                   f"--dashboard-port={self.dash_port}", "--dashboard-host=127.0.0.1",
-                  f"--ray-client-server-port={free_port()}", "--resources", json.dumps({"target_node": 1}),
+                  f"--ray-client-server-port={self.client_port}", "--resources", json.dumps({"target_node": 1}),
                   ray_start=True)
         # The second node joins while the app deploys: Serve places the draft worker once its node's
         # resource appears, and the two starts no longer add up.

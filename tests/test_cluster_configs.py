@@ -275,3 +275,26 @@ def test_local_deploy_waits_for_the_dashboard_and_names_any_other_failure(tmp_pa
     monkeypatch.setattr(LocalCluster, "_run", _run_answers([(1, refused)], calls))
     with pytest.raises(RuntimeError, match="Connection refused"):
         c.deploy({"name": "goodput"}, timeout_s=0)
+
+
+def test_cluster_ports_are_distinct_free_and_outside_ranges_others_bind_from(monkeypatch):
+    """A test cluster's ports come from below the kernel's ephemeral range and above Ray's worker ports,
+    so no process binding port 0 can take one between the pick and the bind; one already listening is
+    never picked; and with no room below the ephemeral range the kernel's own pick still gives n ports."""
+    import random
+    import socket
+
+    from cluster import local_cluster
+    from cluster.local_cluster import PORT_RANGE, ephemeral_low, free_ports
+
+    ports = free_ports(4, random.Random(0))
+    assert len(set(ports)) == 4
+    assert all(PORT_RANGE.start <= p < min(PORT_RANGE.stop, ephemeral_low()) for p in ports)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", ports[0]))
+        busy.listen()
+        assert ports[0] not in free_ports(4, random.Random(0))  # the same draws, the taken one skipped
+
+    monkeypatch.setattr(local_cluster, "ephemeral_low", lambda: PORT_RANGE.start + 10)
+    fallback = free_ports(3)
+    assert len(set(fallback)) == 3 and all(p > 0 for p in fallback)
