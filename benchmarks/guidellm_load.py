@@ -15,10 +15,10 @@ One run, one machine, four passes over the same stream counts (the CPU is named 
    step times. Requests sent in the first ``--warmup`` share of a level are left out (guidellm
    leaves out those that *complete* in its warm-up window, which keeps a closed loop's first wave:
    the HTTP pass reports guidellm's figures and, as ``steady_*``, the same rule as here).
-2. **Over HTTP**: the default service (ray_config.yaml as shipped, on a local two-node cluster, as
-   the end-to-end tests run it) driven by ``guidellm run``: closed loop (``concurrent`` profile) for
-   ``--seconds`` per level, synthetic prompts made with the served model's own tokenizer (saved to a
-   temp dir: no hub access), ``ignore_eos``, ``/v1/completions``. ``--guidellm-workers`` lists
+2. **Over HTTP**: the default service (ray_config.yaml as shipped, on one local Ray node as
+   ``make serve`` runs it; ``--nodes 2``: the end-to-end tests' two nodes) driven by ``guidellm run``:
+   closed loop (``concurrent`` profile) for ``--seconds`` per level, synthetic prompts made with the
+   served model's own tokenizer (saved to a temp dir: no hub access), ``ignore_eos``, ``/v1/completions``. ``--guidellm-workers`` lists
    guidellm's worker-process counts to run at every level, in alternating order (guidellm's default
    is 10 Python processes, each polling, on the service's cores; one process drives 32 streams with
    asyncio); the first count is the headline, every count gets its own goals. The CPU every
@@ -290,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--no-bounds", action="store_true",
                     help="skip the in-process runs beside the idle service and guidellm's measured CPU")
+    ap.add_argument("--nodes", type=int, default=1, choices=(1, 2),
+                    help="1: one Ray node, as `make serve` runs it; 2: the test clusters' two nodes")
     ap.add_argument("--out", default=str(RESULTS_DIR / "guidellm_load"))
     args = ap.parse_args(argv)
     levels = [int(s) for s in args.streams.split(",")]
@@ -326,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
             cluster = LocalCluster(Path(tmp), args_patch={"engine": {"num_threads": cfg.engine.num_threads,
                                                                      "max_num_seqs": cfg.engine.max_num_seqs,
                                                                      "max_model_len": cfg.engine.max_model_len},
-                                                          "target": {"num_cpus": cfg.target.num_cpus}})
+                                                          "target": {"num_cpus": cfg.target.num_cpus}},
+                                   nodes=args.nodes)
             try:
                 print("starting the service ...", flush=True)
                 cluster.start()

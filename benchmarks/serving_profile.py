@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", default="1,16")
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--nodes", type=int, default=1, choices=(1, 2),
+                    help="1: one Ray node, as `make serve` runs it; 2: the test clusters' two nodes")
     ap.add_argument("--out", default=str(RESULTS_DIR / "serving_profile"))
     args = ap.parse_args(argv)
     levels = [int(s) for s in args.streams.split(",")]
@@ -68,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     me = psutil.Process()
     with tempfile.TemporaryDirectory() as tmp:
         cluster = LocalCluster(Path(tmp), args_patch={"engine": {"num_threads": 2, "max_num_seqs": 32,
-                                                                 "max_model_len": 2048}, "target": {"num_cpus": 1}})
+                                                                 "max_model_len": 2048}, "target": {"num_cpus": 1}},
+                               nodes=args.nodes)
         try:
             print("starting the service ...", flush=True)
             cluster.start()

@@ -84,7 +84,14 @@ def free_ports(n: int, rng: random.Random | None = None) -> list[int]:
 
 
 class LocalCluster:
-    def __init__(self, workdir: Path, policy: dict[str, Any] | None = None, args_patch: dict | None = None) -> None:
+    def __init__(self, workdir: Path, policy: dict[str, Any] | None = None, args_patch: dict | None = None,
+                 nodes: int = 2) -> None:
+        """``nodes``: 2 (the target on the head, the draft worker on a second node: placement by node
+        resource, as on a real cluster) or 1 (one node with both resources, as ``make serve`` runs: one
+        raylet and one set of node agents less, each waking up beside the engine)."""
+        if nodes not in (1, 2):
+            raise ValueError(f"nodes must be 1 or 2, got {nodes}")
+        self.nodes = nodes
         self.workdir = workdir
         self.gcs_port, self.dash_port, self.http_port, self.client_port = free_ports(4)
         self.base_url = f"http://127.0.0.1:{self.http_port}"
@@ -106,10 +113,17 @@ class LocalCluster:
         return cpu_priority.enabled(self.config(self.policy)["applications"][0]["args"])
 
     def start(self) -> "LocalCluster":
-        self._run(str(BIN / "ray"), "start", "--head", f"--port={self.gcs_port}", "--num-cpus=2",
+        head_resources = {"target_node": 1} if self.nodes == 2 else {"target_node": 1, "draft_node": 1}
+        self._run(str(BIN / "ray"), "start", "--head", f"--port={self.gcs_port}", f"--num-cpus={2 * (3 - self.nodes)}",
                   f"--dashboard-port={self.dash_port}", "--dashboard-host=127.0.0.1",
-                  f"--ray-client-server-port={self.client_port}", "--resources", json.dumps({"target_node": 1}),
+                  f"--ray-client-server-port={self.client_port}", "--resources", json.dumps(head_resources),
                   ray_start=True)
+        if self.nodes == 1:
+            self.deploy(self.policy)
+            self.wait_healthy()
+            if self.engine_first:
+                cpu_priority.demote_background(self.processes())
+            return self
         # The second node joins while the app deploys: Serve places the draft worker once its node's
         # resource appears, and the two starts no longer add up.
         with ThreadPoolExecutor(1) as pool:

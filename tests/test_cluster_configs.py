@@ -277,6 +277,26 @@ def test_local_deploy_waits_for_the_dashboard_and_names_any_other_failure(tmp_pa
         c.deploy({"name": "goodput"}, timeout_s=0)
 
 
+def test_local_cluster_starts_one_or_two_nodes(tmp_path, monkeypatch):
+    """One node carries both placement resources (as ``make serve`` runs); two put the draft worker on a
+    second node; any other count is refused."""
+    import json
+
+    from cluster.local_cluster import LocalCluster
+
+    with pytest.raises(ValueError, match="nodes must be 1 or 2"):
+        LocalCluster(tmp_path, nodes=3)
+    for nodes, starts in ((1, [{"target_node": 1, "draft_node": 1}]), (2, [{"target_node": 1}, {"draft_node": 1}])):
+        calls: list[tuple[str, ...]] = []
+        monkeypatch.setattr(LocalCluster, "_run", _run_answers([(0, "")] * 4, calls))
+        monkeypatch.setattr(LocalCluster, "wait_healthy", lambda self: None)
+        monkeypatch.setattr(LocalCluster, "processes", lambda self: [])
+        LocalCluster(tmp_path, nodes=nodes).start()
+        ray_starts = [cmd for cmd in calls if cmd[1] == "start"]
+        assert [json.loads(cmd[cmd.index("--resources") + 1]) for cmd in ray_starts] == starts
+        assert sum(cmd[1] == "deploy" for cmd in calls) == 1
+
+
 def test_cluster_ports_are_distinct_free_and_outside_ranges_others_bind_from(monkeypatch):
     """A test cluster's ports come from below the kernel's ephemeral range and above Ray's worker ports,
     so no process binding port 0 can take one between the pick and the bind; one already listening is
