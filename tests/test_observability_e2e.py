@@ -1,6 +1,6 @@
-"""Observability end to end: a two-node local Ray cluster with two target replicas and tracing
-on the in-memory exporter; real requests through the ``openai`` client, then one ``GET /metrics``
-scrape for the whole cluster and the spans each process kept."""
+"""Observability end to end: a one-node local Ray cluster (as ``make serve`` runs) with two target
+replicas and tracing on the in-memory exporter; real requests through the ``openai`` client, then one
+``GET /metrics`` scrape for the whole cluster and the spans each process kept."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ PARENT_SPAN = "00f067aa0ba902b7"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = LocalCluster(tmp_path_factory.mktemp("obs"), policy={"name": "goodput"},
+    c = LocalCluster(tmp_path_factory.mktemp("obs"), policy={"name": "goodput"}, nodes=1,
                      args_patch={"telemetry": {"tracing": "memory"}, "target": {"num_replicas": 2, "num_cpus": 0.5}})
     try:
         c.start()
@@ -105,6 +105,10 @@ def run_requests(client) -> list:
         t.join(timeout=240)
     assert all(r is not None for r in results), results
     return results
+
+
+def test_one_node_holds_every_replica(cluster):
+    assert cluster.call("TargetWorker", "placement")["node_id"] == cluster.call("DraftWorker", "placement")["node_id"]
 
 
 def test_metrics_move_by_exactly_the_usage_reported(cluster, client):
