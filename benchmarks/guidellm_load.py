@@ -18,10 +18,10 @@ One run, one machine, four passes over the same stream counts (the CPU is named 
 2. **Over HTTP**: the default service (ray_config.yaml as shipped, on one local Ray node as
    ``make serve`` runs it; ``--nodes 2``: the end-to-end tests' two nodes) driven by ``guidellm run``:
    closed loop (``concurrent`` profile) for ``--seconds`` per level, synthetic prompts made with the
-   served model's own tokenizer (saved to a temp dir: no hub access), ``ignore_eos``, ``/v1/completions``. ``--guidellm-workers`` lists
-   guidellm's worker-process counts to run at every level, in alternating order (guidellm's default
-   is 10 Python processes, each polling, on the service's cores; one process drives 32 streams with
-   asyncio); the first count is the headline, every count gets its own goals. The CPU every
+   served model's own tokenizer (saved to a temp dir: no hub access), ``ignore_eos``,
+   ``/v1/completions``. ``--guidellm-workers`` lists guidellm's worker-process counts to run at every
+   level, in alternating order (guidellm's default is 10 Python processes, each polling, on the
+   service's cores; one process drives 32 streams with asyncio); the first count is the headline, every count gets its own goals. The CPU every
    process used per level is read too (the target replica, the proxy, the ingress, the Router, the
    draft worker, Ray's daemons, and guidellm), in cores, every 0.25 s over the window its measured
    requests ran in (guidellm's start-up, a few seconds of tokenizer load and data synthesis at up to
@@ -72,6 +72,7 @@ from benchmarks.guidellm_report import parse_guidellm, steady_view
 from benchmarks.guidellm_workload import guidellm_prompts, guidellm_sampling, local_proposers, service_config
 from benchmarks.serving_profile import cpu_by_role
 from benchmarks.step_profile import StepRecorder, compare, from_trace, since, summarize
+from cluster.config import AppConfig
 from cluster.local_cluster import LocalCluster, Probe
 from policies import make_policy
 from workers.engine import LLMEngine
@@ -255,6 +256,31 @@ def burn_cores(cores: float) -> list[subprocess.Popen]:
     return procs
 
 
+def in_process_engine(cfg: AppConfig, loaded: Any, prompt_tokens: int) -> LLMEngine:
+    """The shipped engine in this process, as the target replica runs it (its own proposers, the goodput
+    policy on the engine's cost model), warmed up with one short request."""
+    set_threads(cfg.engine.num_threads or 2)
+    eng = LLMEngine(cfg.engine, loaded, proposers=local_proposers(cfg), decide=(policy := make_policy({"name": "goodput"})))
+    policy.use_cost_model(eng.cost_model)
+    run_closed_loop(eng, [(list(range(10, 10 + prompt_tokens)), {"max_tokens": 8})], 1, show_progress=False)
+    return eng
+
+
+def served(workdir: Path, cfg: AppConfig, nodes: int) -> LocalCluster:
+    """The shipped config as is on a local cluster (only its ports differ; LocalCluster's test sizes undone)."""
+    return LocalCluster(workdir, nodes=nodes, args_patch={
+        "engine": {"num_threads": cfg.engine.num_threads, "max_num_seqs": cfg.engine.max_num_seqs,
+                   "max_model_len": cfg.engine.max_model_len},
+        "target": {"num_cpus": cfg.target.num_cpus}})
+
+
+def warm_up_service(cluster: LocalCluster, cfg: AppConfig, prompt_tokens: int) -> None:
+    """Three short requests: the first ones after a start are slower (allocations, first kernels)."""
+    warm = {"model": cfg.engine.served_model_name, "prompt": "Hello " * prompt_tokens, "max_tokens": 8}
+    for _ in range(3):
+        httpx.post(f"{cluster.base_url}/v1/completions", json=warm, timeout=120).raise_for_status()
+
+
 def goals(http: dict[int, dict[str, Any]], engine: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """The serving goals at 16 streams, each with its measured value and whether it holds."""
     out: dict[str, Any] = {}
@@ -314,28 +340,16 @@ def main(argv: list[str] | None = None) -> int:
             return run_engine(eng, c, args.seconds, args.prompt_tokens, args.output_tokens, seed=c, warmup=args.warmup)
 
         if not args.skip_engine:
-            set_threads(cfg.engine.num_threads or 2)
-            eng = LLMEngine(cfg.engine, loaded, proposers=local_proposers(cfg),
-                            decide=(policy := make_policy({"name": "goodput"})))
-            policy.use_cost_model(eng.cost_model)
-            run_closed_loop(eng, [(list(range(10, 10 + args.prompt_tokens)), {"max_tokens": 8})], 1,
-                            show_progress=False)  # warm-up
+            eng = in_process_engine(cfg, loaded, args.prompt_tokens)
             for c in progress(levels, desc="engine in process, alone", unit="level"):
                 engine_res[c] = engine_level(c)
                 print(f"  engine c={c}: {engine_res[c]}", flush=True)
         if not args.skip_http:
-            # the shipped config as is, on the local two-node cluster (only its ports differ)
-            cluster = LocalCluster(Path(tmp), args_patch={"engine": {"num_threads": cfg.engine.num_threads,
-                                                                     "max_num_seqs": cfg.engine.max_num_seqs,
-                                                                     "max_model_len": cfg.engine.max_model_len},
-                                                          "target": {"num_cpus": cfg.target.num_cpus}},
-                                   nodes=args.nodes)
+            cluster = served(Path(tmp), cfg, args.nodes)
             try:
                 print("starting the service ...", flush=True)
                 cluster.start()
-                warm = {"model": cfg.engine.served_model_name, "prompt": "Hello " * args.prompt_tokens, "max_tokens": 8}
-                for _ in range(3):  # the first requests after a start are slower (allocations, first kernels)
-                    httpx.post(f"{cluster.base_url}/v1/completions", json=warm, timeout=120).raise_for_status()
+                warm_up_service(cluster, cfg, args.prompt_tokens)
                 procs = cluster.processes()
                 for i, c in enumerate(progress(levels, desc="guidellm over HTTP", unit="level")):
                     for w in worker_counts if i % 2 == 0 else worker_counts[::-1]:

@@ -36,16 +36,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from benchmarks.common import RESULTS_DIR, env_info, figure, progress, run_closed_loop, save_figure, set_threads, write_json
-from benchmarks.guidellm_load import (burn_cores, goals, replica_step_count, replica_steps_since, run_engine,
-                                      run_guidellm, stopped)
+from benchmarks.common import RESULTS_DIR, env_info, figure, progress, save_figure, write_json
+from benchmarks.guidellm_load import (burn_cores, goals, in_process_engine, replica_step_count, replica_steps_since,
+                                      run_engine, run_guidellm, served, stopped, warm_up_service)
 from benchmarks.guidellm_report import steady_view
-from benchmarks.guidellm_workload import local_proposers, service_config
-from cluster.local_cluster import LocalCluster
-from policies import make_policy
-from workers.engine import LLMEngine
+from benchmarks.guidellm_workload import service_config
 from workers.model_loader import load_model
 
 PASSES = ("http", "bound", "alone", "beside")
@@ -110,25 +105,21 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--rounds must be >= 1")
     levels = [int(s) for s in args.streams.split(",")]
     cfg = service_config()
-    set_threads(cfg.engine.num_threads or 2)
     loaded = load_model(cfg.engine.model)
-    eng = LLMEngine(cfg.engine, loaded, proposers=local_proposers(cfg), decide=(policy := make_policy({"name": "goodput"})))
-    policy.use_cost_model(eng.cost_model)
-    run_closed_loop(eng, [(list(range(10, 10 + args.prompt_tokens)), {"max_tokens": 8})], 1, show_progress=False)
+    eng = in_process_engine(cfg, loaded, args.prompt_tokens)
     rounds: list[dict[str, Any]] = []
+
+    def engine_level(c: int, seed: int) -> dict[str, Any]:  # one level of the closed loop in process
+        return run_engine(eng, c, args.seconds, args.prompt_tokens, args.output_tokens, seed, args.warmup)
+
     with tempfile.TemporaryDirectory() as tmp:
         tok_dir = Path(tmp) / "tokenizer"
         loaded.tokenizer.save_pretrained(tok_dir)
-        cluster = LocalCluster(Path(tmp), nodes=args.nodes, args_patch={
-            "engine": {"num_threads": cfg.engine.num_threads, "max_num_seqs": cfg.engine.max_num_seqs,
-                       "max_model_len": cfg.engine.max_model_len},
-            "target": {"num_cpus": cfg.target.num_cpus}})
+        cluster = served(Path(tmp), cfg, args.nodes)
         try:
             print(f"starting the service ({args.nodes} node{'s' if args.nodes > 1 else ''}) ...", flush=True)
             cluster.start()
-            warm = {"model": cfg.engine.served_model_name, "prompt": "Hello " * args.prompt_tokens, "max_tokens": 8}
-            for _ in range(3):  # the first requests after a start are slower (allocations, first kernels)
-                httpx.post(f"{cluster.base_url}/v1/completions", json=warm, timeout=120).raise_for_status()
+            warm_up_service(cluster, cfg, args.prompt_tokens)
             procs = cluster.processes()
             for r in progress(range(1, args.rounds + 1), desc="paired rounds", unit="round"):
                 passes: dict[str, dict[int, dict[str, Any]]] = {p: {} for p in PASSES}
@@ -145,17 +136,14 @@ def main(argv: list[str] | None = None) -> int:
                             res["steps"] = replica_steps_since(cluster, before)
                         elif p == "alone":
                             with stopped(procs):
-                                res = run_engine(eng, c, args.seconds, args.prompt_tokens, args.output_tokens, seed,
-                                                 args.warmup)
+                                res = engine_level(c, seed)
                         elif p == "beside":
-                            res = run_engine(eng, c, args.seconds, args.prompt_tokens, args.output_tokens, seed,
-                                             args.warmup)
+                            res = engine_level(c, seed)
                         else:
                             cores = passes["http"][c]["client_cpu_cores"]
                             burners = burn_cores(cores)
                             try:
-                                res = run_engine(eng, c, args.seconds, args.prompt_tokens, args.output_tokens, seed,
-                                                 args.warmup)
+                                res = engine_level(c, seed)
                             finally:
                                 for b in burners:
                                     b.kill()

@@ -113,24 +113,22 @@ class LocalCluster:
         return cpu_priority.enabled(self.config(self.policy)["applications"][0]["args"])
 
     def start(self) -> "LocalCluster":
-        head_resources = {"target_node": 1} if self.nodes == 2 else {"target_node": 1, "draft_node": 1}
-        self._run(str(BIN / "ray"), "start", "--head", f"--port={self.gcs_port}", f"--num-cpus={2 * (3 - self.nodes)}",
+        one_node = self.nodes == 1  # the head then carries the draft node's resource and its 2 CPUs too
+        head_resources = {"target_node": 1, "draft_node": 1} if one_node else {"target_node": 1}
+        self._run(str(BIN / "ray"), "start", "--head", f"--port={self.gcs_port}", f"--num-cpus={4 if one_node else 2}",
                   f"--dashboard-port={self.dash_port}", "--dashboard-host=127.0.0.1",
                   f"--ray-client-server-port={self.client_port}", "--resources", json.dumps(head_resources),
                   ray_start=True)
-        if self.nodes == 1:
+        if one_node:
             self.deploy(self.policy)
-            self.wait_healthy()
-            if self.engine_first:
-                cpu_priority.demote_background(self.processes())
-            return self
-        # The second node joins while the app deploys: Serve places the draft worker once its node's
-        # resource appears, and the two starts no longer add up.
-        with ThreadPoolExecutor(1) as pool:
-            joined = pool.submit(self._run, str(BIN / "ray"), "start", f"--address=127.0.0.1:{self.gcs_port}",
-                                 "--num-cpus=2", "--resources", json.dumps({"draft_node": 1}), ray_start=True)
-            self.deploy(self.policy)
-            joined.result()
+        else:
+            # The second node joins while the app deploys: Serve places the draft worker once its node's
+            # resource appears, and the two starts no longer add up.
+            with ThreadPoolExecutor(1) as pool:
+                joined = pool.submit(self._run, str(BIN / "ray"), "start", f"--address=127.0.0.1:{self.gcs_port}",
+                                     "--num-cpus=2", "--resources", json.dumps({"draft_node": 1}), ray_start=True)
+                self.deploy(self.policy)
+                joined.result()
         self.wait_healthy()
         if self.engine_first:
             cpu_priority.demote_background(self.processes())
