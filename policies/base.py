@@ -9,7 +9,10 @@ Subclasses implement :meth:`Policy.choose_k`, the load-driven choice for request
 ``speculation="auto"``. :meth:`Policy.decide` then applies the rules every policy shares, so
 no policy can get them wrong:
 
-* a candidate without a proposer, or with ``k_max == 0``, is always plain (K = 0);
+* a candidate without a proposer, or with ``k_max == 0``, is always plain (K = 0), except for its
+  grammar-forced drafts (``SpecCandidate.forced``), which every path that is not held "off" takes:
+  they cost no proposer work, and a verify row that commits a forced token is a row the plain
+  path would spend on it a step later;
 * with ``allow_request_override`` (the default) a request's own wish wins: ``"off"`` forces
   K = 0, ``"on"`` forces K > 0 (the policy's K if it chose one, else ``override_k``); with the
   override disallowed the wish is ignored and the policy's choice stands;
@@ -114,14 +117,13 @@ class Policy(ABC, Generic[C]):
     __call__ = decide  # a Policy is a DecideFn
 
     def _final_k(self, c: SpecCandidate, k: int) -> int:
-        if c.proposer is None or c.k_max <= 0:
+        if self.config.allow_request_override and c.speculation == "off":
             return 0
-        if self.config.allow_request_override:
-            if c.speculation == "off":
-                return 0
-            if c.speculation == "on" and k <= 0:
-                k = self.config.override_k
-        return max(0, min(k, c.k_max))
+        if c.proposer is None or c.k_max <= 0:
+            return c.forced
+        if self.config.allow_request_override and c.speculation == "on" and k <= 0:
+            k = self.config.override_k
+        return max(c.forced, min(k, c.k_max))
 
     # ------------------------------------------------------------------ reporting
 

@@ -20,7 +20,7 @@ import time
 from typing import Any, AsyncIterator, Callable, TypeVar
 
 from workers import hardware
-from workers.engine import LLMEngine
+from workers.engine import LLMEngine, as_sampling_params
 from workers.errors import EngineDeadError
 from workers.request import RequestOutput
 from workers.stats import LoadSnapshot
@@ -100,6 +100,9 @@ class AsyncEngine:
         if self.dead is not None:
             raise EngineDeadError(f"engine loop died: {self.dead!r}")
         loop = asyncio.get_running_loop()
+        params = kwargs["params"] = as_sampling_params(kwargs.get("params"))
+        if params.structured is not None:  # compiled here, in a worker thread: a slow grammar never stalls a step
+            kwargs["grammar"] = await loop.run_in_executor(None, self.engine.grammars.compile, params.structured)
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, q)
         try:

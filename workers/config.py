@@ -11,6 +11,34 @@ from workers.scheduler import SchedulerConfig
 MAX_SPECULATIVE_TOKENS = 16  # beyond this a verify pass costs more than any acceptance can repay
 
 
+class StructuredOutputsConfig(BaseModel):
+    """Engine-wide settings of grammar-constrained decoding."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    json_whitespace: Literal["compact", "flexible"] = Field(
+        "compact",
+        description="Whitespace a JSON schema or json_object allows between tokens. 'compact': none but the "
+        "separators ', ' and ': ' (what json.dumps writes), so every key, quote and brace the schema fixes is "
+        "forced and proposed as a free draft, and a small model cannot loop on whitespace; 'flexible': any JSON "
+        "whitespace (newlines, indentation), as the JSON grammar allows.",
+    )
+    max_forced_tokens: int = Field(
+        16, ge=0, le=64,
+        description="Most grammar-forced tokens proposed as drafts per request per step (beyond "
+        "num_speculative_tokens: they cost no proposer work and are nearly always accepted); 0 = no grammar drafts.",
+    )
+    compile_timeout_s: float = Field(
+        10.0, gt=0.0, le=300.0,
+        description="A grammar that takes longer than this to compile is refused with a 400. Compiling runs off "
+        "the engine's step loop, so a slow one never stalls other requests.",
+    )
+    max_spec_bytes: int = Field(
+        65536, ge=64, description="Largest schema, regex, choice list or grammar accepted, in bytes (400 above it)."
+    )
+    cache_size: int = Field(256, ge=0, description="Compiled grammars kept, by hash of their source (0 = none).")
+
+
 class ProposerConfig(BaseModel):
     """One speculation method the engine may use. ``options`` go to the proposer's own validated config."""
 
@@ -93,6 +121,11 @@ class EngineConfig(BaseModel):
     )
     num_speculative_tokens: int = Field(
         4, ge=0, le=MAX_SPECULATIVE_TOKENS, description="K_max: most draft tokens verified per request per step."
+    )
+    structured_outputs: StructuredOutputsConfig = Field(
+        default_factory=StructuredOutputsConfig,
+        description="Grammar-constrained decoding (response_format, tools, structured_outputs): JSON whitespace, "
+        "grammar drafts, compile bounds; workers/grammar.py.",
     )
     proposers: list[ProposerConfig] = Field(
         default_factory=lambda: [ProposerConfig(name="ngram")], description="Configured proposers; first = default."

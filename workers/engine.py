@@ -29,6 +29,7 @@ from workers.cost_model import StepCostModel
 from workers.decision import DecideFn, SpecCandidate, Speculation, fixed_k
 from workers.detokenizer import IncrementalDetokenizer
 from workers.errors import InvalidRequestError
+from workers.grammar import Grammar, GrammarRuntime
 from workers.hardware import resolve_dtype
 from workers.logprobs import token_logprobs
 from workers.model_loader import LoadedModel
@@ -43,6 +44,18 @@ from workers.scheduler import Scheduler, SchedulerOutput
 from workers.stats import AcceptanceTracker, Ema, LoadSnapshot, SpecDecodeStats
 
 _ROLES = ("system", "user", "assistant")
+
+
+def as_sampling_params(params: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+    """Validate a request's sampling parameters; ``InvalidRequestError`` names the bad field."""
+    if isinstance(params, SamplingParams):
+        return params
+    try:
+        return SamplingParams(**(params or {}))
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"]) or None
+        raise InvalidRequestError(f"{field}: {err['msg']}", param=field) from None
 
 
 class LLMEngine:
@@ -76,6 +89,9 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos_ids.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos_ids)
+        # structured output: compiled grammars (cached by source) and the batch's masks
+        self.grammars = GrammarRuntime(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
+                                       config.structured_outputs)
         self.proposers: dict[str, Proposer] = dict(proposers or {})
         for name, p in self.proposers.items():  # a draft's token ids and q rows must be the target's
             draft_vocab = getattr(p, "vocab_size", None)
@@ -97,7 +113,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.cost_model, self._decide_k, self._reuse_prefix, time.monotonic)
         self.processor = OutputProcessor(config.verification, self.max_model_len, self.proposers, self._finish,
-                                         on_verify)
+                                         on_verify, self.grammars)
         self.requests: dict[str, Request] = {}
         # per slot: the tokens whose KV a *free* slot still holds, from the request that last used it
         # (a running request's valid KV is its own all_ids()[:num_computed]); read by _reuse_prefix
@@ -139,6 +155,7 @@ class LLMEngine:
         speculation: Speculation = "auto",
         record_events: bool = False,
         resume_output_ids: Sequence[int] = (),
+        grammar: Grammar | None = None,
     ) -> None:
         """Validate and queue a request. Raises ``InvalidRequestError`` naming the bad field.
 
@@ -148,16 +165,12 @@ class LLMEngine:
         replica died): they are prefilled with the prompt and count as output (max_tokens, stop
         strings, penalties, the noise position of the next token), and their text is not sent
         again. With the request's seed, what follows is what the uninterrupted run writes.
+        ``grammar``: ``params.structured`` compiled already (``self.grammars.compile``, which blocks:
+        the async front compiles off the step loop); None compiles it here.
         """
         if request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", param="request_id")
-        if isinstance(params, dict) or params is None:
-            try:
-                params = SamplingParams(**(params or {}))
-            except ValidationError as e:
-                err = e.errors()[0]
-                field = ".".join(str(x) for x in err["loc"]) or None
-                raise InvalidRequestError(f"{field}: {err['msg']}", param=field) from None
+        params = as_sampling_params(params)
         prompt = list(prompt_ids)
         if not prompt:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
@@ -187,6 +200,15 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"unknown proposer {proposer!r}; configured: {sorted(self.proposers)}", param="proposer"
             )
+        if params.structured is None and grammar is not None:
+            raise InvalidRequestError("a grammar was given for a request without structured output", param="grammar")
+        if params.structured is not None and grammar is None:
+            grammar = self.grammars.compile(params.structured)
+        if grammar is not None and resumed:
+            if grammar.valid_prefix(resumed) < len(resumed):
+                raise InvalidRequestError("resumed output does not follow the request's grammar",
+                                          param="resume_output_ids")
+            grammar.consume(resumed)
         req = Request(
             request_id=request_id,
             prompt_ids=prompt,
@@ -200,6 +222,7 @@ class LLMEngine:
             prompt_logprobs=None if params.prompt_logprobs is None or resumed else [None],  # sent before
             output_ids=resumed,
             num_resumed=len(resumed),
+            grammar=grammar,
         )
         for t in resumed:  # the detokenizer's state as after writing them; their text was sent already
             req.detok.add(t)
@@ -268,7 +291,8 @@ class LLMEngine:
         at_end = [r.num_computed + len(toks) == r.prefill_len for r, toks in chunks]  # the chunk ends the prefill
         reqs = decoding + [r for r, _ in chunks]
         fed = pending + [toks for _, toks in chunks]
-        frontier = [FrontierRow(r, toks, d, p) for r, toks, d, p in zip(decoding, pending, drafts, draft_probs)]
+        frontier = [FrontierRow(r, toks, d, p, min(len(r.forced), len(d)))
+                    for r, toks, d, p in zip(decoding, pending, drafts, draft_probs)]
         frontier += [FrontierRow(r, toks) for (r, toks), end in zip(chunks, at_end) if end]
         logits = self._execute(reqs, fed, {id(f.request): len(f.drafts) for f in frontier})
 
@@ -346,18 +370,17 @@ class LLMEngine:
         if not decoding:
             return []
         k_cap = self.config.num_speculative_tokens
-        cands = [
-            SpecCandidate(
-                request_id=r.request_id,
-                proposer=r.proposer,
-                speculation=r.speculation,
-                # never draft past max_tokens (the verify emits accepted + 1) or past the context
-                k_max=max(0, min(k_cap, r.params.max_tokens - len(r.output_ids) - 1, self.max_model_len - r.num_tokens - 1)),
-            )
-            for r in decoding
-        ]
+        max_forced = self.config.structured_outputs.max_forced_tokens
+        cands = []
+        for r in decoding:
+            room = min(r.params.max_tokens - len(r.output_ids) - 1, self.max_model_len - r.num_tokens - 1)
+            r.forced = r.grammar.forced(min(max_forced, room)) if r.grammar is not None else []
+            # never draft past max_tokens (the verify emits accepted + 1) or past the context
+            cands.append(SpecCandidate(request_id=r.request_id, proposer=r.proposer, speculation=r.speculation,
+                                       k_max=max(0, min(k_cap, room)), forced=len(r.forced)))
         ks = self.decide(self.snapshot(), cands)
-        ks = [max(0, min(int(k), c.k_max)) if c.proposer else 0 for k, c in zip(ks, cands)]
+        ks = [max(0, min(int(k), max(c.k_max, c.forced))) if (c.proposer or c.forced) else 0
+              for k, c in zip(ks, cands)]
         # Every decoding request gets its 1 pending token; drafts share what is left of the budget.
         spare = budget - len(decoding)
         for i, k in enumerate(ks):
@@ -366,19 +389,22 @@ class LLMEngine:
         return ks
 
     def _propose(self, decoding: list[Request], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        drafts: list[list[int]] = [[] for _ in decoding]
+        """Each request's drafts for a verify of ``ks[i]`` tokens: the grammar's forced tokens first, then
+        the proposer's continuation after them, cut at the first token the grammar refuses."""
+        drafts: list[list[int]] = [list(r.forced[:k]) for r, k in zip(decoding, ks)]
         probs: list[torch.Tensor | None] = [None for _ in decoding]
         by_proposer: dict[str, list[int]] = collections.defaultdict(list)
         for i, (r, k) in enumerate(zip(decoding, ks)):
-            if k > 0 and r.proposer:
+            # after forced tokens, a proposer reading the target's hidden states has none for them: it waits
+            if k > len(drafts[i]) and r.proposer and not (drafts[i] and r.proposer in self._hidden_proposers):
                 by_proposer[r.proposer].append(i)
         for name, idxs in by_proposer.items():
             reqs = [
                 ProposalRequest(
                     request_id=decoding[i].request_id,
-                    token_ids=decoding[i].all_ids(),
+                    token_ids=decoding[i].all_ids() + drafts[i],
                     num_prompt_tokens=len(decoding[i].prompt_ids),
-                    k=ks[i],
+                    k=ks[i] - len(drafts[i]),
                     eos_token_ids=decoding[i].eos_token_ids,
                     sampling=decoding[i].params.model_copy(update={"seed": decoding[i].seed}),
                     coupled=self.config.verification == "coupled",
@@ -388,11 +414,21 @@ class LLMEngine:
             ]
             props = self.proposers[name].propose(reqs)
             for j, i in enumerate(idxs):
-                d = list(props.draft_token_ids[j])[: ks[i]]
-                drafts[i] = d
-                self.acceptance.on_proposal(name, len(d), ks[i])
+                want = ks[i] - len(drafts[i])
+                d = list(props.draft_token_ids[j])[:want]
+                self.acceptance.on_proposal(name, len(d), want)
                 p = props.draft_probs[j]
-                probs[i] = p[: len(d)] if (p is not None and d) else None
+                p = p[: len(d)] if (p is not None and d) else None
+                if p is not None and drafts[i]:  # rejection verification: forced drafts have a one-hot q
+                    p = torch.cat([torch.nn.functional.one_hot(torch.tensor(drafts[i], device=p.device),
+                                                               p.shape[1]).to(p.dtype), p])
+                drafts[i] += d
+                probs[i] = p
+        for i, r in enumerate(decoding):
+            if r.grammar is not None and len(drafts[i]) > len(r.forced[: ks[i]]):  # forced ones are valid already
+                n = r.grammar.valid_prefix(drafts[i])
+                drafts[i] = drafts[i][:n]
+                probs[i] = probs[i][:n] if (probs[i] is not None and n) else None
         return drafts, probs
 
     def _keep_hidden(

@@ -15,6 +15,7 @@ from typing import Callable, Iterable, Literal
 
 import torch
 
+from workers.grammar import GrammarRuntime
 from workers.logprobs import token_logprobs
 from workers.penalties import penalize_rows
 from workers.proposers.base import Proposer
@@ -32,6 +33,7 @@ class FrontierRow:
     fed: list[int]  # tokens fed this step (pending token + drafts, or the prompt's last chunk)
     drafts: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None  # [len(drafts), vocab] q rows (rejection verification only)
+    num_forced: int = 0  # the leading drafts the grammar forced (structured output), not a proposer's
 
 
 @dataclass
@@ -51,12 +53,14 @@ class OutputProcessor:
         proposers: dict[str, Proposer],
         finish: Callable[[Request, str], None],
         on_verify: Callable[[str, int, int], None] | None = None,
+        grammars: GrammarRuntime | None = None,
     ) -> None:
         self.verification = verification
         self.max_model_len = max_model_len
         self.proposers = proposers
         self.finish = finish
         self.on_verify = on_verify  # (proposer, num_draft, num_accepted) per speculative verify: metrics
+        self.grammars = grammars  # masks the rows of requests with structured output
         self.stats: dict[str, SpecDecodeStats] = collections.defaultdict(SpecDecodeStats)
         self.acceptance = AcceptanceTracker()  # per proposer, what the goodput policy reads
         self.counters = OutputCounters()
@@ -68,7 +72,7 @@ class OutputProcessor:
         event: tuple[int, int] | None = None,  # (step start, proposers done) in time.time_ns(), when recording
     ) -> list[RequestOutput]:
         row_start = list(itertools.accumulate((len(f.drafts) + 1 for f in rows), initial=0))[:-1]
-        chosen = self._penalized(logits, rows, row_start)
+        chosen = self._masked(self._penalized(logits, rows, row_start), rows, row_start)
         if self.verification == "coupled":
             result = verify_coupled(chosen, [f.drafts for f in rows], [f.request.params for f in rows],
                                     [self._row_keys(f.request, len(f.drafts)) for f in rows])
@@ -84,10 +88,12 @@ class OutputProcessor:
             self.counters.spec_request_steps += kind == "spec"
             self.counters.plain_request_steps += kind == "plain"
             r.num_computed += len(f.fed) - (n_draft - n_acc)  # KV of rejected drafts is now stale: length moves back
-            self._record(r, n_draft, n_acc)
+            self._record(r, n_draft, n_acc, f.num_forced)
             lps = None if r.params.logprobs is None else token_logprobs(
                 logits[start : start + len(new_ids)], new_ids, r.params.logprobs)  # the raw rows, not penalized
             outputs.append(self.commit(r, new_ids, lps))
+            if r.grammar is not None and r.status is not Status.FINISHED:
+                r.grammar.consume(outputs[-1].token_ids)
             self.counters.output_tokens += len(outputs[-1].token_ids)
         return outputs
 
@@ -99,8 +105,13 @@ class OutputProcessor:
         t0 = len(r.output_ids)
         return [position_key(r.seed, t0 + j) for j in range(num_draft + 1)]
 
-    def _record(self, r: Request, n_draft: int, n_acc: int) -> None:
+    def _record(self, r: Request, n_draft: int, n_acc: int, n_forced: int = 0) -> None:
         r.spec.record_verify(n_draft, n_acc)
+        if n_forced:
+            r.spec.record_grammar(n_forced, n_acc)
+            self.stats["grammar"].record_verify(n_forced, min(n_forced, n_acc))
+            # the proposer's own drafts follow the forced ones: its stats see only those
+            n_draft, n_acc = n_draft - n_forced, max(0, n_acc - n_forced)
         if not r.proposer:
             return
         stats = self.stats[r.proposer]
@@ -112,6 +123,22 @@ class OutputProcessor:
                 self.on_verify(r.proposer, n_draft, n_acc)
         else:
             stats.plain_steps += 1
+
+    def _masked(
+        self,
+        logits: torch.Tensor,  # [sum_i (num_draft_i + 1), vocab] the rows tokens are chosen from
+        rows: list[FrontierRow],
+        row_start: list[int],  # per frontier request: its first row
+    ) -> torch.Tensor:
+        """Structured output: each constrained request's row j masked to what its grammar allows after its
+        committed tokens and drafts[:j] (workers/grammar.py); the other rows are untouched."""
+        entries = [(f.request.grammar, start, f.drafts) for f, start in zip(rows, row_start)
+                   if f.request.grammar is not None]
+        if not entries or self.grammars is None:
+            return logits
+        bitmask = self.grammars.fill_masks(entries, logits.shape[0])
+        masked = [start + j for _, start, d in entries for j in range(len(d) + 1)]
+        return self.grammars.apply_masks(logits, bitmask, masked)
 
     @staticmethod
     def _penalized(

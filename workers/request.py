@@ -15,6 +15,8 @@ from workers.stats import SpecDecodeStats
 if TYPE_CHECKING:  # the Router and the ingress import this module's types; they never need torch
     import torch
 
+    from workers.grammar import Grammar
+
 
 class StepEvent(NamedTuple):
     """One engine step of one request, recorded only for requests that asked (tracing on)."""
@@ -92,6 +94,8 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # filled during prefill when params ask for them
     prompt_logprobs_sent: bool = False
     num_resumed: int = 0  # output tokens given at admission (a stream resumed on this engine): prefilled, not written
+    grammar: Grammar | None = None  # params.structured's matcher, advanced over output_ids (workers/grammar.py)
+    forced: list[int] = field(default_factory=list)  # this step's grammar-forced tokens (set when K is decided)
 
     @property
     def prefill_len(self) -> int:

@@ -7,7 +7,36 @@ which the engine re-raises as ``InvalidRequestError`` (see ``workers/errors.py``
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+
+class StructuredOutput(BaseModel):
+    """A constraint on what the request may write (workers/grammar.py compiles it).
+
+    ``kind``: ``json`` (``value`` is a JSON schema as canonical JSON text), ``json_object`` (any JSON
+    object, no value), ``regex``, ``choice`` (``value`` is the tuple of allowed strings) or ``grammar``
+    (Lark or GBNF text). ``param`` is the request field it came from, which errors name.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["json", "json_object", "regex", "choice", "grammar"]
+    value: str | tuple[str, ...] | None = None
+    param: str = Field("structured_outputs", description="The request field this came from (named in errors).")
+
+    @model_validator(mode="after")
+    def _value_fits_kind(self) -> StructuredOutput:
+        if self.kind == "json_object":
+            if self.value is not None:
+                raise ValueError("json_object takes no value")
+        elif self.kind == "choice":
+            if not isinstance(self.value, tuple) or not self.value or not all(self.value):
+                raise ValueError("choice needs a non-empty list of non-empty strings")
+        elif not isinstance(self.value, str) or not self.value:
+            raise ValueError(f"{self.kind} needs a non-empty string")
+        return self
 
 
 class SamplingParams(BaseModel):
@@ -40,6 +69,9 @@ class SamplingParams(BaseModel):
                                      "the output so far.")
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="vLLM's: a token in the prompt or output "
                                       "so far has a positive logit divided by it, a negative one multiplied; 1 = off.")
+    structured: StructuredOutput | None = Field(
+        None, description="Constrain the output to a JSON schema, a regex, a choice or a grammar (workers/grammar.py)."
+    )
     logprobs: int | None = Field(
         None, ge=0, le=20,
         description="Return each output token's log probability under the target (raw logits, before temperature "

@@ -20,6 +20,14 @@ class SpecDecodeStats:
     accepted_per_pos: list[int] = field(default_factory=list)  # [K_max] accepted count at draft position i
     spec_steps: int = 0
     plain_steps: int = 0
+    # of the draft / accepted tokens above, those the grammar forced (structured output), not a proposer's
+    num_grammar_draft_tokens: int = 0
+    num_grammar_accepted_tokens: int = 0
+
+    def record_grammar(self, num_forced: int, num_accepted: int) -> None:
+        """A verify whose first ``num_forced`` drafts were grammar-forced, ``num_accepted`` drafts accepted."""
+        self.num_grammar_draft_tokens += num_forced
+        self.num_grammar_accepted_tokens += min(num_forced, num_accepted)
 
     def record_verify(self, num_draft_tokens: int, num_accepted: int) -> None:
         if num_draft_tokens == 0:
@@ -50,6 +58,8 @@ class SpecDecodeStats:
             "accepted_per_pos": list(self.accepted_per_pos),
             "spec_steps": self.spec_steps,
             "plain_steps": self.plain_steps,
+            "num_grammar_draft_tokens": self.num_grammar_draft_tokens,
+            "num_grammar_accepted_tokens": self.num_grammar_accepted_tokens,
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
         }
