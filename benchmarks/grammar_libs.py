@@ -325,7 +325,9 @@ class CaseResult:
     error: str | None = None
 
 
-def bench_case(lib: Backend, case: SchemaCase, tok: Any, reps: int, walks: int) -> tuple[CaseResult, list[float], list[float]]:
+def bench_case(
+    lib: Backend, case: SchemaCase, tok: Any, reps: int, walks: int
+) -> tuple[CaseResult, list[float], list[float]]:
     """Returns the case's result and its raw cold and warm per-token mask times (us)."""
     schema_json = json.dumps(case.schema)
     tokens = tok.encode(instance_text(case.example), add_special_tokens=False) + [tok.eos_token_id]
@@ -354,7 +356,10 @@ def bench_case(lib: Backend, case: SchemaCase, tok: Any, reps: int, walks: int) 
     refused = 0
     for bad in case.invalid:
         bad_tokens = tok.encode(instance_text(bad), add_special_tokens=False) + [tok.eos_token_id]
-        refused += walk(lib, lib.matcher(compiled, max_rollback=len(bad_tokens)), bad_tokens, bitmask, False).refused_at is not None
+        refused += (
+            walk(lib, lib.matcher(compiled, max_rollback=len(bad_tokens)), bad_tokens, bitmask, False).refused_at
+            is not None
+        )
     res = CaseResult(
         schema=case.name,
         n_tokens=len(tokens),
@@ -411,7 +416,11 @@ def _dist_mb(name: str) -> float:
 
 def project_requirements() -> list[str]:
     lines = (REPO_ROOT / "requirements.txt").read_text().splitlines()
-    return [Requirement(ln.split("#")[0]).name for ln in lines if ln.split("#")[0].strip() and not ln.lstrip().startswith("-")]
+    return [
+        Requirement(ln.split("#")[0]).name
+        for ln in lines
+        if ln.split("#")[0].strip() and not ln.lstrip().startswith("-")
+    ]
 
 
 def footprint(dist: str) -> dict[str, Any]:
@@ -422,7 +431,11 @@ def footprint(dist: str) -> dict[str, Any]:
     new = sorted(mine - have - {_norm(dist)})
     new_mb = {n: round(_dist_mb(n), 1) for n in new}
     self_mb = _dist_mb(dist)
-    return {"self_mb": round(self_mb, 1), "new_deps_mb": new_mb, "total_new_mb": round(self_mb + sum(new_mb.values()), 1)}
+    return {
+        "self_mb": round(self_mb, 1),
+        "new_deps_mb": new_mb,
+        "total_new_mb": round(self_mb + sum(new_mb.values()), 1),
+    }
 
 
 # ----------------------------------------------------------------------------- report
@@ -431,7 +444,11 @@ def footprint(dist: str) -> dict[str, Any]:
 def env_info() -> dict[str, Any]:
     cpu = "unknown"
     try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name"))
+        cpu = next(
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        )
     except (OSError, StopIteration):
         pass
     return {
@@ -471,7 +488,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_xticks(x, libs)
         ax.legend()
         ax.grid(axis="y", which="both", alpha=0.3)
-    fig.suptitle(f"{results['env']['cpu']} ({results['env']['cpu_capability']}), {len(results['schemas'])} JSON schemas, SmolLM2 vocab")
+    fig.suptitle(
+        f"{results['env']['cpu']} ({results['env']['cpu_capability']}), "
+        f"{len(results['schemas'])} JSON schemas, SmolLM2 vocab"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -480,7 +500,8 @@ def print_table(results: dict[str, Any]) -> None:
     env = results["env"]
     print(f"\nCPU: {env['cpu']}  capability: {env['cpu_capability']}  cores: {env['cpu_count']}  vocab: {VOCAB_SIZE}")
     print(
-        "compile / +1st mask: median over schemas of the median cold compile (max: the slowest schema); mask us: all positions pooled "
+        "compile / +1st mask: median over schemas of the median cold compile (max: the slowest schema); "
+        "mask us: all positions pooled "
         "(warm = compiled grammar reused, cold = first walk after compile); valid: instances accepted; "
         "refused: invalid instances refused; 1-token: positions whose mask held one token; ff pos: positions "
         "where the fast-forward call returned tokens; new MB: installed size beyond the project's requirements"
@@ -498,10 +519,13 @@ def print_table(results: dict[str, Any]) -> None:
             continue
         o = r["overall"]
         print(
-            f"{name:14s} {r['version']:8s} {r['tokenizer_info_ms']:11.1f} {o['compile_ms_p50']:10.2f} {o['compile_ms_max']:8.1f} "
+            f"{name:14s} {r['version']:8s} {r['tokenizer_info_ms']:11.1f} "
+            f"{o['compile_ms_p50']:10.2f} {o['compile_ms_max']:8.1f} "
             f"{o['compile_plus_first_mask_ms_p50']:9.2f} {o['warm_mask_us_p50']:11.1f} {o['warm_mask_us_p90']:7.1f} "
-            f"{o['cold_mask_us_p50']:8.1f} {o['cold_mask_us_p90']:8.1f} {o['valid_accepted']:>6s} {o['invalid_refused']:>8s} "
-            f"{o['forced_positions']:7d} {'no api' if o['ff_positions'] is None else o['ff_positions']:>6} {'ok' if o['rollback_ok'] else 'FAIL':>8s} "
+            f"{o['cold_mask_us_p50']:8.1f} {o['cold_mask_us_p90']:8.1f} "
+            f"{o['valid_accepted']:>6s} {o['invalid_refused']:>8s} "
+            f"{o['forced_positions']:7d} {'no api' if o['ff_positions'] is None else o['ff_positions']:>6} "
+            f"{'ok' if o['rollback_ok'] else 'FAIL':>8s} "
             f"{r['footprint']['total_new_mb']:7.1f}"
         )
     print("\ncompile ms (median of cold reps) | warm mask us p50 / p90, per schema:")
@@ -511,14 +535,26 @@ def print_table(results: dict[str, Any]) -> None:
         cells = []
         for n in names:
             c = results["libraries"][n]["cases"].get(s)
-            cells.append(f"{'error':>30s}" if c is None or c.get("error") else f"{c['compile_ms']:8.2f} | {c['warm_mask_us_p50']:7.1f} / {c['warm_mask_us_p90']:7.1f}")
-        n_tok = next((results["libraries"][n]["cases"][s]["n_tokens"] for n in names if s in results["libraries"][n]["cases"]), 0)
+            cells.append(
+                f"{'error':>30s}"
+                if c is None or c.get("error")
+                else f"{c['compile_ms']:8.2f} | {c['warm_mask_us_p50']:7.1f} / {c['warm_mask_us_p90']:7.1f}"
+            )
+        n_tok = next(
+            (results["libraries"][n]["cases"][s]["n_tokens"] for n in names if s in results["libraries"][n]["cases"]), 0
+        )
         print(f"{s:16s} {n_tok:6d} " + " ".join(f"{c:>30s}" for c in cells))
 
 
 def run(reps: int, walks: int, cases: list[SchemaCase]) -> dict[str, Any]:
-    results: dict[str, Any] = {"env": env_info(), "schemas": [c.name for c in cases], "compile_reps": reps, "walks": walks, "libraries": {}}
-    log(f"[grammar_libs] loading the SmolLM2 tokenizer")
+    results: dict[str, Any] = {
+        "env": env_info(),
+        "schemas": [c.name for c in cases],
+        "compile_reps": reps,
+        "walks": walks,
+        "libraries": {},
+    }
+    log("[grammar_libs] loading the SmolLM2 tokenizer")
     tok = load_smollm2_tokenizer()
     for make in BACKENDS:
         try:
@@ -554,8 +590,9 @@ def run(reps: int, walks: int, cases: list[SchemaCase]) -> dict[str, Any]:
             warm_all += warm_us
             r["cases"][case.name] = asdict(res)
             log(
-                f"[grammar_libs]   [{i}/{len(cases)}] {case.name:16s} compile {res.compile_ms:8.2f} ms  first mask {res.first_mask_ms:7.2f} ms  "
-                f"mask p50 {res.warm_mask_us_p50:7.1f} us  valid {'ok' if res.valid_accepted else 'REFUSED@' + str(res.refused_at)}  "
+                f"[grammar_libs]   [{i}/{len(cases)}] {case.name:16s} compile {res.compile_ms:8.2f} ms  "
+                f"first mask {res.first_mask_ms:7.2f} ms  mask p50 {res.warm_mask_us_p50:7.1f} us  "
+                f"valid {'ok' if res.valid_accepted else 'REFUSED@' + str(res.refused_at)}  "
                 f"refused {res.invalid_refused}/{res.invalid_total}"
             )
         ok = [c for c in r["cases"].values() if not c.get("error")]

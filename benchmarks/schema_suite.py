@@ -90,7 +90,12 @@ SCHEMAS: list[SchemaCase] = [
             }
         ),
         prompt="Give a user with their full name and postal address (street, city, 5-digit zip) as JSON.",
-        example={"user": {"full_name": "Jean Dupont", "address": {"street": "12 Rue de la Paix", "city": "Paris", "zip": "75002"}}},
+        example={
+            "user": {
+                "full_name": "Jean Dupont",
+                "address": {"street": "12 Rue de la Paix", "city": "Paris", "zip": "75002"},
+            }
+        },
         invalid=({"user": {"full_name": "X", "address": {"street": "A", "city": "B", "zip": "7500"}}},),
         features=("nested objects", "pattern"),
     ),
@@ -113,7 +118,10 @@ SCHEMAS: list[SchemaCase] = [
                 },
             }
         ),
-        prompt="Write a shop order as JSON: an order id like ORD-123456 and 1 to 5 items, each with a SKU like ABC-1234, a quantity and a unit price.",
+        prompt=(
+            "Write a shop order as JSON: an order id like ORD-123456 and 1 to 5 items, each with a SKU like "
+            "ABC-1234, a quantity and a unit price."
+        ),
         example={
             "order_id": "ORD-004217",
             "items": [
@@ -121,7 +129,10 @@ SCHEMAS: list[SchemaCase] = [
                 {"sku": "MUG-1001", "quantity": 1, "unit_price": 12.99},
             ],
         },
-        invalid=({"order_id": "ORD-004217", "items": []}, {"order_id": "ORD-42", "items": [{"sku": "TEA-0042", "quantity": 2, "unit_price": 4.5}]}),
+        invalid=(
+            {"order_id": "ORD-004217", "items": []},
+            {"order_id": "ORD-42", "items": [{"sku": "TEA-0042", "quantity": 2, "unit_price": 4.5}]},
+        ),
         features=("array of objects", "minItems/maxItems", "pattern", "number bounds"),
     ),
     SchemaCase(
@@ -132,12 +143,31 @@ SCHEMAS: list[SchemaCase] = [
                 "condition": _enum("sunny", "partly_cloudy", "cloudy", "rain", "snow", "storm"),
                 "temperature_c": _num(-80, 60),
                 "humidity_pct": _int(0, 100),
-                "wind": _obj({"speed_kmh": _num(0, 400), "direction": _enum("N", "NE", "E", "SE", "S", "SW", "W", "NW")}),
+                "wind": _obj(
+                    {"speed_kmh": _num(0, 400), "direction": _enum("N", "NE", "E", "SE", "S", "SW", "W", "NW")}
+                ),
             }
         ),
-        prompt="Report today's weather in Lisbon as JSON: city, condition, temperature in Celsius, humidity percent and wind speed and direction.",
-        example={"city": "Lisbon", "condition": "partly_cloudy", "temperature_c": 21.5, "humidity_pct": 64, "wind": {"speed_kmh": 18, "direction": "NW"}},
-        invalid=({"city": "Lisbon", "condition": "hail", "temperature_c": 21.5, "humidity_pct": 64, "wind": {"speed_kmh": 18, "direction": "NW"}},),
+        prompt=(
+            "Report today's weather in Lisbon as JSON: city, condition, temperature in Celsius, humidity percent "
+            "and wind speed and direction."
+        ),
+        example={
+            "city": "Lisbon",
+            "condition": "partly_cloudy",
+            "temperature_c": 21.5,
+            "humidity_pct": 64,
+            "wind": {"speed_kmh": 18, "direction": "NW"},
+        },
+        invalid=(
+            {
+                "city": "Lisbon",
+                "condition": "hail",
+                "temperature_c": 21.5,
+                "humidity_pct": 64,
+                "wind": {"speed_kmh": 18, "direction": "NW"},
+            },
+        ),
         features=("enum", "number bounds", "nested object"),
     ),
     SchemaCase(
@@ -152,7 +182,10 @@ SCHEMAS: list[SchemaCase] = [
             },
             required=["title", "priority"],
         ),
-        prompt="Create a to-do item as JSON with a title and a priority; add a due date (YYYY-MM-DD), tags or a done flag if useful.",
+        prompt=(
+            "Create a to-do item as JSON with a title and a priority; add a due date (YYYY-MM-DD), tags or a done "
+            "flag if useful."
+        ),
         example={"title": "Renew passport", "priority": "high", "due_date": "2026-03-15", "done": False},
         invalid=({"title": "", "priority": "high"}, {"title": "Renew passport", "priority": "urgent"}),
         features=("optional fields", "minLength/maxLength", "pattern", "enum"),
@@ -169,7 +202,10 @@ SCHEMAS: list[SchemaCase] = [
                 "summary": {"type": "string", "maxLength": 200},
             }
         ),
-        prompt="Review a pair of wireless headphones as JSON: product name, a rating from 1 to 5, whether you recommend it, up to 3 pros and cons, and a one-sentence summary.",
+        prompt=(
+            "Review a pair of wireless headphones as JSON: product name, a rating from 1 to 5, whether you "
+            "recommend it, up to 3 pros and cons, and a one-sentence summary."
+        ),
         example={
             "product": "Aurora X2 headphones",
             "rating": 4,
@@ -189,7 +225,10 @@ SCHEMAS: list[SchemaCase] = [
                 "confidence": _num(0, 1),
             }
         ),
-        prompt='Classify the sentiment of "The service was slow but the food was excellent." as JSON with a label and a confidence between 0 and 1.',
+        prompt=(
+            'Classify the sentiment of "The service was slow but the food was excellent." as JSON with a label '
+            "and a confidence between 0 and 1."
+        ),
         example={"label": "positive", "confidence": 0.72},
         invalid=({"label": "mixed", "confidence": 0.5}, {"label": "positive", "confidence": 1.5}),
         features=("enum (choice)", "number bounds"),
@@ -209,7 +248,10 @@ SCHEMAS: list[SchemaCase] = [
                 "vegetarian": _BOOL,
             }
         ),
-        prompt="Give a simple pancake recipe as JSON: title, servings, a list of ingredients and numbered steps, and whether it is vegetarian.",
+        prompt=(
+            "Give a simple pancake recipe as JSON: title, servings, a list of ingredients and numbered steps, and "
+            "whether it is vegetarian."
+        ),
         example={
             "title": "Simple pancakes",
             "servings": 4,
@@ -220,7 +262,15 @@ SCHEMAS: list[SchemaCase] = [
             ],
             "vegetarian": True,
         },
-        invalid=({"title": "P", "servings": 4, "ingredients": [], "steps": [{"step": 1, "instruction": "x"}], "vegetarian": True},),
+        invalid=(
+            {
+                "title": "P",
+                "servings": 4,
+                "ingredients": [],
+                "steps": [{"step": 1, "instruction": "x"}],
+                "vegetarian": True,
+            },
+        ),
         features=("array of objects", "array of strings", "integer bounds", "boolean"),
     ),
     SchemaCase(
@@ -234,12 +284,17 @@ SCHEMAS: list[SchemaCase] = [
                 "location": _obj({"room": _STR, "online": _BOOL}, required=["online"]),
                 "attendees": {
                     "type": "array",
-                    "items": _obj({"name": _STR, "email": {"type": "string", "pattern": "^[a-z.]+@[a-z]+\\.[a-z]{2,3}$"}}),
+                    "items": _obj(
+                        {"name": _STR, "email": {"type": "string", "pattern": "^[a-z.]+@[a-z]+\\.[a-z]{2,3}$"}}
+                    ),
                     "maxItems": 5,
                 },
             }
         ),
-        prompt="Schedule a project kick-off meeting as JSON: title, date (YYYY-MM-DD), start time (HH:MM), duration in minutes, location (room, online or not) and attendees with name and email.",
+        prompt=(
+            "Schedule a project kick-off meeting as JSON: title, date (YYYY-MM-DD), start time (HH:MM), duration "
+            "in minutes, location (room, online or not) and attendees with name and email."
+        ),
         example={
             "title": "Project kick-off",
             "date": "2026-02-10",
@@ -252,8 +307,22 @@ SCHEMAS: list[SchemaCase] = [
             ],
         },
         invalid=(
-            {"title": "K", "date": "2026-02-10", "start": "9:30", "duration_min": 60, "location": {"online": True}, "attendees": []},
-            {"title": "K", "date": "2026-02-10", "start": "09:30", "duration_min": 1, "location": {"online": True}, "attendees": []},
+            {
+                "title": "K",
+                "date": "2026-02-10",
+                "start": "9:30",
+                "duration_min": 60,
+                "location": {"online": True},
+                "attendees": [],
+            },
+            {
+                "title": "K",
+                "date": "2026-02-10",
+                "start": "09:30",
+                "duration_min": 1,
+                "location": {"online": True},
+                "attendees": [],
+            },
         ),
         features=("patterns", "optional nested field", "array of objects", "integer bounds"),
     ),
@@ -272,10 +341,16 @@ SCHEMAS: list[SchemaCase] = [
                 "autoscaling": _BOOL,
                 "max_connections": _int(1, 100000),
                 "timeout_seconds": _num(0.1, 600),
-                "health_check": _obj({"path": {"type": "string", "pattern": "^/[a-z/]*$"}, "interval_seconds": _int(1, 300)}),
+                "health_check": _obj(
+                    {"path": {"type": "string", "pattern": "^/[a-z/]*$"}, "interval_seconds": _int(1, 300)}
+                ),
             }
         ),
-        prompt="Write the deployment configuration of a production web API in eu-west-1 as JSON: service name, environment, region, protocol, port, TLS, log level, replicas, autoscaling, max connections, timeout and health check.",
+        prompt=(
+            "Write the deployment configuration of a production web API in eu-west-1 as JSON: service name, "
+            "environment, region, protocol, port, TLS, log level, replicas, autoscaling, max connections, timeout "
+            "and health check."
+        ),
         example={
             "service": "orders-api",
             "environment": "production",
@@ -292,9 +367,18 @@ SCHEMAS: list[SchemaCase] = [
         },
         invalid=(
             {
-                "service": "orders-api", "environment": "prod", "region": "eu-west-1", "protocol": "https", "port": 8443,
-                "tls_enabled": True, "log_level": "info", "replicas": 3, "autoscaling": True, "max_connections": 5000,
-                "timeout_seconds": 30, "health_check": {"path": "/healthz", "interval_seconds": 15},
+                "service": "orders-api",
+                "environment": "prod",
+                "region": "eu-west-1",
+                "protocol": "https",
+                "port": 8443,
+                "tls_enabled": True,
+                "log_level": "info",
+                "replicas": 3,
+                "autoscaling": True,
+                "max_connections": 5000,
+                "timeout_seconds": 30,
+                "health_check": {"path": "/healthz", "interval_seconds": 15},
             },
         ),
         features=("schema-heavy: many fixed keys", "enums", "integer/number bounds", "nested object", "pattern"),
@@ -312,10 +396,17 @@ SCHEMAS: list[SchemaCase] = [
                 "remote": _BOOL,
                 "start_year": _int(1990, 2030),
                 "salary_band": _enum("A", "B", "C", "D"),
-                "skills": {"type": "array", "items": _enum("python", "go", "rust", "sql", "java", "kubernetes"), "maxItems": 4},
+                "skills": {
+                    "type": "array",
+                    "items": _enum("python", "go", "rust", "sql", "java", "kubernetes"),
+                    "maxItems": 4,
+                },
             }
         ),
-        prompt="Create an HR record as JSON for a senior backend engineer: employee id like E01234, first and last name, department, level, full-time and remote flags, start year, salary band and up to 4 skills.",
+        prompt=(
+            "Create an HR record as JSON for a senior backend engineer: employee id like E01234, first and last "
+            "name, department, level, full-time and remote flags, start year, salary band and up to 4 skills."
+        ),
         example={
             "employee_id": "E04821",
             "first_name": "Priya",
@@ -330,8 +421,16 @@ SCHEMAS: list[SchemaCase] = [
         },
         invalid=(
             {
-                "employee_id": "E4821", "first_name": "P", "last_name": "N", "department": "engineering", "level": "senior",
-                "full_time": True, "remote": False, "start_year": 2019, "salary_band": "C", "skills": [],
+                "employee_id": "E4821",
+                "first_name": "P",
+                "last_name": "N",
+                "department": "engineering",
+                "level": "senior",
+                "full_time": True,
+                "remote": False,
+                "start_year": 2019,
+                "salary_band": "C",
+                "skills": [],
             },
         ),
         features=("schema-heavy: many fixed keys", "enums", "array of enums", "pattern", "integer bounds"),

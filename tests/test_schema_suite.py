@@ -51,7 +51,11 @@ def test_llguidance_accepts_every_instance_and_refuses_every_bad_one():
     for case in SCHEMAS:
         compiled = lib.compile(json.dumps(case.schema))
         tokens = tok.encode(instance_text(case.example), add_special_tokens=False) + [tok.eos_token_id]
-        assert walk(lib, lib.matcher(compiled, len(tokens)), tokens, bitmask, count_forced=True).refused_at is None, case.name
+        assert walk(lib, lib.matcher(compiled, len(tokens)), tokens, bitmask, count_forced=True).refused_at is None, (
+            case.name
+        )
         for bad in case.invalid:
             bad_tokens = tok.encode(instance_text(bad), add_special_tokens=False) + [tok.eos_token_id]
-            assert walk(lib, lib.matcher(compiled, len(bad_tokens)), bad_tokens, bitmask, False).refused_at is not None, (case.name, bad)
+            assert (
+                walk(lib, lib.matcher(compiled, len(bad_tokens)), bad_tokens, bitmask, False).refused_at is not None
+            ), (case.name, bad)
