@@ -29,6 +29,7 @@ from deployments import protocol as P
 from deployments.ingress_telemetry import IngressTelemetry, RequestTelemetry, gather_cluster_samples
 from deployments.resume import ResumableStream
 from deployments.router_client import RouterClient
+from deployments.structured import structured_params
 
 log = logging.getLogger("ray.serve")
 app = FastAPI(title="specserve", docs_url=None, redoc_url=None)
@@ -142,7 +143,12 @@ class Ingress:
         if max_tokens == 0 and not getattr(req, "echo", False):
             raise HTTPError(400, "max_tokens must be at least 1 (0 only with echo, to score the prompt)", "max_tokens")
         echo_scores = getattr(req, "echo", False) and logprobs is not None
+        try:
+            structured = structured_params(req.response_format, req.structured_outputs)
+        except ValueError as e:
+            raise HTTPError(400, str(e), "response_format") from None
         return {
+            "structured": structured,
             "prompt_logprobs": logprobs if echo_scores else None,
             "logprobs": logprobs,
             "max_tokens": ing.default_max_tokens if max_tokens is None else max_tokens,

@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from deployments.structured import ResponseFormat, StructuredOutputs
+
 Role = Literal["system", "developer", "user", "assistant"]
 # Content part types OpenAI defines that this (text-only) model cannot take: a 400 says so, not "unknown".
 NON_TEXT_PARTS = ("image_url", "input_audio", "file", "image", "audio", "video", "refusal")
@@ -71,7 +73,7 @@ class StreamOptions(BaseModel):
 
 # Real OpenAI fields this server does not implement, looked for before validation so that the 400 can say
 # "not supported" (a feature gap) instead of "unknown field" (a typo): see ``strip_unsupported``.
-UNSUPPORTED_CHAT = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
+UNSUPPORTED_CHAT = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
                     "logit_bias", "audio", "modalities", "prediction", "web_search_options", "reasoning_effort")
 UNSUPPORTED_COMPLETION = ("suffix", "best_of", "logit_bias")
 
@@ -94,9 +96,11 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="vLLM's multiplicative penalty; 1 = off.")
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = Field(None, description="json_object or json_schema: constrained output.")
     # extensions
     speculation: Literal["auto", "on", "off"] = "auto"
     proposer: str | None = None
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's: json, regex, choice or grammar.")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -181,6 +185,9 @@ def usage(final: dict) -> dict:
             "plain_steps": spec["plain_steps"],
             "draft_tokens": spec["num_draft_tokens"],
             "accepted_tokens": spec["num_accepted_tokens"],
+            # of the draft / accepted tokens, those the grammar forced (structured output), not the proposer's
+            "grammar_draft_tokens": spec.get("num_grammar_draft_tokens", 0),
+            "grammar_accepted_tokens": spec.get("num_grammar_accepted_tokens", 0),
         },
     }
 
