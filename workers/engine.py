@@ -372,12 +372,14 @@ class LLMEngine:
         k_cap = self.config.num_speculative_tokens
         max_forced = self.config.structured_outputs.max_forced_tokens
         cands = []
+        t0 = time.perf_counter()
         for r in decoding:
             room = min(r.params.max_tokens - len(r.output_ids) - 1, self.max_model_len - r.num_tokens - 1)
             r.forced = r.grammar.forced(min(max_forced, room)) if r.grammar is not None else []
             # never draft past max_tokens (the verify emits accepted + 1) or past the context
             cands.append(SpecCandidate(request_id=r.request_id, proposer=r.proposer, speculation=r.speculation,
                                        k_max=max(0, min(k_cap, room)), forced=len(r.forced)))
+        self.grammars.seconds += time.perf_counter() - t0
         ks = self.decide(self.snapshot(), cands)
         ks = [max(0, min(int(k), max(c.k_max, c.forced))) if (c.proposer or c.forced) else 0
               for k, c in zip(ks, cands)]
@@ -424,11 +426,13 @@ class LLMEngine:
                                                                p.shape[1]).to(p.dtype), p])
                 drafts[i] += d
                 probs[i] = p
+        t0 = time.perf_counter()
         for i, r in enumerate(decoding):
             if r.grammar is not None and len(drafts[i]) > len(r.forced[: ks[i]]):  # forced ones are valid already
                 n = r.grammar.valid_prefix(drafts[i])
                 drafts[i] = drafts[i][:n]
                 probs[i] = probs[i][:n] if (probs[i] is not None and n) else None
+        self.grammars.seconds += time.perf_counter() - t0
         return drafts, probs
 
     def _keep_hidden(

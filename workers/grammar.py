@@ -128,6 +128,7 @@ class GrammarRuntime:
         self._executor: llguidance.LLExecutor | None = None
         self._shifts = torch.arange(_WORD_BITS, dtype=torch.int32)  # [32]
         self.compiles = 0  # grammars built (cache misses), for stats and tests
+        self.seconds = 0.0  # engine-thread time in grammar work (masks, forced tokens, draft cuts, advancing)
 
     # ------------------------------------------------------------------ compile (any thread)
 

@@ -92,8 +92,10 @@ class OutputProcessor:
             lps = None if r.params.logprobs is None else token_logprobs(
                 logits[start : start + len(new_ids)], new_ids, r.params.logprobs)  # the raw rows, not penalized
             outputs.append(self.commit(r, new_ids, lps))
-            if r.grammar is not None and r.status is not Status.FINISHED:
+            if r.grammar is not None and r.status is not Status.FINISHED and self.grammars is not None:
+                t0 = time.perf_counter()
                 r.grammar.consume(outputs[-1].token_ids)
+                self.grammars.seconds += time.perf_counter() - t0
             self.counters.output_tokens += len(outputs[-1].token_ids)
         return outputs
 
@@ -136,9 +138,12 @@ class OutputProcessor:
                    if f.request.grammar is not None]
         if not entries or self.grammars is None:
             return logits
+        t0 = time.perf_counter()
         bitmask = self.grammars.fill_masks(entries, logits.shape[0])
         masked = [start + j for _, start, d in entries for j in range(len(d) + 1)]
-        return self.grammars.apply_masks(logits, bitmask, masked)
+        out = self.grammars.apply_masks(logits, bitmask, masked)
+        self.grammars.seconds += time.perf_counter() - t0
+        return out
 
     @staticmethod
     def _penalized(
