@@ -51,7 +51,8 @@ class ChatMessage(BaseModel):
     # tool_calls and tool_call_id come before content: the validators of the later fields read the earlier ones.
     role: Role
     name: str | None = None
-    tool_calls: list[ToolCall] | None = Field(None, description="Calls an assistant message made (its content may then be null).")
+    tool_calls: list[ToolCall] | None = Field(
+        None, description="Calls an assistant message made (its content may then be null).")
     tool_call_id: str | None = Field(None, validate_default=True, description="The call a 'tool' message answers.")
     content: Any = Field(None, validate_default=True, description="A string, or a list of text parts.")
 
@@ -165,14 +166,16 @@ class FunctionDefinition(BaseModel):
     name: str = Field(pattern=TOOL_NAME_PATTERN, description="Unique among the request's tools.")
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="A JSON schema of type 'object'; absent: no arguments.")
-    strict: bool | None = Field(None, description="OpenAI's structured-outputs flag (required/named choices are always enforced).")
+    strict: bool | None = Field(
+        None, description="OpenAI's structured-outputs flag (required and named choices are enforced anyway).")
 
     @field_validator("parameters")
     @classmethod
     def _object_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         # The arguments are a JSON object in every tool-call format, so their schema must describe one.
         if v is not None and v.get("type") != "object":
-            raise ValueError(f"must be a JSON schema with \"type\": \"object\", got \"type\": {json.dumps(v.get('type'))}")
+            got = json.dumps(v.get("type"))
+            raise ValueError(f'must be a JSON schema with "type": "object", got "type": {got}')
         return v
 
 
@@ -246,7 +249,8 @@ class ChatCompletionRequest(_Common):
         fn = v.get("function") if isinstance(v, dict) else None
         if (not isinstance(v, dict) or set(v) != {"type", "function"} or v["type"] != "function"
                 or not isinstance(fn, dict) or set(fn) != {"name"} or not isinstance(fn["name"], str)):
-            raise ValueError("must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': <string>}}")
+            raise ValueError("must be 'none', 'auto', 'required' or "
+                             "{'type': 'function', 'function': {'name': <string>}}")
         return v
 
     @field_validator("tool_choice")
