@@ -9,15 +9,16 @@ or ``"max_tokens": "5"`` is a 400 naming the field, not a guess at what the clie
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from deployments.structured import ResponseFormat, StructuredOutputs
 
-Role = Literal["system", "developer", "user", "assistant"]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
 # Content part types OpenAI defines that this (text-only) model cannot take: a 400 says so, not "unknown".
 NON_TEXT_PARTS = ("image_url", "input_audio", "file", "image", "audio", "video", "refusal")
 
@@ -29,17 +30,65 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+    arguments: str = Field(description="The arguments as JSON text (OpenAI sends a string, not an object).")
+
+
+class ToolCall(BaseModel):
+    """One call of a tool, as an assistant message carries it and as a response returns it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    # tool_calls and tool_call_id come before content: the validators of the later fields read the earlier ones.
     role: Role
-    content: Any = Field(description="A string, or a list of text parts.")
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(
+        None, description="Calls an assistant message made (its content may then be null).")
+    tool_call_id: str | None = Field(None, validate_default=True, description="The call a 'tool' message answers.")
+    content: Any = Field(None, validate_default=True, description="A string, or a list of text parts.")
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_from_assistant(cls, v: list[ToolCall] | None, info: ValidationInfo) -> list[ToolCall] | None:
+        if v and info.data.get("role") != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        for i, call in enumerate(v or []):
+            try:
+                json.loads(call.function.arguments)
+            except ValueError as e:  # the error names the call, since a field validator cannot point deeper
+                raise ValueError(f"tool_calls.{i}.function.arguments is not valid JSON ({e})") from None
+        return v or None  # [] is what some clients send for "no calls"
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _id_on_tool_messages(cls, v: str | None, info: ValidationInfo) -> str | None:
+        role = info.data.get("role")
+        if role == "tool" and v is None:
+            raise ValueError("a 'tool' message needs the tool_call_id of the call it answers")
+        if role is not None and role != "tool" and v is not None:
+            raise ValueError("only 'tool' messages carry tool_call_id")
+        return v
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, v: object) -> object:
+    def _text_parts_only(cls, v: object, info: ValidationInfo) -> object:
         # One validator instead of a pydantic union, so that an error names 'messages.N.content' itself.
+        if v is None:
+            # tool_calls missing from info.data failed validation: its own error says why, not this one
+            if info.data.get("role") == "assistant" and (info.data.get("tool_calls") or "tool_calls" not in info.data):
+                return None
+            raise ValueError("is required (it may be null only on an assistant message with tool_calls)")
         if isinstance(v, str):
             return v
         if not isinstance(v, list):
@@ -57,6 +106,8 @@ class ChatMessage(BaseModel):
 
     def text(self) -> str:
         """The message's text: a string, or its text parts joined (as OpenAI concatenates them)."""
+        if self.content is None:  # an assistant message that only calls tools
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
     def for_template(self) -> dict[str, str]:
@@ -110,11 +161,113 @@ class _Common(BaseModel):
         return [v] if isinstance(v, str) else v
 
 
+TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(pattern=TOOL_NAME_PATTERN, description="Unique among the request's tools.")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON schema of type 'object'; absent: no arguments.")
+    strict: bool | None = Field(
+        None, description="OpenAI's structured-outputs flag (required and named choices are enforced anyway).")
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        # The arguments are a JSON object in every tool-call format, so their schema must describe one.
+        if v is not None and v.get("type") != "object":
+            got = json.dumps(v.get("type"))
+            raise ValueError(f'must be a JSON schema with "type": "object", got "type": {got}')
+        return v
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming one function: the model must call that one."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = Field(False, description="Return each output token's log probability.")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="Most likely alternatives per token (needs logprobs).")
+    # tools before tool_choice: tool_choice's validator reads the validated tools
+    tools: list[Tool] | None = Field(None, min_length=1, max_length=128, description="Functions the model may call.")
+    tool_choice: ToolChoice | None = Field(
+        None, description="'none', 'auto' (the default with tools), 'required', or one named function.")
+    parallel_tool_calls: bool = Field(True, description="Allow more than one call in an answer.")
+
+    @field_validator("messages")
+    @classmethod
+    def _tool_messages_answer_calls(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        # As OpenAI: a tool result follows the assistant message that made the call (other results between).
+        open_ids: set[str] = set()
+        for i, m in enumerate(v):
+            if m.role == "tool":
+                if m.tool_call_id not in open_ids:
+                    raise ValueError(f"messages.{i} is a 'tool' message whose tool_call_id {m.tool_call_id!r} "
+                                     f"answers no tool call of the assistant message before it")
+                continue
+            open_ids = {c.id for c in m.tool_calls or ()}
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, v: list[Tool] | None) -> list[Tool] | None:
+        # A call names its function, so two tools of one name would make the answer ambiguous.
+        seen: set[str] = set()
+        for i, t in enumerate(v or ()):
+            if t.function.name in seen:
+                raise ValueError(f"tools.{i}.function.name {t.function.name!r} is used by an earlier tool")
+            seen.add(t.function.name)
+        return v
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _choice_shape(cls, v: object) -> object:
+        # Checked by hand instead of by the union, so that an error names 'tool_choice' itself.
+        if v is None or v in ("none", "auto", "required"):
+            return v
+        fn = v.get("function") if isinstance(v, dict) else None
+        if (not isinstance(v, dict) or set(v) != {"type", "function"} or v["type"] != "function"
+                or not isinstance(fn, dict) or set(fn) != {"name"} or not isinstance(fn["name"], str)):
+            raise ValueError("must be 'none', 'auto', 'required' or "
+                             "{'type': 'function', 'function': {'name': <string>}}")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_in_tools(cls, v: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        if v is None or "tools" not in info.data:  # tools itself failed: its own error says why
+            return v
+        tools: list[Tool] | None = info.data["tools"]
+        if tools is None:
+            raise ValueError("tool_choice is only allowed when tools are given")
+        if isinstance(v, NamedToolChoice) and v.function.name not in {t.function.name for t in tools}:
+            raise ValueError(f"names the function {v.function.name!r}, which is not among the tools")
+        return v
 
 
 class CompletionRequest(_Common):
