@@ -217,3 +217,19 @@ def test_trace_carries_the_incoming_trace_id(cluster, client):
     assert sum(s["attributes"]["num_accepted_tokens"] for s in steps) == r.usage.model_extra["speculation"]["accepted_tokens"]
     assert all(s["attributes"]["proposer"] == "ngram" for s in steps)
     assert all(root["start_ns"] <= s["start_ns"] <= s["end_ns"] <= root["end_ns"] for s in kids)
+
+
+def test_grafana_dashboard_queries_only_scraped_metrics(cluster, client):
+    """docs/grafana/specserve.json against a live scrape: every metric it queries is in /metrics text
+    (after a speculative request on each kind of proposer, so histograms and per-position counters
+    exist), but for the counters that appear only on their first event (Router fallbacks, resumes)."""
+    from tests.test_grafana_dashboard import EVENT_ONLY, dashboard_metric_names
+
+    for proposer in ("ngram", "draft_model"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": COPY}], max_tokens=16,
+                                       temperature=0, extra_body={"speculation": "on", "proposer": proposer})
+    r = httpx.get(f"{cluster.base_url}/metrics", timeout=60)
+    assert r.status_code == 200
+    scraped = {s.name for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+    missing = dashboard_metric_names() - scraped - EVENT_ONLY
+    assert not missing, f"docs/grafana/specserve.json queries metrics the live /metrics lacks: {sorted(missing)}"
