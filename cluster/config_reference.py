@@ -161,7 +161,9 @@ def _walk(path: str, model: type[BaseModel], defaults: BaseModel | None, note: s
             value = getattr(defaults, name) if defaults is not None else None
             out += _walk(sub_path, sub, value if isinstance(value, BaseModel) else None)
         elif typing.get_origin(info.annotation) is list and _model_of(typing.get_args(info.annotation)[0]):
-            out += _walk(sub_path + "[]", _model_of(typing.get_args(info.annotation)[0]), None,  # type: ignore[arg-type]
+            item = _model_of(typing.get_args(info.annotation)[0])
+            assert item is not None
+            out += _walk(sub_path + "[]", item, None,
                          "One entry of the list; entries have no defaults of their own beyond these.")
         for member in _union_members(info.annotation):
             tag = member.model_fields["name"].default
@@ -221,8 +223,10 @@ def _table(sec: _Section, links: dict[type, str], anchors: dict[str, str], shipp
             default = "required"
         elif _union_members(info.annotation) and sec.defaults is not None:
             tag = getattr(sec.defaults, name).name
-            default = f'`{{"name": "{tag}"}}`, see [`{sub_path} (name: {tag})`](#{anchors[f"{sub_path} (name: {tag})"]})'
-        elif sub is not None and sub_path in anchors and (sec.defaults is None or getattr(sec.defaults, name) is not None):
+            member = f"{sub_path} (name: {tag})"
+            default = f'`{{"name": "{tag}"}}`, see [`{member}`](#{anchors[member]})'
+        elif sub is not None and sub_path in anchors and (sec.defaults is None
+                                                          or getattr(sec.defaults, name) is not None):
             default = f"see [`{sub_path}`](#{anchors[sub_path]})"
         elif sec.defaults is not None:
             default = _value(getattr(sec.defaults, name))
