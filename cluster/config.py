@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from deployments.tools import ToolPromptFormat
 from policies.registry import PolicyConfig, default_policy_config
 from workers.config import EngineConfig
 
@@ -118,6 +119,11 @@ class IngressConfig(BaseModel):
         description="Times one request is submitted again when its target replica dies (before or during its "
         "stream): with the tokens already sent, so the stream continues bit-identically on another replica. 0: a "
         "replica's death ends its streams with an error.")
+    tool_prompt: ToolPromptFormat = Field(
+        default_factory=ToolPromptFormat,
+        description="How tools reach the served model as text and how its calls are read back (the model's chat "
+        "template has no tool section): Hermes-style <tool_call> JSON blocks by default; deployments/tools.py.",
+    )
     num_replicas: int = Field(1, ge=1, description="Ingress replicas (HTTP parsing, SSE framing).")
     max_ongoing_requests: int = Field(
         256, ge=1, description="Requests one ingress replica streams at once. Serve's own default (5) would cap the "

@@ -26,6 +26,7 @@ from cluster.config import DRAFT_WORKER_PROPOSERS, AppConfig
 from cluster.telemetry import render_prometheus, spec_decode_summary
 from deployments import choices as C
 from deployments import protocol as P
+from deployments import tools as T
 from deployments.ingress_telemetry import IngressTelemetry, RequestTelemetry, gather_cluster_samples
 from deployments.resume import ResumableStream
 from deployments.router_client import RouterClient
@@ -147,6 +148,13 @@ class Ingress:
             structured = structured_params(req.response_format, req.structured_outputs)
         except ValueError as e:
             raise HTTPError(400, str(e), "response_format") from None
+        if isinstance(req, P.ChatCompletionRequest):
+            lark = T.tool_call_lark(req.tools, req.tool_choice, req.parallel_tool_calls, ing.tool_prompt)
+            if lark is not None:  # "required" or a named function: the answer is forced to be call blocks
+                if structured is not None:
+                    raise HTTPError(400, "tool_choice 'required' or a named function forces tool calls; it cannot "
+                                    "be combined with response_format or structured_outputs", "tool_choice")
+                structured = {"kind": "lark", "value": lark, "param": "tools"}
         return {
             "structured": structured,
             "prompt_logprobs": logprobs if echo_scores else None,
@@ -214,9 +222,9 @@ class Ingress:
         return stream, first
 
     def _prompts(self, req: Any, is_chat: bool) -> list[list[int]]:
-        if is_chat:
-            text = self.tokenizer.apply_chat_template([m.for_template() for m in req.messages], tokenize=False,
-                                                      add_generation_prompt=True)
+        if is_chat:  # tool definitions, past calls and tool results become text the template takes
+            messages = T.render_messages(req.messages, req.tools, req.tool_choice, self.cfg.ingress.tool_prompt)
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             return [self.tokenizer.encode(text, add_special_tokens=False)]
         out = []
         if len(req.prompts()) > self.cfg.ingress.max_prompts:
@@ -257,11 +265,12 @@ class Ingress:
             rt.on_chunk(first)
             c.add(first, prompts[c.prompt_index])
         echo = [self._echo_text(req, p) for p in prompts]
+        tool_names = self._tool_names(req) if is_chat else None
         if req.stream:
             so = req.stream_options
             return StreamingResponse(self._sse(gens, choices, rid, is_chat, deadline, rt, params["logprobs"] is not None,
                                                bool(so and so.include_usage), bool(so and so.continuous_usage_stats),
-                                               echo), media_type="text/event-stream")
+                                               echo, tool_names), media_type="text/event-stream")
         try:
             await asyncio.gather(*[self._drain(g, c, deadline, rt) for g, c in zip(gens, choices)])
         except BaseException:
@@ -269,8 +278,8 @@ class Ingress:
                 g.cancel()
             raise
         body = (P.chat_response if is_chat else P.completion_response)(rid, self.model_name, "", None, choices[0].last)
-        body["choices"] = [self._choice_body(c, is_chat, params["logprobs"] is not None, echo[c.prompt_index])
-                           for c in choices]
+        body["choices"] = [self._choice_body(c, is_chat, params["logprobs"] is not None, echo[c.prompt_index],
+                                             tool_names) for c in choices]
         body["usage"] = C.usage(choices)
         body["system_fingerprint"] = choices[0].last.get("system_fingerprint")
         return JSONResponse(body)
@@ -281,11 +290,25 @@ class Ingress:
             return ""
         return self.tokenizer.decode(prompt_ids)
 
-    def _choice_body(self, c: C.Choice, is_chat: bool, want_logprobs: bool, echo: str) -> dict[str, Any]:
+    def _tool_names(self, req: P.ChatCompletionRequest) -> list[str] | None:
+        """The tools whose calls are read back from the answer; None when the request can make none."""
+        if T.effective_tool_choice(req.tools, req.tool_choice) == "none":
+            return None
+        return [t.function.name for t in req.tools or ()]
+
+    def _choice_body(self, c: C.Choice, is_chat: bool, want_logprobs: bool, echo: str,
+                     tool_names: list[str] | None = None) -> dict[str, Any]:
         assert c.last is not None
         if is_chat:
-            out = {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                   "finish_reason": c.last["finish_reason"], "logprobs": None}
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish = c.last["finish_reason"]
+            if tool_names is not None:  # call blocks in the answer become message.tool_calls
+                content, calls = T.parse_tool_calls(c.text, self.cfg.ingress.tool_prompt, tool_names)
+                message["content"] = content
+                if calls:
+                    message["tool_calls"] = [call.model_dump() for call in calls]
+                finish = T.finish_reason(finish, len(calls))
+            out = {"index": c.index, "message": message, "finish_reason": finish, "logprobs": None}
             if want_logprobs:
                 out["logprobs"] = P.chat_logprobs(c.logprobs, self.tokenizer)
             return out
@@ -316,7 +339,7 @@ class Ingress:
 
     async def _sse(self, gens: list, choices: list[C.Choice], rid: str, is_chat: bool, deadline: float,
                    rt: RequestTelemetry, want_logprobs: bool, include_usage: bool, continuous_usage: bool,
-                   echo: list[str]) -> AsyncIterator[bytes]:
+                   echo: list[str], tool_names: list[str] | None = None) -> AsyncIterator[bytes]:
         """One SSE stream for every choice: chunks carry ``index``; choices interleave as they come."""
         created = int(time.time())
         # where the next token's text starts in the returned text: after the echoed prompt, or at 0 when the
@@ -327,8 +350,14 @@ class Ingress:
         def ev(obj: dict) -> bytes:
             return f"data: {json.dumps(obj)}\n\n".encode()
 
+        # per choice: reads call blocks out of the text as it streams (OpenAI's tool-call deltas)
+        streamers = [None if tool_names is None else T.ToolCallStreamer(self.cfg.ingress.tool_prompt, tool_names)
+                     for _ in choices]
+
         def chunk(j: int, text: str, finish: str | None, role: bool, lps: list) -> bytes:
             c = choices[j]
+            if is_chat and streamers[j] is not None:
+                return tool_chunks(j, text, finish, role, lps)
             if is_chat:
                 delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
                 obj = P.chat_chunk(rid, self.model_name, delta, finish, created)
@@ -345,6 +374,30 @@ class Ingress:
             if continuous_usage:
                 obj["usage"] = C.usage(choices)
             return ev(obj)
+
+        def tool_chunks(j: int, text: str, finish: str | None, role: bool, lps: list) -> bytes:
+            """One event per delta: content, a call's name, then its argument fragments; finish on the last."""
+            s = streamers[j]
+            assert s is not None
+            deltas = s.feed(text) + (s.finish() if finish else [])
+            if finish:
+                finish = T.finish_reason(finish, s.num_calls)
+            if role:
+                deltas = [{"role": "assistant", **(deltas[0] if deltas else {"content": ""})}] + deltas[1:]
+            if not deltas and not finish:
+                return b""
+            events = []
+            for i, delta in enumerate(deltas or [{}]):
+                last = i == max(len(deltas), 1) - 1
+                obj = P.chat_chunk(rid, self.model_name, delta, finish if last else None, created)
+                if want_logprobs and i == 0:
+                    obj["choices"][0]["logprobs"] = P.chat_logprobs(lps, self.tokenizer)
+                obj["choices"][0]["index"] = choices[j].index
+                obj["system_fingerprint"] = fingerprint
+                if continuous_usage and last:
+                    obj["usage"] = C.usage(choices)
+                events.append(ev(obj))
+            return b"".join(events)
 
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -370,9 +423,11 @@ class Ingress:
         try:
             for j, item in firsts:  # first chunks were read by _start
                 if item["text"] or role[j] or item["finished"] or (want_logprobs and pending[j]):
-                    yield chunk(j, item["text"], item["finish_reason"] if item["finished"] else None, role[j],
-                                pending[j])
-                    role[j], pending[j] = False, []
+                    event = chunk(j, item["text"], item["finish_reason"] if item["finished"] else None, role[j],
+                                  pending[j])
+                    if event:  # text a tool-call reader holds back (a possible tag) makes no event yet
+                        yield event
+                        role[j], pending[j] = False, []
                 open_choices -= bool(item["finished"])
             while open_choices:
                 j, item, err = await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
@@ -382,9 +437,11 @@ class Ingress:
                 choices[j].add(item)
                 pending[j].extend(item.get("logprobs") or [])
                 if item["text"] or item["finished"] or (want_logprobs and pending[j]):
-                    yield chunk(j, item["text"], item["finish_reason"] if item["finished"] else None, role[j],
-                                pending[j])
-                    role[j], pending[j] = False, []
+                    event = chunk(j, item["text"], item["finish_reason"] if item["finished"] else None, role[j],
+                                  pending[j])
+                    if event:  # text a tool-call reader holds back (a possible tag) makes no event yet
+                        yield event
+                        role[j], pending[j] = False, []
                 open_choices -= bool(item["finished"])
             if include_usage:
                 yield ev({"id": rid, "object": "chat.completion.chunk" if is_chat else "text_completion",

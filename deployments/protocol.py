@@ -124,7 +124,7 @@ class StreamOptions(BaseModel):
 
 # Real OpenAI fields this server does not implement, looked for before validation so that the 400 can say
 # "not supported" (a feature gap) instead of "unknown field" (a typo): see ``strip_unsupported``.
-UNSUPPORTED_CHAT = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+UNSUPPORTED_CHAT = ("functions", "function_call",
                     "logit_bias", "audio", "modalities", "prediction", "web_search_options", "reasoning_effort")
 UNSUPPORTED_COMPLETION = ("suffix", "best_of", "logit_bias")
 

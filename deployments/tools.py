@@ -22,6 +22,7 @@ from llguidance import LLMatcher
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from deployments.protocol import ChatMessage, FunctionCall, NamedToolChoice, Tool, ToolCall, ToolChoice
+from workers.json_schema import close_objects
 
 DEFAULT_SYSTEM_TEMPLATE = """\
 # Tools
@@ -159,7 +160,8 @@ def _lark_str(s: str) -> str:
 def tool_call_lark(tools: Sequence[Tool] | None, tool_choice: ToolChoice | None, parallel_tool_calls: bool,
                    fmt: ToolPromptFormat) -> str | None:
     """The Lark text of ``tool_call_grammar`` (None for "auto" and "none"): one call block, or blocks
-    separated by newlines when ``parallel_tool_calls``; in each the envelope is literal text, so "name" comes
+    separated by newlines when ``parallel_tool_calls`` with "required" (a named function is called once, as
+    OpenAI does); in each the envelope is literal text, so "name" comes
     first, and the arguments are the chosen tool's parameters schema inlined with ``%json``."""
     choice = effective_tool_choice(tools, tool_choice)
     if isinstance(choice, NamedToolChoice):
@@ -170,10 +172,11 @@ def tool_call_lark(tools: Sequence[Tool] | None, tool_choice: ToolChoice | None,
         return None
     fns = " | ".join(f"fn_{i}" for i in range(len(allowed)))
     nl, call_open, call_close = _lark_str("\n"), _lark_str(fmt.call_open + "\n"), _lark_str("\n" + fmt.call_close)
-    lines = [f"start: call ({nl} call)*" if parallel_tool_calls else "start: call",
+    several = parallel_tool_calls and not isinstance(choice, NamedToolChoice)  # a named function: one call, as OpenAI
+    lines = [f"start: call ({nl} call)*" if several else "start: call",
              f"call: {call_open} ({fns}) {call_close}"]
     for i, t in enumerate(allowed):
-        schema = dict(t.function.parameters or _NO_PARAMETERS)
+        schema = close_objects(dict(t.function.parameters or _NO_PARAMETERS))  # no invented arguments
         own = schema.get("x-guidance")
         schema["x-guidance"] = {**(own if isinstance(own, dict) else {}), **_ARGS_STYLE}
         head = f'{{"name": {json.dumps(t.function.name)}, "arguments": '

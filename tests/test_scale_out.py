@@ -41,6 +41,12 @@ def cluster(tmp_path_factory):
         yield c
 
 
+CONSTRAINED = {"response_format": {"type": "json_schema", "json_schema": {"name": "note", "schema": {
+    "type": "object", "properties": {"topic": {"type": "string", "maxLength": 30}, "words": {
+        "type": "array", "maxItems": 4, "items": {"type": "string", "maxLength": 12}}, "rating": {"enum": [1, 2, 3]}},
+    "required": ["topic", "words", "rating"], "additionalProperties": False}}}}
+
+
 def body(content: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, **extra}
@@ -228,7 +234,8 @@ def test_a_killed_target_replica_costs_no_stream(cluster, probe, refs):
     pids = {rid: probe.call("TargetWorker", "placement", replica_id=rid)["pid"] for rid in replicas(cluster)}
     assert len(pids) == 2 and all(probe.call("TargetWorker", "placement", replica_id=rid)["replica_id"] == rid
                                   for rid in pids)  # each call reached the replica it named
-    b = [body(PROMPTS[i % 4], 160) for i in range(8)]
+    # half the streams are constrained: a stream resumed on the other replica continues under its grammar
+    b = [body(PROMPTS[i % 4], 160, **(CONSTRAINED if i % 2 else {})) for i in range(8)]
     result: dict[int, Any] = {}
     t = threading.Thread(target=lambda: result.update(run_all([lambda i=i: stream_openai(cluster, b[i]) for i in range(8)])),
                          daemon=True)
@@ -240,11 +247,13 @@ def test_a_killed_target_replica_costs_no_stream(cluster, probe, refs):
     time.sleep(1.0)  # the streams are well into their output
     os.kill(pids[busiest], signal.SIGKILL)
     t.join(300)
-    full = {p: httpx.post(f"{cluster.base_url}/v1/chat/completions", json=body(p, 160, speculation="off"),
-                          timeout=300).json()["choices"][0]["message"]["content"] for p in PROMPTS}
+    full = {(p, c): httpx.post(f"{cluster.base_url}/v1/chat/completions", timeout=300,
+                               json=body(p, 160, speculation="off", **(CONSTRAINED if c else {})),
+                               ).json()["choices"][0]["message"]["content"] for p in PROMPTS for c in (0, 1)}
     lost = [i for i in range(8) if isinstance(result.get(i), BaseException) or result[i]["status"] != 200
             or result[i]["error"] is not None or not result[i]["done"]]
-    changed = [i for i in range(8) if i not in lost and result[i]["text"] != full[PROMPTS[i % 4]]]
+    changed = [i for i in range(8) if i not in lost and result[i]["text"] != full[PROMPTS[i % 4], i % 2]]
+    assert all(json.loads(full[p, 1]) for p in PROMPTS)  # the constrained ones are whole JSON objects
     gap = max(r["max_gap_s"] for r in result.values() if isinstance(r, dict) and "max_gap_s" in r)
     print(f"target replica killed with {n_on_it} of 8 streams on it: lost {lost}, changed {changed}; "
           f"longest wait for a chunk {gap:.2f}s")

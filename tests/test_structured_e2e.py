@@ -150,3 +150,85 @@ def test_litellm_and_langchain_structured_output(cluster):
                      max_retries=0)
     city = llm.with_structured_output(City, method="json_schema").invoke("Describe Rome.")
     assert isinstance(city, City)
+
+
+# ----------------------------------------------------------------------------- tool calls
+
+
+class GetWeather(BaseModel):
+    """Get the current weather in a city."""
+
+    city: str = Field(max_length=20)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+WEATHER = openai.pydantic_function_tool(GetWeather, name="get_weather")
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The time in a time zone.",
+                                         "parameters": {"type": "object", "properties": {
+                                             "zone": {"type": "string", "maxLength": 20}}, "required": ["zone"]}}}
+WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_required_and_named_tool_choice_return_valid_calls(client):
+    r = client.chat.completions.create(model=MODEL, messages=WEATHER_Q, tools=[WEATHER, TIME], tool_choice="required",
+                                       max_tokens=64, temperature=0, parallel_tool_calls=False)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in ("get_weather", "get_time")
+    args = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        GetWeather.model_validate(args)
+    assert r.usage.model_extra["speculation"]["grammar_draft_tokens"] > 3  # the call's envelope was forced
+    named = client.chat.completions.create(model=MODEL, messages=WEATHER_Q, tools=[WEATHER, TIME], max_tokens=64,
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                           temperature=0)
+    assert [c.function.name for c in named.choices[0].message.tool_calls] == ["get_time"]
+    assert "zone" in json.loads(named.choices[0].message.tool_calls[0].function.arguments)
+
+
+def test_streamed_tool_calls_assemble_to_the_whole_answer(client):
+    # one call: with parallel calls allowed, this small model repeats its call block until max_tokens
+    kw = dict(model=MODEL, messages=WEATHER_Q, tools=[WEATHER], tool_choice="required", max_tokens=64, temperature=0,
+              parallel_tool_calls=False)
+    whole = client.chat.completions.create(**kw)
+    with client.chat.completions.stream(**kw) as stream:
+        deltas = [e for e in stream if e.type == "tool_calls.function.arguments.delta"]
+        final = stream.get_final_completion()
+    (a,), (b,) = whole.choices[0].message.tool_calls, final.choices[0].message.tool_calls
+    assert (a.function.name, a.function.arguments) == (b.function.name, b.function.arguments)
+    assert len(deltas) >= 2  # arguments arrived in fragments, not in one piece
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert isinstance(b.function.parsed_arguments, GetWeather)  # the SDK's strict-tool parsing
+
+
+def test_a_tool_result_round_trip_and_auto(client):
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": '{"city": "Paris", "unit": "celsius"}'}}
+    msgs = WEATHER_Q + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER], max_tokens=40, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert choice.message.content or choice.message.tool_calls
+    none = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER], tool_choice="none",
+                                          max_tokens=24, temperature=0)
+    assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
+
+
+def test_langchain_bind_tools_and_function_calling_structured_output(cluster):
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=MODEL, base_url=f"{cluster.base_url}/v1", api_key="unused", temperature=0, max_tokens=64,
+                     max_retries=0)
+    bound = llm.bind_tools([GetWeather], tool_choice="GetWeather")
+    ai = bound.invoke([HumanMessage("Weather in Oslo?")])
+    (tc,) = ai.tool_calls
+    assert tc["name"] == "GetWeather"
+    GetWeather.model_validate(tc["args"])
+    after = llm.bind_tools([GetWeather]).invoke([HumanMessage("Weather in Oslo?"), ai,
+                                                 ToolMessage("2 degrees, snow", tool_call_id=tc["id"])])
+    assert after.content or after.tool_calls
+    city = llm.with_structured_output(City, method="function_calling").invoke("Describe Madrid.")
+    assert isinstance(city, City)

@@ -216,6 +216,16 @@ def test_a_resumed_constrained_stream_continues_identically(tiny_loaded, params)
                     proposers={"ngram": NgramProposer()})
     full = eng.generate([p], sp)[0]
     assert len(full) > 6
+    # past the grammar's end, ignore_eos writes EOS after EOS: a resume there continues too
+    eos_run = eng.generate([p], {**sp, "ignore_eos": True, "max_tokens": len(full) + 6})[0]
+    assert eos_run[: len(full)] == full and len(eos_run) == len(full) + 6
+    for cut in (1, len(full) + 2):
+        eng.add_request("eos", p, {**sp, "ignore_eos": True, "max_tokens": len(full) + 6}, resume_output_ids=eos_run[:cut])
+        rest_eos: list[int] = []
+        while eng.has_work():
+            for o in eng.step():
+                rest_eos += o.token_ids
+        assert eos_run[:cut] + rest_eos == eos_run, cut
     for cut in (1, 5, len(full) - 2):
         eng.add_request("again", p, sp, speculation="on", resume_output_ids=full[:cut])
         rest: list[int] = []
@@ -277,3 +287,31 @@ def test_compiled_grammars_are_cached_by_source(tiny_loaded):
     assert eng.grammars.compiles == 1 and a.matcher is not b.matcher  # one build, one matcher per request
     a.consume(tiny_loaded.tokenizer.encode('{"code": "', add_special_tokens=False))
     assert b.valid_prefix(tiny_loaded.tokenizer.encode("{", add_special_tokens=False)) == 1  # b is untouched
+
+
+def test_objects_are_closed_unless_the_schema_opens_them():
+    from workers.json_schema import close_objects
+
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+                                               "properties": {"type": "string"}},
+              "$defs": {"d": {"properties": {"x": {}}, "patternProperties": {"^y": {}}}},
+              "anyOf": [{"properties": {"z": {}}}], "allOf": [{"properties": {"w": {}}}]}
+    closed = close_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["a"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]["properties"]  # a property's name, not a keyword
+    assert "additionalProperties" not in closed["$defs"]["d"]  # patternProperties opens it
+    assert closed["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["allOf"][0]  # closed allOf parts would exclude each other
+    assert close_objects({"type": "object"}) == {"type": "object"}  # any object stays any object
+    assert "additionalProperties" not in schema  # the input is not changed
+
+
+def test_closed_objects_knob_lets_extra_keys_in(tiny_loaded):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    tok = tiny_loaded.tokenizer
+    extra = tok.encode('{"a": 1, "b": 2}', add_special_tokens=False)
+    for closed, allowed in ((True, False), (False, True)):
+        rt = GrammarRuntime(tok, 49152, [tok.eos_token_id], StructuredOutputsConfig(json_closed_objects=closed))
+        g = rt.compile(StructuredOutput(**json_spec(schema)))
+        assert (g.valid_prefix(extra) == len(extra)) is allowed

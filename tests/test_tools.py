@@ -333,6 +333,9 @@ def test_named_choice_forces_that_tool(tokenizer: Any, ll_tokenizer: Any) -> Non
     assert grammar is not None
     assert walk(ll_tokenizer, tokenizer, grammar, NOON) == (True, True)
     assert walk(ll_tokenizer, tokenizer, grammar, PARIS)[0] is False
+    parallel = tool_call_grammar(req.tools, req.tool_choice, True, FMT)  # named: one call even when parallel
+    assert parallel is not None
+    assert walk(ll_tokenizer, tokenizer, parallel, NOON + "\n" + NOON)[0] is False
 
 
 def test_history_calls_satisfy_the_grammar(tokenizer: Any, ll_tokenizer: Any) -> None:

@@ -23,6 +23,12 @@ class StructuredOutputsConfig(BaseModel):
         "forced and proposed as a free draft, and a small model cannot loop on whitespace; 'flexible': any JSON "
         "whitespace (newlines, indentation), as the JSON grammar allows.",
     )
+    json_closed_objects: bool = Field(
+        True,
+        description="An object schema that lists properties but says nothing of additionalProperties is decoded as "
+        "if it said false (xgrammar's strict mode): a small model otherwise invents extra keys until max_tokens. "
+        "Only narrows the output: what it writes is valid under the schema as given. False: extra keys allowed.",
+    )
     max_forced_tokens: int = Field(
         16, ge=0, le=64,
         description="Most grammar-forced tokens proposed as drafts per request per step (beyond "

@@ -204,11 +204,8 @@ class LLMEngine:
             raise InvalidRequestError("a grammar was given for a request without structured output", param="grammar")
         if params.structured is not None and grammar is None:
             grammar = self.grammars.compile(params.structured)
-        if grammar is not None and resumed:
-            if grammar.valid_prefix(resumed) < len(resumed):
-                raise InvalidRequestError("resumed output does not follow the request's grammar",
-                                          param="resume_output_ids")
-            grammar.consume(resumed)
+        if grammar is not None and resumed and not grammar.resume(resumed, self.eos_token_ids):
+            raise InvalidRequestError("resumed output does not follow the request's grammar", param="resume_output_ids")
         req = Request(
             request_id=request_id,
             prompt_ids=prompt,

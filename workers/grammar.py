@@ -36,6 +36,7 @@ import torch
 
 from workers.config import StructuredOutputsConfig
 from workers.errors import InvalidRequestError
+from workers.json_schema import close_objects
 
 _WORD_BITS = 32  # llguidance's bitmask packs 32 tokens per int32 word
 
@@ -48,12 +49,13 @@ class GrammarSource:
     param: str  # e.g. "response_format", "structured_outputs.regex"
 
 
-def grammar_source(spec: Any, whitespace: str = "compact") -> GrammarSource:
+def grammar_source(spec: Any, config: StructuredOutputsConfig | None = None) -> GrammarSource:
     """The llguidance grammar of a ``StructuredOutput`` (workers/sampling_params.py). Raises
     ``InvalidRequestError`` for what can be refused without a tokenizer (bad JSON, an empty choice)."""
+    config = config or StructuredOutputsConfig()
     options: dict[str, Any] = (
         {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-        if whitespace == "compact" else {"whitespace_flexible": True}
+        if config.json_whitespace == "compact" else {"whitespace_flexible": True}
     )
     kind, value, param = spec.kind, spec.value, spec.param
     try:
@@ -61,12 +63,19 @@ def grammar_source(spec: Any, whitespace: str = "compact") -> GrammarSource:
             return GrammarSource(llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=options),
                                  param)
         if kind == "json":
-            return GrammarSource(llguidance.LLMatcher.grammar_from_json_schema(value, overrides=options), param)
+            schema = json.loads(value)
+            if not isinstance(schema, dict):
+                raise ValueError("a JSON schema must be an object")
+            if config.json_closed_objects:
+                schema = close_objects(schema)
+            return GrammarSource(llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options), param)
         if kind == "regex":
             return GrammarSource(llguidance.LLMatcher.grammar_from_regex(value), param)
         if kind == "choice":
             lark = "start: " + " | ".join(json.dumps(c) for c in value)
             return GrammarSource(llguidance.LLMatcher.grammar_from_lark(lark), param)
+        if kind == "lark":
+            return GrammarSource(llguidance.LLMatcher.grammar_from_lark(value), param)
         if kind == "grammar":  # Lark, or GBNF (llama.cpp), which llguidance converts to Lark
             return GrammarSource(llguidance.grammar_from("grammar", value), param)
     except (ValueError, TypeError) as e:
@@ -92,6 +101,17 @@ class Grammar:
                 return
             if not self.matcher.consume_token(t):
                 raise RuntimeError(f"grammar refused committed token {t}: {self.matcher.get_error()}")
+
+    def resume(self, token_ids: Sequence[int], eos_token_ids: frozenset[int]) -> bool:
+        """Advance over output written elsewhere (a resumed stream); False if the grammar refuses it. Past the
+        grammar's end only EOS can have been written (repeated under ignore_eos)."""
+        for t in token_ids:
+            if self.matcher.is_stopped():
+                if t not in eos_token_ids:
+                    return False
+            elif not self.matcher.consume_token(t):
+                return False
+        return True
 
     def valid_prefix(self, token_ids: Sequence[int]) -> int:
         """How many leading ``token_ids`` the grammar allows from the current state (the draft cut)."""
@@ -149,7 +169,7 @@ class GrammarRuntime:
         if size > self.config.max_spec_bytes:
             raise InvalidRequestError(f"{param}: {size} bytes is above this server's limit of "
                                       f"{self.config.max_spec_bytes}", param=param)
-        src = grammar_source(spec, self.config.json_whitespace)
+        src = grammar_source(spec, self.config)
         key = hashlib.sha256(src.grammar.encode()).hexdigest()
         with self._lock:
             hit = self._cache.get(key)

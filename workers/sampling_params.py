@@ -16,13 +16,14 @@ class StructuredOutput(BaseModel):
     """A constraint on what the request may write (workers/grammar.py compiles it).
 
     ``kind``: ``json`` (``value`` is a JSON schema as canonical JSON text), ``json_object`` (any JSON
-    object, no value), ``regex``, ``choice`` (``value`` is the tuple of allowed strings) or ``grammar``
-    (Lark or GBNF text). ``param`` is the request field it came from, which errors name.
+    object, no value), ``regex``, ``choice`` (``value`` is the tuple of allowed strings), ``grammar``
+    (Lark or GBNF text, told apart by llguidance) or ``lark`` (Lark only: what the server writes itself, e.g.
+    for tool calls). ``param`` is the request field it came from, which errors name.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kind: Literal["json", "json_object", "regex", "choice", "grammar"]
+    kind: Literal["json", "json_object", "regex", "choice", "grammar", "lark"]
     value: str | tuple[str, ...] | None = None
     param: str = Field("structured_outputs", description="The request field this came from (named in errors).")
 
