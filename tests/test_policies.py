@@ -495,3 +495,16 @@ def test_goodput_baseline_measurement_is_bounded_when_prefill_rides_along() -> N
     close = run(0.5)  # the line says K=1 beats plain by ~15%: worth measuring plain first
     assert close[:BASELINE_TRIES] == [0] * BASELINE_TRIES and min(close[BASELINE_TRIES:]) > 0
     assert min(run(0.9)) > 0  # ~2x by the line: no error in the plain estimate could flip it
+
+
+@pytest.mark.parametrize("name", known_policies())
+def test_every_policy_drafts_the_grammar_forced_tokens(name):
+    """Grammar-forced drafts cost no proposer work and are nearly always accepted: every policy takes at
+    least them, with or without a proposer and at any load, unless the request is held plain."""
+    p = make_policy({"name": name})
+    at_load = snap(64, {"ngram": 0.0})  # where no policy speculates on its own
+    forced = [SpecCandidate("a", "ngram", "auto", 4, forced=3), SpecCandidate("b", None, "auto", 0, forced=5),
+              SpecCandidate("c", "ngram", "off", 4, forced=3), SpecCandidate("d", "ngram", "auto", 4)]
+    ks = p.decide(at_load, forced)
+    assert ks[0] >= 3 and ks[1] == 5 and ks[2] == 0
+    assert ks[3] == p.decide(at_load, [forced[3]])[0]  # a request without forced tokens is decided as before
