@@ -280,6 +280,24 @@ def test_size_and_time_bounds(tiny_loaded):
         slow.compile(StructuredOutput(**json_spec(big)))
 
 
+def test_hostile_constraints_are_bounded(tiny_loaded):
+    """Catastrophic-backtracking regexes compile and mask at once (llguidance's lexer is derivative-based,
+    it never backtracks); schemas nested past llguidance's or Python's recursion limits are a 400."""
+    tok = tiny_loaded.tokenizer
+    rt = GrammarRuntime(tok, 49152, [tok.eos_token_id])
+    for rx in ("(a+)+$", "(a|aa)*b{1000}", "([a-z]+)*[0-9]"):
+        g = rt.compile(StructuredOutput(kind="regex", value=rx, param="structured_outputs.regex"))
+        assert rt.fill_masks([(g, 0, [])], 1).any()
+    for depth in (200, 900):
+        schema: dict = {"type": "string"}
+        for _ in range(depth):
+            schema = {"type": "object", "properties": {"a": schema}}
+        text = json.dumps(schema) if depth < 400 else "{" + '"type":"object","properties":{"a":{' * depth + "}" * (
+            2 * depth + 1)
+        with pytest.raises(InvalidRequestError, match="response_format"):
+            rt.compile(StructuredOutput(kind="json", value=text, param="response_format"))
+
+
 def test_compiled_grammars_are_cached_by_source(tiny_loaded):
     eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=2, max_model_len=MAX_LEN), tiny_loaded)
     spec = StructuredOutput(**json_spec(SCHEMAS[2]))

@@ -80,6 +80,8 @@ def grammar_source(spec: Any, config: StructuredOutputsConfig | None = None) -> 
             return GrammarSource(llguidance.grammar_from("grammar", value), param)
     except (ValueError, TypeError) as e:
         raise InvalidRequestError(f"{param}: {e}", param=param) from None
+    except RecursionError:
+        raise InvalidRequestError(f"{param}: nested too deeply", param=param) from None
     raise InvalidRequestError(f"{param}: unknown kind {kind!r}", param=param)
 
 
