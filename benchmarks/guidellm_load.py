@@ -66,8 +66,18 @@ from typing import Any, Iterator
 import httpx
 import psutil
 
-from benchmarks.common import (RESULTS_DIR, env_info, figure, line_panel, percentile, progress, run_closed_loop,
-                               save_figure, set_threads, write_json)
+from benchmarks.common import (
+    RESULTS_DIR,
+    env_info,
+    figure,
+    line_panel,
+    percentile,
+    progress,
+    run_closed_loop,
+    save_figure,
+    set_threads,
+    write_json,
+)
 from benchmarks.guidellm_report import parse_guidellm, steady_view
 from benchmarks.guidellm_workload import guidellm_prompts, guidellm_sampling, local_proposers, service_config
 from benchmarks.serving_profile import cpu_by_role

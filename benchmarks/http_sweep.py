@@ -32,12 +32,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS_DIR, env_info, figure, format_table, line_panel, percentile, progress, save_figure, write_json
+from benchmarks import switchback
+from benchmarks.common import (
+    RESULTS_DIR,
+    env_info,
+    figure,
+    format_table,
+    line_panel,
+    percentile,
+    progress,
+    save_figure,
+    write_json,
+)
 from benchmarks.loadgen import closed_loop
 from benchmarks.spec_bench import CHAT_PROMPTS, COPY_PROMPTS
-from benchmarks import switchback
 from benchmarks.switchback import run_switchback, summarize, versus_best
 from cluster.local_cluster import LocalCluster, Probe
+
 MODES = {
     "never": {"name": "never"},
     "always": {"name": "always", "num_speculative_tokens": 4},
@@ -73,7 +84,7 @@ class ViewAgeSampler:
             except Exception:
                 pass
 
-    def __enter__(self) -> "ViewAgeSampler":
+    def __enter__(self) -> ViewAgeSampler:
         self._thread.start()
         return self
 

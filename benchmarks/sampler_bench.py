@@ -21,7 +21,16 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.common import RESULTS_DIR, env_info, figure, format_table, line_panel, save_figure, set_threads, write_json
+from benchmarks.common import (
+    RESULTS_DIR,
+    env_info,
+    figure,
+    format_table,
+    line_panel,
+    save_figure,
+    set_threads,
+    write_json,
+)
 from workers.sampler import keyed_exponentials, keyed_sample, position_key
 
 

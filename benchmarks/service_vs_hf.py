@@ -24,7 +24,17 @@ import httpx
 import openai
 import torch
 
-from benchmarks.common import RESULTS_DIR, bar_panel, env_info, figure, hf_generate, progress, save_figure, set_threads, write_json
+from benchmarks.common import (
+    RESULTS_DIR,
+    bar_panel,
+    env_info,
+    figure,
+    hf_generate,
+    progress,
+    save_figure,
+    set_threads,
+    write_json,
+)
 from benchmarks.engine_bench import CHAT_PROMPTS
 from cluster.local_cluster import LocalCluster
 from workers.model_loader import load_model

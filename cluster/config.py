@@ -55,7 +55,7 @@ class AutoscalingConfig(BaseModel):
     look_back_period_s: float = Field(10.0, gt=0, description="Window the autoscaler averages the load over.")
 
     @model_validator(mode="after")
-    def _bounds(self) -> "AutoscalingConfig":
+    def _bounds(self) -> AutoscalingConfig:
         if self.max_replicas < self.min_replicas:
             raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
         if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
@@ -141,7 +141,7 @@ class RouterConfig(BaseModel):
         "then skipped: Serve picks a target replica and the engine's per-step policy decides the path.")
 
     @model_validator(mode="after")
-    def _fresh_enough(self) -> "RouterConfig":
+    def _fresh_enough(self) -> RouterConfig:
         if self.heartbeat_s >= self.stale_after_s:
             raise ValueError(f"heartbeat_s ({self.heartbeat_s}) must be below stale_after_s ({self.stale_after_s}): "
                              "an idle replica would look dead to the Router")
@@ -208,7 +208,7 @@ class AppConfig(BaseModel):
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
 
     @model_validator(mode="after")
-    def _eagle_needs_a_head(self) -> "AppConfig":
+    def _eagle_needs_a_head(self) -> AppConfig:
         if self.draft.enabled and any(p.name == "eagle" for p in self.engine.proposers) and not self.draft.eagle:
             raise ValueError("engine.proposers lists 'eagle' but draft.eagle (the EAGLE head directory) is not set")
         return self

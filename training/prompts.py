@@ -198,8 +198,7 @@ def _templates() -> list[_Template]:
         add("rewrite", fmt, lambda r, s, f=fmt: f.format(_pick(r, s(PARAGRAPHS))))
     for fmt in ["Correct the grammar in this sentence: {}", "Rewrite this sentence correctly: {}", "Fix the mistakes: {}"]:
         add("rewrite", fmt, lambda r, s, f=fmt: f.format(_pick(r, s(SENTENCES))))
-    add("rewrite", "json", lambda r, s: "Convert this to a JSON object with fields name, item and count: {} has {} {}.".format(
-        _pick(r, s(PEOPLE)), r.randint(2, 30), _pick(r, s(ITEMS))))
+    add("rewrite", "json", lambda r, s: f"Convert this to a JSON object with fields name, item and count: {_pick(r, s(PEOPLE))} has {r.randint(2, 30)} {_pick(r, s(ITEMS))}.")
     return T
 
 

@@ -431,7 +431,7 @@ class ModelRunner:
 
     def _attention_groups(
         self, batch: StepBatch, num_new: list[int], offsets: list[int], pad_keys: bool = False
-    ) -> list["_AttnGroup"]:
+    ) -> list[_AttnGroup]:
         """One attention call per distinct new-token count, each over its own slot range.
 
         Why: one call padded to the longest query would make every decoding request (1 new token)
