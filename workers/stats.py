@@ -111,7 +111,8 @@ class PositionalAcceptance:
         self.rates: list[RateEma] = []
 
     def update(self, num_draft: int, num_accepted: int) -> None:
-        # positions 1..num_accepted were reached and accepted; position num_accepted + 1 (if drafted) reached and rejected
+        # positions 1..num_accepted were reached and accepted;
+        # position num_accepted + 1 (if drafted) was reached and rejected
         for i in range(min(num_accepted + 1, num_draft)):
             while len(self.rates) <= i:
                 self.rates.append(RateEma())

@@ -134,7 +134,6 @@ class EagleProposer(Proposer):
         counts: list[int],  # new pairs per request (sum = T)
     ) -> torch.Tensor:  # [num_requests, hidden] predicted feature at each request's last new pair
         hd = self.head
-        c = self.cfg
         positions = torch.tensor([s + i for s, n in zip(starts, counts) for i in range(n)], device=self.device)
         x = hd.fc(torch.cat([feats, self.embed[tokens]], -1))  # [T, hidden]
         cos, sin = hd.rope(positions, x.dtype)
