@@ -39,7 +39,7 @@ def known_policies() -> list[str]:
     return sorted(_POLICIES)
 
 
-def default_policy_config() -> PolicyConfigBase:
+def default_policy_config() -> GoodputConfig:
     """The config used when none is given: ``goodput`` with its defaults."""
     return GoodputConfig()
 

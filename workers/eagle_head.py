@@ -65,6 +65,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class EagleHead(nn.Module):
     """fc + one Llama decoder layer. ``embed`` and ``lm_head_rows`` are the target's (frozen buffers)."""
 
+    d2t: torch.Tensor  # buffers, declared for type checkers (nn.Module's __getattr__ is untyped)
+    inv_freq: torch.Tensor
+
     def __init__(self, cfg: EagleConfig) -> None:
         super().__init__()
         self.cfg = cfg

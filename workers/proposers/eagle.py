@@ -185,9 +185,11 @@ class EagleProposer(Proposer):
         states = {i: self._states[requests[i].request_id] for i in rows}
 
         # Step 0: the pairs committed since the last call (at least the last one, re-fed if nothing is new).
-        slots, starts, counts, feats, toks = [], [], [], [], []
+        slots, starts, counts, feats = [], [], [], []
+        toks: list[int] = []
         for i in rows:
             r, st = requests[i], states[i]
+            assert r.hidden_states is not None, "the engine passes EAGLE's requests their hidden states"
             n = len(r.token_ids)
             s = min(st.n_true, n - 2)
             slots.append(st.slot)
@@ -214,8 +216,8 @@ class EagleProposer(Proposer):
                 if chosen[j] in requests[i].eos_token_ids:
                     continue  # never propose EOS: the target decides whether to stop
                 drafts[i].append(chosen[j])
-                if q[j] is not None:
-                    q_rows[i].append(q[j])
+                if (q_j := q[j]) is not None:
+                    q_rows[i].append(q_j)
                 if len(drafts[i]) < k_of[i] and pos_next[i] < self.max_model_len:
                     still.append(i)
                     keep.append(j)
@@ -243,7 +245,7 @@ class EagleProposer(Proposer):
             sp_rows = [params[j] for j in sampled]
             q = process_logits(full, *sampling_tensors(sp_rows, logits.device))  # [S, V] q: draft probs
             picked, sent = draw_drafts(q, [keys[j] for j in sampled],
-                                       lambda a: self._generator(states[sampled[a]], params[sampled[a]]))  # type: ignore[arg-type]
+                                       lambda a: self._generator(states[sampled[a]], params[sampled[a]]))
             for a in sent:
                 q_out[sampled[a]] = q[a]
             chosen[idx] = picked
