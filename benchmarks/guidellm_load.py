@@ -21,11 +21,12 @@ One run, one machine, four passes over the same stream counts (the CPU is named 
    served model's own tokenizer (saved to a temp dir: no hub access), ``ignore_eos``,
    ``/v1/completions``. ``--guidellm-workers`` lists guidellm's worker-process counts to run at every
    level, in alternating order (guidellm's default is 10 Python processes, each polling, on the
-   service's cores; one process drives 32 streams with asyncio); the first count is the headline, every count gets its own goals. The CPU every
-   process used per level is read too (the target replica, the proxy, the ingress, the Router, the
-   draft worker, Ray's daemons, and guidellm), in cores, every 0.25 s over the window its measured
-   requests ran in (guidellm's start-up, a few seconds of tokenizer load and data synthesis at up to
-   two cores, serves nothing; its own whole-run CPU is reported apart).
+   service's cores; one process drives 32 streams with asyncio); the first count is the headline,
+   every count gets its own goals. The CPU every process used per level is read too (the target
+   replica, the proxy, the ingress, the Router, the draft worker, Ray's daemons, and guidellm), in
+   cores, every 0.25 s over the window its measured requests ran in (guidellm's start-up, a few
+   seconds of tokenizer load and data synthesis at up to two cores, serves nothing; its own
+   whole-run CPU is reported apart).
 3. **Beside the idle service** (unless ``--no-bounds``): pass 1 again with the service still up and
    idle: Ray's daemons, the Serve controller, the proxy, the ingress, the Router and the idle
    replicas wake up around the engine as they do while it serves. Paired with the same pass while
@@ -66,8 +67,18 @@ from typing import Any, Iterator
 import httpx
 import psutil
 
-from benchmarks.common import (RESULTS_DIR, env_info, figure, line_panel, percentile, progress, run_closed_loop,
-                               save_figure, set_threads, write_json)
+from benchmarks.common import (
+    RESULTS_DIR,
+    env_info,
+    figure,
+    line_panel,
+    percentile,
+    progress,
+    run_closed_loop,
+    save_figure,
+    set_threads,
+    write_json,
+)
 from benchmarks.guidellm_report import parse_guidellm, steady_view
 from benchmarks.guidellm_workload import guidellm_prompts, guidellm_sampling, local_proposers, service_config
 from benchmarks.serving_profile import cpu_by_role

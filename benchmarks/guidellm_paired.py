@@ -37,8 +37,18 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import RESULTS_DIR, env_info, figure, progress, save_figure, write_json
-from benchmarks.guidellm_load import (burn_cores, goals, in_process_engine, replica_step_count, replica_steps_since,
-                                      run_engine, run_guidellm, served, stopped, warm_up_service)
+from benchmarks.guidellm_load import (
+    burn_cores,
+    goals,
+    in_process_engine,
+    replica_step_count,
+    replica_steps_since,
+    run_engine,
+    run_guidellm,
+    served,
+    stopped,
+    warm_up_service,
+)
 from benchmarks.guidellm_report import steady_view
 from benchmarks.guidellm_workload import service_config
 from workers.model_loader import load_model

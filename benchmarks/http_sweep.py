@@ -32,12 +32,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS_DIR, env_info, figure, format_table, line_panel, percentile, progress, save_figure, write_json
+from benchmarks import switchback
+from benchmarks.common import (
+    RESULTS_DIR,
+    env_info,
+    figure,
+    format_table,
+    line_panel,
+    percentile,
+    progress,
+    save_figure,
+    write_json,
+)
 from benchmarks.loadgen import closed_loop
 from benchmarks.spec_bench import CHAT_PROMPTS, COPY_PROMPTS
-from benchmarks import switchback
 from benchmarks.switchback import run_switchback, summarize, versus_best
 from cluster.local_cluster import LocalCluster, Probe
+
 MODES = {
     "never": {"name": "never"},
     "always": {"name": "always", "num_speculative_tokens": 4},
@@ -73,7 +84,7 @@ class ViewAgeSampler:
             except Exception:
                 pass
 
-    def __enter__(self) -> "ViewAgeSampler":
+    def __enter__(self) -> ViewAgeSampler:
         self._thread.start()
         return self
 
@@ -178,21 +189,25 @@ def render(rounds: list[dict[str, Any]], windows: list[dict[str, Any]], client: 
             ("sb_itl_p99_ms", "ITL p99", ".0f"), ("sb_ttft_p50_ms", "TTFT p50", ".0f"),
             ("sb_view_age_max_ms", "view age max", ".0f")]
         print(format_table([r for r in rows if "sb_tok_s" in r], cols, title=(
-            "Switchback: the modes take turns on one unbroken closed loop (engine-counted tok/s over all windows; "
-            "vs best = goodput / max(never, always) over all windows; paired = median over rounds of the ratio "
-            "within a round; spec share = request-steps that verified drafts)")))
+            "Switchback: the modes take turns on one unbroken closed loop (engine-counted tok/s over all "
+            "windows; vs best = goodput / max(never, always) over all windows; paired = median over rounds "
+            "of the ratio within a round; spec share = request-steps that verified drafts)")))
     write_json(RESULTS_DIR / f"{name}.json", {"env": info, "plan": {k: v for k, v in plan.items() if k != "requests"},
                                               "rows": rows, "rounds": rounds, "switchback": windows,
                                               "switchback_client": client})
     fig, axes = figure(ncols=2 * len(mixes), width=4.5)
     tput, tput_label = ("sb_tok_s", "switchback") if windows else ("tok_s", "cells")
     itl, itl_label = ("itl_p99_ms", "cells") if rounds else ("sb_itl_p99_ms", "switchback")
+
+    def pick(mix: str, xs: list[int], m: str, key: str) -> list[Any]:
+        return [next(r.get(key) for r in rows if r["mode"] == m and r["mix"] == mix and r["concurrency"] == c)
+                for c in xs]
+
     for j, mix in enumerate(mixes):
         xs = sorted({r["concurrency"] for r in rows if r["mix"] == mix})
-        pick = lambda m, key: [next(r.get(key) for r in rows if r["mode"] == m and r["mix"] == mix and r["concurrency"] == c) for c in xs]
-        line_panel(axes[2 * j], xs, {m: pick(m, tput) for m in MODES}, title=f"{mix}: throughput ({tput_label})",
+        line_panel(axes[2 * j], xs, {m: pick(mix, xs, m, tput) for m in MODES}, title=f"{mix}: throughput ({tput_label})",
                    xlabel="concurrency", ylabel="output tok/s")
-        line_panel(axes[2 * j + 1], xs, {m: pick(m, itl) for m in MODES}, title=f"{mix}: P99 ITL ({itl_label})",
+        line_panel(axes[2 * j + 1], xs, {m: pick(mix, xs, m, itl) for m in MODES}, title=f"{mix}: P99 ITL ({itl_label})",
                    xlabel="concurrency", ylabel="ms")
     save_figure(fig, RESULTS_DIR / f"{name}.png", suptitle=f"HTTP sweep, {info.get('cpu', '')}")
 
@@ -262,8 +277,11 @@ def main() -> None:
             stack.callback(cluster.stop)
             cluster.start()
             probe = stack.enter_context(Probe(cluster))
-            save = lambda: write_json(RESULTS_DIR / f"{name}.partial.json", {  # after every cell and window,
-                "env": info, "rounds": rounds, "switchback": windows, "switchback_client": client})  # so a cut-short run keeps them
+
+            def save() -> None:  # after every cell and window, so a cut-short run keeps them
+                write_json(RESULTS_DIR / f"{name}.partial.json",
+                           {"env": info, "rounds": rounds, "switchback": windows, "switchback_client": client})
+
             modes = list(MODES)
             cells = len(mixes) * len(plan["concurrency"])
             bar = progress(total=cells * len(modes) * (a.rounds + sbk["rounds"]), desc="http sweep", unit="window")
@@ -290,7 +308,7 @@ def main() -> None:
                             bar.update()
                     # Switchback (throughput, the issue-5 bar): the modes take turns on one unbroken load.
                     if sbk["rounds"]:
-                        def on_window(w: dict[str, Any]) -> None:
+                        def on_window(w: dict[str, Any], mix: str = mix, c: int = c) -> None:
                             windows.append({"mix": mix, "concurrency": c, **w})
                             save()
                             bar.update()

@@ -25,7 +25,16 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
-    RESULTS_DIR, bar_panel, env_info, figure, format_table, hf_generate, progress, save_figure, set_threads, write_json,
+    RESULTS_DIR,
+    bar_panel,
+    env_info,
+    figure,
+    format_table,
+    hf_generate,
+    progress,
+    save_figure,
+    set_threads,
+    write_json,
 )
 from workers.config import EngineConfig
 from workers.engine import LLMEngine

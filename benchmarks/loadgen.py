@@ -137,7 +137,7 @@ class ContinuousLoad:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def start(self) -> "ContinuousLoad":
+    def start(self) -> ContinuousLoad:
         self._thread.start()
         self._started.wait()
         return self

@@ -13,6 +13,7 @@ its min..max over rounds; writes benchmarks/results/sampler_bench.{json,png}.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -21,7 +22,16 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.common import RESULTS_DIR, env_info, figure, format_table, line_panel, save_figure, set_threads, write_json
+from benchmarks.common import (
+    RESULTS_DIR,
+    env_info,
+    figure,
+    format_table,
+    line_panel,
+    save_figure,
+    set_threads,
+    write_json,
+)
 from workers.sampler import keyed_exponentials, keyed_sample, position_key
 
 
@@ -64,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             p, keys = inputs[n]
             order = [("shipped", keyed_sample), ("definition", definition)]
             for name, fn in order if r % 2 == 0 else order[::-1]:
-                cells[n][name].append(time_call(lambda: fn(p, keys), args.calls))
+                cells[n][name].append(time_call(functools.partial(fn, p, keys), args.calls))
         print(f"round {r + 1}/{args.rounds} done", flush=True)
     table = []
     for n in rows:

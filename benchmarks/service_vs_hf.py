@@ -3,11 +3,12 @@
     python -m benchmarks.service_vs_hf [--rounds 4] [--tokens 64]
 
 Starts a local cluster from ray_config.yaml as shipped (``dtype: auto``, batch-invariant kernels,
-the default routing policy; two Ray nodes on this machine, as the end-to-end tests run it), then alternates, prompt by prompt: one chat request over HTTP with the
-official ``openai`` client (greedy, ``ignore_eos``, ``--tokens`` tokens, streamed), and HF
-``generate`` on the same chat prompt in this process in fp32 and in bf16. Rate = output tokens /
-wall time of the request, prefill included, for both. Prints the per-round and median ratios and
-writes benchmarks/results/service_vs_hf.{json,png}.
+the default routing policy; two Ray nodes on this machine, as the end-to-end tests run it), then
+alternates, prompt by prompt: one chat request over HTTP with the official ``openai`` client
+(greedy, ``ignore_eos``, ``--tokens`` tokens, streamed), and HF ``generate`` on the same chat
+prompt in this process in fp32 and in bf16. Rate = output tokens / wall time of the request,
+prefill included, for both. Prints the per-round and median ratios and writes
+benchmarks/results/service_vs_hf.{json,png}.
 """
 
 from __future__ import annotations
@@ -24,7 +25,17 @@ import httpx
 import openai
 import torch
 
-from benchmarks.common import RESULTS_DIR, bar_panel, env_info, figure, hf_generate, progress, save_figure, set_threads, write_json
+from benchmarks.common import (
+    RESULTS_DIR,
+    bar_panel,
+    env_info,
+    figure,
+    hf_generate,
+    progress,
+    save_figure,
+    set_threads,
+    write_json,
+)
 from benchmarks.engine_bench import CHAT_PROMPTS
 from cluster.local_cluster import LocalCluster
 from workers.model_loader import load_model
@@ -69,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             stats = httpx.get(f"{cluster.base_url}/v1/speculation/stats", timeout=30).json()
             replica = next(iter(stats["replicas"].values()), {})
             over_http(client, texts[0], 8)  # warm-up
-            for dt, m in hf.items():
+            for m in hf.values():
                 hf_generate(m, prompts[0], 4, ignore_eos=True)
             for _ in progress(range(args.rounds), desc="rounds"):
                 for text, prompt in zip(texts, prompts):

@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         ids = chat(msg)
         j = (i + 3 * rnd) % len(methods)  # rotate the method order so load drift favours none
         runs_now: dict[str, RunResult] = {}
-        for label, fam, run in methods[j:] + methods[:j]:
+        for label, _fam, run in methods[j:] + methods[:j]:
             runs_now[label] = r = run(ids)
             best = results.get((name, label))
             if best is None or r.tok_s > best.tok_s:
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                                    f"max {n_tok} tokens, best of {cfg['rounds_a']} runs per prompt and method"))
         print("\n" + tables[-1], flush=True)
     per_prompt = []
-    for name, kind, _ in prompts_a:
+    for name, _kind, _ in prompts_a:
         base = results[(name, "plain")].tok_s
         row: dict[str, Any] = {"prompt": name, "tokens": results[(name, "plain")].output_tokens, "plain tok/s": base}
         for label, fam, _ in methods[1:]:

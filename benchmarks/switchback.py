@@ -30,6 +30,7 @@ clocks and thermals) and where a cell's ramp and tail are a large part of it (lo
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import statistics
 import time
@@ -75,21 +76,21 @@ def rotation(modes: list[str], rounds: int) -> list[tuple[int, str]]:
     pairs: collections.Counter[tuple[str, str]] = collections.Counter()
     unused: list[tuple[str, ...]] = []
     order: list[tuple[int, str]] = []
+
+    def steps(prev: list[str], p: tuple[str, ...]) -> list[tuple[str, str]]:
+        seq = prev + list(p)
+        return list(zip(seq, seq[1:]))
+
+    def cost(prev: list[str], p: tuple[str, ...]) -> int:
+        c = pairs + collections.Counter(steps(prev, p))
+        return sum(v * v if a != b else 1000 * v for (a, b), v in c.items())
+
     for rnd in range(rounds):
         unused = unused or list(perms)
         prev = [order[-1][1]] if order else []
-
-        def steps(p: tuple[str, ...]) -> list[tuple[str, str]]:
-            seq = prev + list(p)
-            return list(zip(seq, seq[1:]))
-
-        def cost(p: tuple[str, ...]) -> int:
-            c = pairs + collections.Counter(steps(p))
-            return sum(v * v if a != b else 1000 * v for (a, b), v in c.items())
-
-        best = min(unused, key=cost)  # the first minimum: deterministic
+        best = min(unused, key=functools.partial(cost, prev))  # the first minimum: deterministic
         unused.remove(best)
-        pairs.update(steps(best))
+        pairs.update(steps(prev, best))
         order += [(rnd, m) for m in best]
     return order
 

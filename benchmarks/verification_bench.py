@@ -16,7 +16,17 @@ import argparse
 import sys
 from typing import Any
 
-from benchmarks.common import RESULTS_DIR, bar_panel, env_info, figure, format_table, progress, save_figure, set_threads, write_json
+from benchmarks.common import (
+    RESULTS_DIR,
+    bar_panel,
+    env_info,
+    figure,
+    format_table,
+    progress,
+    save_figure,
+    set_threads,
+    write_json,
+)
 from training.common import DRAFT_DIR, EAGLE_DIR
 from training.prompts import eval_prompts
 from workers.config import EngineConfig

@@ -2,14 +2,19 @@
 
 Every model has ``extra="forbid"``: a misspelled key fails ``serve deploy`` with a
 message naming it, instead of silently doing nothing (vLLM's ``disable_by_batch_size``
-was ignored for many releases; we do not repeat that).
+was ignored for many releases; we do not repeat that). :func:`check_serve_config` runs the
+same models over a whole Serve YAML before anything starts (``make serve``), one line per
+problem: ``engine.kv_cache_memory_gb: unknown key; allowed: model, served_model_name, ...``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import difflib
+import reprlib
+import types
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from deployments.tools import ToolPromptFormat
 from policies.registry import PolicyConfig, default_policy_config
@@ -56,7 +61,7 @@ class AutoscalingConfig(BaseModel):
     look_back_period_s: float = Field(10.0, gt=0, description="Window the autoscaler averages the load over.")
 
     @model_validator(mode="after")
-    def _bounds(self) -> "AutoscalingConfig":
+    def _bounds(self) -> AutoscalingConfig:
         if self.max_replicas < self.min_replicas:
             raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
         if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
@@ -147,7 +152,7 @@ class RouterConfig(BaseModel):
         "then skipped: Serve picks a target replica and the engine's per-step policy decides the path.")
 
     @model_validator(mode="after")
-    def _fresh_enough(self) -> "RouterConfig":
+    def _fresh_enough(self) -> RouterConfig:
         if self.heartbeat_s >= self.stale_after_s:
             raise ValueError(f"heartbeat_s ({self.heartbeat_s}) must be below stale_after_s ({self.stale_after_s}): "
                              "an idle replica would look dead to the Router")
@@ -214,7 +219,101 @@ class AppConfig(BaseModel):
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
 
     @model_validator(mode="after")
-    def _eagle_needs_a_head(self) -> "AppConfig":
+    def _eagle_needs_a_head(self) -> AppConfig:
         if self.draft.enabled and any(p.name == "eagle" for p in self.engine.proposers) and not self.draft.eagle:
             raise ValueError("engine.proposers lists 'eagle' but draft.eagle (the EAGLE head directory) is not set")
         return self
+
+
+# ---------------------------------------------------------------------------------------------------------- checks
+
+APP_IMPORT_PATH = "deployments.builder:build_app"  # the applications whose args AppConfig describes
+ROUTER_DEPLOYMENT = "Router"  # its user_config is a RouterUserConfig
+
+
+def _members(tp: Any) -> list[Any]:
+    """The types a field annotation may hold: Annotated and unions (Optional included) unwrapped."""
+    origin = get_origin(tp)
+    if origin is Annotated:
+        return _members(get_args(tp)[0])
+    if origin in (Union, types.UnionType):
+        return [m for a in get_args(tp) for m in _members(a)]
+    return [tp]
+
+
+def _step(tp: Any, key: str | int) -> tuple[Any, bool]:
+    """The type at ``key`` of an error's location inside ``tp``, and whether ``key`` is a place in the YAML
+    (False: the tag pydantic adds for the member of a discriminated union, e.g. a policy's name)."""
+    models = [m for m in _members(tp) if isinstance(m, type) and issubclass(m, BaseModel)]
+    for m in _members(tp):
+        if isinstance(key, int) and get_origin(m) in (list, tuple):
+            return get_args(m)[0], True
+        if isinstance(key, str) and get_origin(m) is dict:
+            return get_args(m)[1], True
+    for m in models:
+        if isinstance(key, str) and key in m.model_fields:
+            return m.model_fields[key].annotation, True
+    for m in models:  # a union member by its tag: the Literal one of its fields holds
+        if any(get_origin(f.annotation) is Literal and key in get_args(f.annotation) for f in m.model_fields.values()):
+            return m, False
+    return None, True
+
+
+def _path(parts: list[str | int]) -> str:
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else f".{p}" if out else p
+    return out
+
+
+def describe_errors(err: ValidationError, model: type[BaseModel], prefix: str = "") -> list[str]:
+    """One line per error of ``err`` (raised by ``model.model_validate``): where in the YAML, what is wrong,
+    and for an unknown key the keys allowed there (and the closest one)."""
+    lines = []
+    for e in err.errors(include_url=False):
+        tp: Any = model
+        where: list[str | int] = []
+        parents: list[Any] = []
+        for key in e["loc"]:
+            parents.append(tp)
+            tp, in_yaml = _step(tp, key) if tp is not None else (None, True)
+            if in_yaml:
+                where.append(key)
+        at = prefix + _path(where) if where else (prefix.rstrip(".") or "args")
+        if e["type"] == "extra_forbidden":
+            parent = next((m for m in _members(parents[-1]) if isinstance(m, type) and issubclass(m, BaseModel)), None)
+            allowed = list(parent.model_fields) if parent is not None else []
+            close = difflib.get_close_matches(str(e["loc"][-1]), allowed, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            lines.append(f"{at}: unknown key{hint}; allowed: {', '.join(allowed)}")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            got = f" (got {reprlib.repr(e['input'])})" if e["type"] not in ("missing", "value_error") else ""
+            lines.append(f"{at}: {msg}{got}")
+    return lines
+
+
+def check_serve_config(cfg: Any) -> list[str]:
+    """What the app's models find wrong in a Serve config (ray_config.yaml, loaded), before anything starts:
+    the ``args`` of each application built by :data:`APP_IMPORT_PATH` (:class:`AppConfig`) and the Router's
+    ``user_config`` (:class:`RouterUserConfig`). The same models run in ``build_app`` and the Router, so
+    what passes here passes there. Empty when all is well."""
+    apps = cfg.get("applications") if isinstance(cfg, dict) else None
+    if not isinstance(apps, list) or not apps:
+        return ["applications: a list of at least one application is required"]
+    problems: list[str] = []
+    for i, app in enumerate(apps):
+        if not isinstance(app, dict) or app.get("import_path") != APP_IMPORT_PATH:
+            continue  # not ours: Serve checks it
+        where = f"applications[{i}] ({app.get('name', 'default')})." if len(apps) > 1 else ""
+        try:
+            AppConfig.model_validate(app.get("args") or {})
+        except ValidationError as e:
+            problems += describe_errors(e, AppConfig, where)
+        for d in app.get("deployments") or []:
+            if isinstance(d, dict) and d.get("name") == ROUTER_DEPLOYMENT and "user_config" in d:
+                try:
+                    RouterUserConfig.model_validate(d["user_config"] or {})
+                except ValidationError as e:
+                    problems += describe_errors(e, RouterUserConfig, f"{where}deployments[{ROUTER_DEPLOYMENT}].user_config.")
+    return problems

@@ -112,7 +112,7 @@ class LocalCluster:
     def engine_first(self) -> bool:
         return cpu_priority.enabled(self.config(self.policy)["applications"][0]["args"])
 
-    def start(self) -> "LocalCluster":
+    def start(self) -> LocalCluster:
         one_node = self.nodes == 1  # the head then carries the draft node's resource and its 2 CPUs too
         head_resources = {"target_node": 1, "draft_node": 1} if one_node else {"target_node": 1}
         self._run(str(BIN / "ray"), "start", "--head", f"--port={self.gcs_port}", f"--num-cpus={4 if one_node else 2}",
@@ -142,7 +142,7 @@ class LocalCluster:
             except psutil.Error:
                 pass
 
-    def processes(self) -> list["psutil.Process"]:
+    def processes(self) -> list[psutil.Process]:
         """Every process of this cluster (cluster/cpu_priority.py:session_processes)."""
         return cpu_priority.session_processes(self.gcs_port)
 
@@ -221,7 +221,9 @@ class Probe:
         "for line in sys.stdin:\n"
         "    dep, method, args, kwargs, timeout_s = json.loads(line)\n"
         "    try:\n"
-        "        h = handles.get(dep) or handles.setdefault(dep, serve.get_deployment_handle(dep, app_name='specserve'))\n"
+        "        if dep not in handles:\n"
+        "            handles[dep] = serve.get_deployment_handle(dep, app_name='specserve')\n"
+        "        h = handles[dep]\n"
         "        out = {'ok': getattr(h, method).remote(*args, **kwargs).result(timeout_s=timeout_s)}\n"
         "    except Exception as e:\n"
         "        out = {'error': repr(e)[-2000:]}\n"
@@ -249,7 +251,7 @@ class Probe:
                     raise RuntimeError(out["error"])
                 return out["ok"]
 
-    def __enter__(self) -> "Probe":
+    def __enter__(self) -> Probe:
         return self
 
     def __exit__(self, *exc: object) -> None:

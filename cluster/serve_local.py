@@ -1,31 +1,41 @@
 """`make serve` / `make stop`: the default service on this machine (local Ray, real model, HTTP).
 
-start: starts a local Ray head if none is running (the repo on PYTHONPATH so Serve replicas
-can import it; dashboard on 127.0.0.1 only; the engine first on the CPU, cluster/cpu_priority.py; Serve's
-background polling cut, cluster/serve_env.py),
+start: checks ray_config.yaml with the app's own models first (cluster/config.py:check_serve_config:
+a misspelled key is an answer in a second, before Ray starts), starts a local Ray head if none is
+running (the repo on PYTHONPATH so Serve replicas can import it; dashboard on 127.0.0.1 only; the
+engine first on the CPU, cluster/cpu_priority.py; Serve's background polling cut, cluster/serve_env.py),
 deploys ray_config.yaml, waits until /health answers 200 (the first start converts the model
-once), and prints the URL.
+once), and prints the URL. An application that Serve reports DEPLOY_FAILED ends the wait at once,
+with the failure's own message (not Serve's whole traceback).
+check: only the first step.
 stop: shuts the Serve app and the local Ray down.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from cluster import cpu_priority
+from cluster.config import check_serve_config
 from cluster.serve_env import with_serve_env
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 GCS_PORT = 6379  # `ray start --head`'s default
+# the dashboard `serve deploy` talks to: the one `ray start` below binds (Ray's default port), or the
+# address in the variable the `serve` CLI reads too
+DASHBOARD = os.environ.get("RAY_DASHBOARD_ADDRESS", "http://127.0.0.1:8265")
 
 
 def _ray(*args: str, check: bool = True, engine_first: bool = False) -> subprocess.CompletedProcess:
@@ -39,8 +49,71 @@ def ray_running() -> bool:
     return _ray("status", check=False).returncode == 0
 
 
+def load_checked(config: str) -> dict[str, Any]:
+    """The Serve config at ``config``, or exit with what is wrong in it (nothing started yet)."""
+    path = Path(ROOT, config)
+    try:
+        cfg = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        sys.exit(f"[specserve] cannot read {config}: {e}")
+    problems = check_serve_config(cfg)
+    if problems:
+        n = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
+        sys.exit(f"[specserve] {config}: {n} (checked by cluster/config.py); nothing was started:\n  " + "\n  ".join(problems))
+    return cfg
+
+
+def app_status(name: str, timeout_s: float = 2.0) -> dict[str, Any] | None:
+    """Serve's view of application ``name`` (status, message, last_deployed_time_s), from the dashboard's
+    REST API (what `serve status` prints); None when it does not answer or knows no such app."""
+    try:
+        with urllib.request.urlopen(f"{DASHBOARD}/api/serve/applications/", timeout=timeout_s) as r:
+            return json.loads(r.read()).get("applications", {}).get(name)
+    except (OSError, ValueError):
+        return None
+
+
+# the line that starts a traceback's exception: `ValueError: ...`, `ray.exceptions.RayTaskError(RuntimeError): ...`
+_EXCEPTION = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception)(?:\([\w.]*\))?: ")
+_PYDANTIC = re.compile(r"\d+ validation errors? for \w+$")
+
+
+def failure_summary(message: str) -> str:
+    """The part of a DEPLOY_FAILED message that says what went wrong: the innermost (last) exception of the
+    tracebacks Serve nests, without the frames. A pydantic error comes out one ``where: what`` line each."""
+    lines = message.rstrip().splitlines()
+    starts = [i for i, ln in enumerate(lines) if _EXCEPTION.match(ln)]
+    if not starts:
+        return "\n".join(lines[-20:])
+    head, *rest = lines[starts[-1] :]
+    if not _PYDANTIC.search(head):
+        return "\n".join([head, *rest])
+    out, loc = [head.split(": ", 1)[1]], None
+    for ln in rest:
+        if ln.strip().startswith("For further information visit"):
+            continue
+        if not ln.startswith(" "):
+            loc = ln.strip()
+        else:
+            msg = re.sub(r" \[type=.*\]$", "", ln.strip())
+            out.append(f"  {loc}: {msg}" if loc else f"  {msg}")
+            loc = None
+    return "\n".join(out)
+
+
+def deploy_failure(name: str, deployed_after: float) -> str | None:
+    """What went wrong, if Serve reports application ``name``, deployed at ``deployed_after`` or later,
+    DEPLOY_FAILED; None otherwise (still deploying, running, or the dashboard not answering)."""
+    app = app_status(name)
+    if not app or app.get("status") != "DEPLOY_FAILED":
+        return None
+    if app.get("last_deployed_time_s", deployed_after) < deployed_after - 1:
+        return None  # an earlier deploy's failure: ours has not been applied yet
+    return failure_summary(app.get("message", ""))
+
+
 def start(config: str, timeout_s: float) -> None:
-    cfg = yaml.safe_load(Path(ROOT, config).read_text())
+    cfg = load_checked(config)
     http = cfg.get("http_options", {})
     url = f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"
     engine_first = cpu_priority.enabled(cfg["applications"][0].get("args") or {})
@@ -51,9 +124,15 @@ def start(config: str, timeout_s: float) -> None:
              "--disable-usage-stats", engine_first=engine_first)
     print(f"[specserve] deploying {config} ...", flush=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    app_name = cfg["applications"][0].get("name", "default")
+    deployed_at = time.time()
     subprocess.run([str(BIN / "serve"), "deploy", config], cwd=ROOT, env=env, check=True)
     t0 = time.time()
     while time.time() - t0 < timeout_s:
+        failure = deploy_failure(app_name, deployed_at)
+        if failure is not None:
+            sys.exit(f"\n[specserve] {app_name}: DEPLOY_FAILED after {time.time() - t0:.0f}s:\n{failure}\n"
+                     f"(the whole report: {BIN / 'serve'} status; `make stop` shuts the local Ray down)")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
                 if r.status == 200:
@@ -78,11 +157,17 @@ def stop() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("action", choices=["start", "stop"])
+    ap.add_argument("action", choices=["start", "check", "stop"])
     ap.add_argument("--config", default="ray_config.yaml")
     ap.add_argument("--timeout", type=float, default=600)
     a = ap.parse_args()
-    start(a.config, a.timeout) if a.action == "start" else stop()
+    if a.action == "start":
+        start(a.config, a.timeout)
+    elif a.action == "check":
+        load_checked(a.config)
+        print(f"[specserve] {a.config}: ok")
+    else:
+        stop()
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ import re
 from typing import Any, Iterable, Mapping
 
 from opentelemetry import trace as trace_api
-from opentelemetry.metrics import NoOpMeterProvider
 from opentelemetry.context import Context
+from opentelemetry.metrics import NoOpMeterProvider
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import Gauge, Histogram, InMemoryMetricReader, MetricsData, Sum
 from opentelemetry.sdk.resources import Resource

@@ -15,9 +15,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from ray import serve
-
 from opentelemetry.metrics import Observation
+from ray import serve
 
 from cluster.config import AppConfig
 from cluster.telemetry import Telemetry

@@ -17,10 +17,10 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.config import DRAFT_WORKER_PROPOSERS, AppConfig
 from cluster.telemetry import render_prometheus, spec_decode_summary
@@ -325,7 +325,7 @@ class Ingress:
                 chunk = await asyncio.wait_for(gen.__anext__(), max(0.0, deadline - time.monotonic()))
                 rt.on_chunk(chunk)
                 c.add(chunk)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             gen.cancel()
             raise HTTPError(408, f"request exceeded the {self.cfg.ingress.request_timeout_s}s timeout",
                             type_="timeout_error", code="timeout") from None
@@ -447,7 +447,7 @@ class Ingress:
                 yield ev({"id": rid, "object": "chat.completion.chunk" if is_chat else "text_completion",
                           "created": created, "model": self.model_name, "system_fingerprint": fingerprint,
                           "choices": [], "usage": C.usage(choices)})
-        except asyncio.TimeoutError:
+        except TimeoutError:
             rt.end(200, error="timeout")
             yield ev(P.error_body("request timed out", "timeout_error", code="timeout"))
         except asyncio.CancelledError:  # client went away: cancel the request end to end
@@ -473,7 +473,7 @@ class Ingress:
             resp = await self._run(request, kind, rt)
         except HTTPError as e:
             resp = e.response()
-        except asyncio.TimeoutError:
+        except TimeoutError:
             resp = HTTPError(408, "request timed out", type_="timeout_error", code="timeout").response()
         except asyncio.CancelledError:  # client went away before the response started
             rt.respond(499, streaming=False)

@@ -63,7 +63,7 @@ class IngressTelemetry:
     def count(self, route: str, status: int) -> None:
         self.http_requests.add(1, {"route": route, "status": str(status)})
 
-    def request(self, headers: Mapping[str, str], method: str, route: str) -> "RequestTelemetry":
+    def request(self, headers: Mapping[str, str], method: str, route: str) -> RequestTelemetry:
         span = None
         if self.tel.tracer is not None:
             span = self.tel.tracer.start_span(f"{method} {route}", context=extract(headers),

@@ -93,7 +93,12 @@ class RemoteDraftProposer(Proposer):
         async def call() -> list[dict[str, Any]]:
             return await self.handle.propose.remote(batch, released)
 
-        fut = asyncio.run_coroutine_threadsafe(call(), self.loop)
+        coro = call()
+        try:
+            fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        except RuntimeError:  # the loop is closed (the replica is stopping): the call never starts
+            coro.close()  # not left to be collected as a coroutine never awaited
+            raise
         try:
             return fut.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:

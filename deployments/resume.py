@@ -44,7 +44,7 @@ class ResumableStream:
     async def start(self) -> None:
         self.gen = await self.submit(self.payload, False, None)
 
-    def __aiter__(self) -> "ResumableStream":
+    def __aiter__(self) -> ResumableStream:
         return self
 
     async def __anext__(self) -> dict[str, Any]:

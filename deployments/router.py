@@ -24,9 +24,8 @@ import random
 import time
 from typing import Any
 
-from ray import serve
-
 from opentelemetry.metrics import Observation
+from ray import serve
 
 from cluster.config import AppConfig, RouterUserConfig
 from cluster.telemetry import Telemetry

@@ -65,8 +65,8 @@ request drafts k_max, which refreshes the positions past K.
 
 from __future__ import annotations
 
-import time
 import math
+import time
 from typing import Any, Literal, NamedTuple, Sequence
 
 from pydantic import Field
@@ -75,7 +75,6 @@ from policies.base import Clock, Policy, PolicyConfigBase, batch_size
 from workers.cost_model import StepCostModel
 from workers.decision import SpecCandidate
 from workers.stats import LoadSnapshot
-
 
 BASELINE_TRIES = 4  # plain steps a batch size may spend measuring its own cost before the line is trusted
 BASELINE_MARGIN = 1.5  # ... spent only when the line's best K is predicted to beat plain by less than this

@@ -48,7 +48,7 @@ class ThresholdConfig(PolicyConfigBase):
     )
 
     @model_validator(mode="after")
-    def _band(self) -> "ThresholdConfig":
+    def _band(self) -> ThresholdConfig:
         if self.t is not None:
             # t_low / t_high equal to t are allowed, so a dumped config validates again
             both = sorted(f for f in ("t_low", "t_high") if f in self.model_fields_set and getattr(self, f) != self.t)

@@ -9,7 +9,6 @@ from workers.decision import SpecCandidate
 from workers.stats import LoadSnapshot
 
 
-
 def test_cost_model_priors_then_fit() -> None:
     m = StepCostModel(prior_base_s=0.05, prior_per_token_s=0.003, min_samples=4, decay=1.0)
     assert m.predict(10) == pytest.approx(0.08)

@@ -26,8 +26,8 @@ def hf_greedy(model, prompt: list[int], n: int, stop_at_eos: bool = False) -> li
     toks, past, inp = [], None, torch.tensor([prompt])
     with torch.no_grad():
         for _ in range(n):
-            o = model(inp, past_key_values=past, use_cache=True)
-            past = o.past_key_values
+            o = model(inp, cache=past, use_cache=True)
+            past = o.cache
             t = int(o.logits[0, -1].argmax())
             toks.append(t)
             inp = torch.tensor([[t]])

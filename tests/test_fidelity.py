@@ -10,7 +10,6 @@ and coupled verification, which must sample exactly the target's distribution (c
 from __future__ import annotations
 
 import random
-from typing import Any
 
 import pytest
 import torch

@@ -79,7 +79,7 @@ def simulate(policy: Policy, w: Workload, steps: int = 3000, seed: int = 0) -> t
     return tokens / seconds, asked / (steps * w.batch)
 
 
-@functools.lru_cache(maxsize=None)  # deterministic per (workload, seed); two tests read seed 0's cells
+@functools.cache  # deterministic per (workload, seed); two tests read seed 0's cells
 def peers(w: Workload, seed: int) -> dict[str, tuple[float, float]]:
     return {name: simulate(make_policy({"name": name, **extra}), w, seed=seed)
             for name, extra in (("never", {}), ("always", {"num_speculative_tokens": K_MAX}), ("goodput", {}))}

@@ -10,10 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from tests.test_batch_invariance import check_forward_invariance
 from workers import native_attention
 from workers.runner import ModelRunner
-
-from tests.test_batch_invariance import check_forward_invariance
 
 
 @pytest.fixture(scope="module")

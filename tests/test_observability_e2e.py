@@ -178,7 +178,8 @@ def _driver_spans(cluster: LocalCluster, replica_ids: list[str]) -> dict[str, li
     code = (
         "import json, ray\nfrom ray import serve\n"
         f"ray.init(address='127.0.0.1:{cluster.gcs_port}', logging_level='ERROR')\n"
-        "out = {'ingress': serve.get_deployment_handle('Ingress', app_name='specserve').debug_spans.remote().result()}\n"
+        "ingress = serve.get_deployment_handle('Ingress', app_name='specserve')\n"
+        "out = {'ingress': ingress.debug_spans.remote().result()}\n"
         "t = serve.get_deployment_handle('TargetWorker', app_name='specserve')\n"
         f"for rid in {replica_ids!r}:\n"
         "    out[rid] = t.debug_spans.remote(replica_id=rid).result()\n"

@@ -21,8 +21,8 @@ import httpx
 import openai
 import pytest
 
-from tests.bad_inputs import CHAT, HOSTILE, send
 from cluster.local_cluster import ROOT, LocalCluster
+from tests.bad_inputs import CHAT, HOSTILE, send
 from tests.e2e_helpers import in_threads, started, wait_for
 
 pytestmark = pytest.mark.slow

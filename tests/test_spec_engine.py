@@ -13,7 +13,6 @@ import random
 from typing import Any, Sequence
 
 import pytest
-import torch
 from pydantic import ValidationError
 
 from tests.test_engine import rand_prompts

@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{msg[:60]!r}: {hit}/{n} top-1", flush=True)
     top1, cond = totals[0] / max(totals[1], 1), totals[2] / max(totals[3], 1)
     est = 1 + top1 * sum(cond**i for i in range(4))
-    print(f"top-1 {top1:.3f}; P(hit at t+1 | hit at t) {cond:.3f}; implied greedy mean acceptance length at K=4 ~{est:.2f}")
+    print(f"top-1 {top1:.3f}; P(hit at t+1 | hit at t) {cond:.3f}; "
+          f"implied greedy mean acceptance length at K=4 ~{est:.2f}")
 
 
 if __name__ == "__main__":

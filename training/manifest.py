@@ -35,7 +35,8 @@ def _curve_table(curve: dict[str, Any], keys: list[str]) -> str:
 
 def _acceptance(ev: dict[str, Any], method: str) -> str:
     rows = [r for r in ev["acceptance"] if r["method"] == method]
-    lines = ["| prompts | sampling | K | mean acceptance length | acceptance rate | accepted at draft 1, 2, ... (of drafts) |",
+    lines = ["| prompts | sampling | K | mean acceptance length | acceptance rate "
+             "| accepted at draft 1, 2, ... (of drafts) |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         t = "greedy" if r["temperature"] == 0 else f"T={r['temperature']}"
@@ -83,7 +84,8 @@ def write(kind: str, d: Path, ev: dict[str, Any] | None) -> None:
         cmds = []
         for st in stages:
             sa = st["args"]
-            cmd = "nice -n 19 python -m training.train_eagle --epochs {epochs} --max-minutes {max_minutes} --threads {threads}"
+            cmd = ("nice -n 19 python -m training.train_eagle "
+                   "--epochs {epochs} --max-minutes {max_minutes} --threads {threads}")
             if sa.get("ttt_steps", 1) > 1:
                 cmd += " --ttt-steps {ttt_steps} --ttt-decay {ttt_decay} --lr {lr} --init {init}"
             cmds.append(cmd.format(**sa))
@@ -145,8 +147,8 @@ def write(kind: str, d: Path, ev: dict[str, Any] | None) -> None:
             (f"Per-token cost (1-token step, batch 1, fp32, median): draft {c['draft_step_ms']:.1f} ms vs target "
              f"{c['target_step_ms']:.1f} ms = {c['draft_over_target']:.3f} of the target."
              if kind == "draft" else
-             f"Per-token cost (one drafting step, batch 1, fp32, median): {c['eagle_step_ms']:.2f} ms vs target "
-             f"{c['target_step_ms']:.1f} ms = {c['eagle_over_target']:.3f} of the target."),
+             f"Per-token cost (one drafting step, batch 1, fp32, median): {c['eagle_step_ms']:.2f} ms "
+             f"vs target {c['target_step_ms']:.1f} ms = {c['eagle_over_target']:.3f} of the target."),
         ]
     runs = [kind]  # work directories of the runs that made these weights, in order (as train_eagle names them)
     if first is not None:

@@ -179,17 +179,21 @@ def _templates() -> list[_Template]:
     def math_share(r: random.Random, s: Callable[[list[str]], list[str]]) -> str:
         n, m, it = _pick(r, s(PEOPLE)), _pick(r, s(PEOPLE)), _pick(r, s(ITEMS))
         k = r.randint(2, 8)
-        return f"{n} has {k * r.randint(2, 12)} {it} and shares them equally with {m} and {k - 2 if k > 2 else 1} other friends. How many {it} does each person get? Explain your steps."
+        return (f"{n} has {k * r.randint(2, 12)} {it} and shares them equally with {m} and "
+                f"{k - 2 if k > 2 else 1} other friends. How many {it} does each person get? Explain your steps.")
 
     def math_price(r: random.Random, s: Callable[[list[str]], list[str]]) -> str:
         n, it = _pick(r, s(PEOPLE)), _pick(r, s(ITEMS))
-        return f"{it.capitalize()} cost ${r.randint(1, 9)} each. {n} buys {r.randint(2, 15)} {it} and pays with a ${r.choice([20, 50, 100])} bill. How much change does {n} get?"
+        return (f"{it.capitalize()} cost ${r.randint(1, 9)} each. {n} buys {r.randint(2, 15)} {it} and pays with a "
+                f"${r.choice([20, 50, 100])} bill. How much change does {n} get?")
 
     add("math", "add", math_add)
     add("math", "share", math_share)
     add("math", "price", math_price)
-    add("math", "speed", lambda r, s: f"{_pick(r, s(PEOPLE))} drives {r.randint(40, 160)} km in {r.randint(1, 4)} hours. What is the average speed? Show the calculation.")
-    add("math", "percent", lambda r, s: f"{_pick(r, s(PEOPLE))} got {r.choice([5, 10, 15, 20, 25, 30, 40])}% off a bike that cost ${r.randint(20, 900)}. How much was paid? Explain how to compute it.")
+    add("math", "speed", lambda r, s: f"{_pick(r, s(PEOPLE))} drives {r.randint(40, 160)} km in {r.randint(1, 4)} "
+        "hours. What is the average speed? Show the calculation.")
+    add("math", "percent", lambda r, s: f"{_pick(r, s(PEOPLE))} got {r.choice([5, 10, 15, 20, 25, 30, 40])}% off a "
+        f"bike that cost ${r.randint(20, 900)}. How much was paid? Explain how to compute it.")
     for fmt in ["Summarize the following text in two sentences:\n\n{}", "Give a one-sentence summary of this text:\n\n{}",
                 "What are the key points of this text?\n\n{}"]:
         add("summary", fmt, lambda r, s, f=fmt: f.format(_pick(r, s(PARAGRAPHS))))
@@ -198,8 +202,8 @@ def _templates() -> list[_Template]:
         add("rewrite", fmt, lambda r, s, f=fmt: f.format(_pick(r, s(PARAGRAPHS))))
     for fmt in ["Correct the grammar in this sentence: {}", "Rewrite this sentence correctly: {}", "Fix the mistakes: {}"]:
         add("rewrite", fmt, lambda r, s, f=fmt: f.format(_pick(r, s(SENTENCES))))
-    add("rewrite", "json", lambda r, s: "Convert this to a JSON object with fields name, item and count: {} has {} {}.".format(
-        _pick(r, s(PEOPLE)), r.randint(2, 30), _pick(r, s(ITEMS))))
+    add("rewrite", "json", lambda r, s: "Convert this to a JSON object with fields name, item and count: "
+        f"{_pick(r, s(PEOPLE))} has {r.randint(2, 30)} {_pick(r, s(ITEMS))}.")
     return T
 
 

@@ -119,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     draft.to(torch.bfloat16).save_pretrained(str(out))  # bf16 on disk (load_model reads it back as fp32)
     # the vocabulary the loss covered: the proposer drafts only among these ids (workers/proposers/draft_model.py)
     (out / DRAFT_VOCAB_FILE).write_text(json.dumps({
-        "why": f"the {len(d2t)} most frequent tokens of the target's training responses (at most --draft-vocab, "
-               "+ EOS): the rows of the tied LM head the distillation trained; drafting outside them loses agreement",
+        "why": f"the {len(d2t)} most frequent tokens of the target's training responses "
+               "(at most --draft-vocab, + EOS): the rows of the tied LM head the distillation trained; "
+               "drafting outside them loses agreement",
         "token_ids": d2t.tolist()}) + "\n")
     src = Path(target.path)
     for f in TOKENIZER_FILES:

@@ -16,12 +16,12 @@ fix the kernels on GPU; this module does it on top of the kernels torch ships, t
   runs in blocks of ``B`` rows and pads a short tail block up to ``m0``. Which ``M`` agree is a
   property of the library and CPU, not of the data, so the probe is run where the model runs.
 * **Attention reduces in fixed blocks aligned at key 0.** Scores are one matmul over the head
-  dimension (its reduction length is always ``head_dim``; query rows in probed row blocks, as above); the key axis is padded to a multiple of
-  :data:`KEY_BLOCK` (masked keys add exact zeros to lanes fixed from key 0); ``P @ V`` is computed
-  per block of :data:`KEY_BLOCK` keys (a GEMM whose reduction length is always the block) and the
-  blocks are summed left to right, so extra masked blocks after a request's own keys
-  add ``+0`` at the end instead of changing a GEMM's reduction length. Computed in fp32 whatever
-  the model dtype.
+  dimension (its reduction length is always ``head_dim``; query rows in probed row blocks, as above);
+  the key axis is padded to a multiple of :data:`KEY_BLOCK` (masked keys add exact zeros to lanes
+  fixed from key 0); ``P @ V`` is computed per block of :data:`KEY_BLOCK` keys (a GEMM whose
+  reduction length is always the block) and the blocks are summed left to right, so extra masked
+  blocks after a request's own keys add ``+0`` at the end instead of changing a GEMM's reduction
+  length. Computed in fp32 whatever the model dtype.
 
 Everything else on the path is row-wise (RMSNorm's mean over ``hidden``, softmax over the vocab) or
 elementwise on rows whose widths are multiples of the vector width, which does not depend on the

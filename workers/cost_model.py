@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from typing import Any, TypeGuard
 
 SLOPE_PRIOR = 1.0  # ridge weight pulling c1 towards prior_per_token_s; tiny next to any real spread
 MIN_STEP_S = 1e-6  # predictions never reach 0: goodput divides by them
@@ -143,15 +144,15 @@ class StepCostModel:
         self._sxx = d * self._sxx + x * x
         self._sxy = d * self._sxy + x * y
         self.num_samples += 1
-        tables = [(self._table, bucket(tokens), y)]  # (table, key, value)
+        tables: list[tuple[dict[Any, list[float]], Any, float]] = [(self._table, bucket(tokens), y)]  # (table, key, value)
         if requests is not None and requests > 0:
             tables.append((self._by_batch, (requests, bucket(tokens)), y))
         if requests is not None and tokens > requests:
             plain = self.measured(requests, requests)
             if plain is not None:
                 slope = max((y - plain) / (tokens - requests), 0.0)
-                d = self.draft_token_s
-                self.draft_token_s = slope if d is None else d + SLOPE_ALPHA * (slope - d)
+                prev = self.draft_token_s
+                self.draft_token_s = slope if prev is None else prev + SLOPE_ALPHA * (slope - prev)
                 if bucket(tokens) != bucket(requests):
                     tables.append((self._ratio, (requests, bucket(tokens)), y / plain))
         for table, key, value in tables:
@@ -223,7 +224,7 @@ class StepCostModel:
         entry = self._table.get(b) if requests is None else self._by_batch.get((requests, b))
         return entry[0] if self._ready(entry) else None
 
-    def _ready(self, entry: list[float] | None) -> bool:
+    def _ready(self, entry: list[float] | None) -> TypeGuard[list[float]]:
         """Whether a table entry has enough samples to price steps by."""
         return entry is not None and entry[1] >= self.bucket_min_samples
 
@@ -277,7 +278,7 @@ class StepCostModel:
             self._curves[requests] = curve
         return curve[tokens - requests]
 
-    def as_dict(self) -> dict[str, float | int]:
+    def as_dict(self) -> dict[str, Any]:
         c0, c1 = self.coefficients()
         ok = max(1, self.bucket_min_samples)
         table = {str(b): round(e[0], 6) for b, e in sorted(self._table.items()) if e[1] >= ok}

@@ -9,7 +9,7 @@ could still become the start of a stop string is held back until it cannot.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Sequence, cast
 
 if TYPE_CHECKING:  # the Router and the ingress import the engine's types; they never need transformers
     from transformers import PreTrainedTokenizerBase
@@ -31,7 +31,8 @@ class IncrementalDetokenizer:
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        # one sequence in, one string out (decode's list[str] is for a batch of sequences)
+        return cast(str, self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
 
     def add(self, token_id: int) -> bool:
         """Append one output token; True when it completed a stop string (the caller stops there)."""

@@ -65,18 +65,21 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class EagleHead(nn.Module):
     """fc + one Llama decoder layer. ``embed`` and ``lm_head_rows`` are the target's (frozen buffers)."""
 
+    d2t: torch.Tensor  # buffers, declared for type checkers (nn.Module's __getattr__ is untyped)
+    inv_freq: torch.Tensor
+
     def __init__(self, cfg: EagleConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        H, I = cfg.hidden_size, cfg.intermediate_size
+        H, inter = cfg.hidden_size, cfg.intermediate_size  # hidden, MLP widths
         nq, nkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.fc = nn.Linear(2 * H, H, bias=False)  # [f ; e] -> hidden
         self.in_norm = nn.Parameter(torch.ones(H))
         self.qkv = nn.Linear(H, (nq + 2 * nkv) * D, bias=False)
         self.o = nn.Linear(nq * D, H, bias=False)
         self.post_norm = nn.Parameter(torch.ones(H))
-        self.gate_up = nn.Linear(H, 2 * I, bias=False)
-        self.down = nn.Linear(I, H, bias=False)
+        self.gate_up = nn.Linear(H, 2 * inter, bias=False)
+        self.down = nn.Linear(inter, H, bias=False)
         self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size), persistent=True)  # [V_draft] target ids
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
         self.register_buffer("inv_freq", inv, persistent=False)  # [D / 2]

@@ -101,7 +101,7 @@ class LLMEngine:
                 )
         # proposers that read the target's hidden states (EAGLE): only their requests pay for keeping them
         self._hidden_proposers = {n for n, p in self.proposers.items() if getattr(p, "needs_hidden_states", False)}
-        self.default_proposer = config.proposers[0].name if config.proposers and self.proposers else None
+        self.default_proposer: str | None = config.proposers[0].name if config.proposers and self.proposers else None
         if self.default_proposer not in self.proposers:
             self.default_proposer = next(iter(self.proposers), None)
         self.decide: DecideFn = decide or fixed_k(config.num_speculative_tokens)
@@ -407,7 +407,7 @@ class LLMEngine:
                     eos_token_ids=decoding[i].eos_token_ids,
                     sampling=decoding[i].params.model_copy(update={"seed": decoding[i].seed}),
                     coupled=self.config.verification == "coupled",
-                    hidden_states=None if decoding[i].hidden is None else decoding[i].hidden[: decoding[i].num_computed],
+                    hidden_states=None if (hid := decoding[i].hidden) is None else hid[: decoding[i].num_computed],
                 )
                 for i in idxs
             ]

@@ -89,14 +89,14 @@ def _library() -> ctypes.CDLL | None:
 
 
 @functools.lru_cache(maxsize=1)
-def load() -> "NativeAttention | None":
+def load() -> NativeAttention | None:
     """The attention kernel, or ``None`` where the library cannot be built or is turned off."""
     dll = _library()
     return NativeAttention(dll) if dll is not None else None
 
 
 @functools.lru_cache(maxsize=1)
-def load_layer_ops() -> "NativeLayerOps | None":
+def load_layer_ops() -> NativeLayerOps | None:
     """The layer's row-wise ops, from the same library as :func:`load` (``None`` exactly when it is)."""
     dll = _library()
     return NativeLayerOps(dll) if dll is not None else None

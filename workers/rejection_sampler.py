@@ -214,14 +214,14 @@ def _verify_sampled(
     d_start = list(itertools.accumulate(num_draft, initial=0))
     q = torch.zeros(num_total, vocab, dtype=torch.float32, device=device)  # [D, vocab]
     tokens = torch.tensor([t for d in draft_token_ids for t in d], dtype=torch.long, device=device)  # [D]
-    given = [b for b, n in enumerate(num_draft) if n and draft_probs[b] is not None]
+    given = {b: q_b for b, q_b in enumerate(draft_probs) if num_draft[b] and q_b is not None}  # b -> [n_b, vocab]
     one_hot = [b for b, n in enumerate(num_draft) if n and draft_probs[b] is None]
-    for b in given:
-        if tuple(draft_probs[b].shape) != (num_draft[b], vocab):
-            raise ValueError(f"draft_probs[{b}] has shape {tuple(draft_probs[b].shape)}, want {(num_draft[b], vocab)}")
+    for b, q_b in given.items():
+        if tuple(q_b.shape) != (num_draft[b], vocab):
+            raise ValueError(f"draft_probs[{b}] has shape {tuple(q_b.shape)}, want {(num_draft[b], vocab)}")
     if given:
         idx = torch.tensor([d for b in given for d in range(d_start[b], d_start[b + 1])], device=device)
-        q[idx] = torch.cat([draft_probs[b].to(device=device, dtype=torch.float32) for b in given])
+        q[idx] = torch.cat([q_b.to(device=device, dtype=torch.float32) for q_b in given.values()])
     if one_hot:
         idx = torch.tensor([d for b in one_hot for d in range(d_start[b], d_start[b + 1])], device=device)
         q[idx, tokens[idx]] = 1.0

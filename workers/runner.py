@@ -16,6 +16,7 @@ the engine hands out the lowest free slot to keep that range tight.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -232,7 +233,7 @@ class ModelRunner:
                   "down": self.intermediate_size}
         for name, width in widths.items():
             self.row_blocking[name] = bi.probe_row_blocking(
-                lambda x, n=name: self._linear_kernel(x, L0, n), width, self.dtype, self.device)
+                functools.partial(self._linear_kernel, L=L0, name=name), width, self.dtype, self.device)
         self.row_blocking["lm_head"] = bi.probe_row_blocking(self._lm_head_kernel, self.hidden_size, self.dtype,
                                                              self.device)
         if not self.native_attn:
@@ -415,23 +416,25 @@ class ModelRunner:
         Each residual add is fused into the RMSNorm after it, so ``h`` is updated in place there.
         """
         # h: [T, hidden] (a fresh tensor, never the embedding table) -> [T, hidden]
-        ops, H, D = self.native_ops, self.num_heads, self.head_dim
+        ops, attn, H, D = self.native_ops, self.native_attn, self.num_heads, self.head_dim
+        assert ops is not None and attn is not None  # the caller checked: the native library loaded
         x = torch.empty_like(h)  # [T, hidden] the normalized rows each GEMM reads; nvis: [T] keys each row sees
         delta = None
         for li, L in enumerate(self.layers):
             ops.add_rms_norm(h, delta, L["in_norm"], x, self.eps)
             qkv = self._linear(x, L, "qkv")  # [T, (H + 2 Hkv) * D]
             q = ops.rope_kv(qkv, positions, slots, self.cos, self.sin, self._k_storage[li], self.v_cache[li], H)
-            o = self.native_attn(q, self._k_storage[li], self.v_cache[li], slots, nvis, max_kv, D**-0.5)  # [T, H, D] fp32
+            o = attn(q, self._k_storage[li], self.v_cache[li], slots, nvis, max_kv, D**-0.5)  # [T, H, D] fp32
             delta = self._linear(o.view(-1, H * D).to(self.dtype), L, "o")  # [T, hidden]
             ops.add_rms_norm(h, delta, L["post_norm"], x, self.eps)
             gu = self._linear(x, L, "gate_up")  # [T, 2 * inter]
             delta = self._linear(ops.silu_mul(gu), L, "down")  # [T, hidden]
+        assert delta is not None  # a model has at least one layer
         return h + delta
 
     def _attention_groups(
         self, batch: StepBatch, num_new: list[int], offsets: list[int], pad_keys: bool = False
-    ) -> list["_AttnGroup"]:
+    ) -> list[_AttnGroup]:
         """One attention call per distinct new-token count, each over its own slot range.
 
         Why: one call padded to the longest query would make every decoding request (1 new token)

@@ -121,7 +121,8 @@ class PositionalAcceptance:
         self.rates: list[RateEma] = []
 
     def update(self, num_draft: int, num_accepted: int) -> None:
-        # positions 1..num_accepted were reached and accepted; position num_accepted + 1 (if drafted) reached and rejected
+        # positions 1..num_accepted were reached and accepted;
+        # position num_accepted + 1 (if drafted) was reached and rejected
         for i in range(min(num_accepted + 1, num_draft)):
             while len(self.rates) <= i:
                 self.rates.append(RateEma())
@@ -152,7 +153,7 @@ class AcceptanceTracker:
         self.rate[proposer].update(num_accepted, num_draft)
         self.positions[proposer].update(num_draft, num_accepted)
 
-    def fill(self, snapshot: "LoadSnapshot") -> "LoadSnapshot":
+    def fill(self, snapshot: LoadSnapshot) -> LoadSnapshot:
         """Write the current estimates into ``snapshot`` (and return it)."""
         snapshot.acceptance_ema = {k: v.value for k, v in self.rate.items()}
         snapshot.acceptance_pos_ema = {k: v.values() for k, v in self.positions.items()}

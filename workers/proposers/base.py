@@ -60,10 +60,11 @@ class Proposer(ABC):
     def propose(self, requests: list[ProposalRequest]) -> Proposals:
         """Propose up to ``r.k`` draft tokens for every request ``r`` in one batched call."""
 
-    def observe(self, request_id: str, num_draft_tokens: int, num_accepted: int) -> None:
+    # Optional hooks: a no-op unless a proposer keeps per-request state or learns from feedback.
+    def observe(self, request_id: str, num_draft_tokens: int, num_accepted: int) -> None:  # noqa: B027
         """Feedback after verification: how many of the proposed drafts the target accepted."""
 
-    def finish(self, request_id: str, token_ids: Sequence[int]) -> None:
+    def finish(self, request_id: str, token_ids: Sequence[int]) -> None:  # noqa: B027
         """The request left the engine (finished or cancelled): free its state."""
 
 

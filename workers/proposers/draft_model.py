@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from workers.proposers.base import coupled_key, draw_drafts, Proposals, ProposalRequest, Proposer, stack_draft_probs
+from workers.proposers.base import ProposalRequest, Proposals, Proposer, coupled_key, draw_drafts, stack_draft_probs
 from workers.sampler import make_generator, process_logits, sampling_tensors
 from workers.sampling_params import SamplingParams
 
@@ -210,13 +210,12 @@ class DraftModelProposer(Proposer):
             )
         for i in new:
             self._states[requests[i].request_id] = _DraftState(slot=heapq.heappop(self._free_slots))
-        states = [self._states.get(r.request_id) for r in requests]
+        states = {i: self._states[requests[i].request_id] for i in rows}  # every row's, new ones included
 
         # Step 0: one ragged forward feeding what each request's cache lacks.
         slots, starts, feeds = [], [], []
         for i in rows:
             st, tokens = states[i], tokens_of[i]
-            assert st is not None
             lcp = common_prefix_len(st.cached, tokens, st.num_committed)
             lcp = min(lcp, len(tokens) - 1)  # always feed at least the last committed token
             slots.append(st.slot)
@@ -230,13 +229,13 @@ class DraftModelProposer(Proposer):
                 batch = StepBatch(slots, starts, feeds, [[len(f) - 1] for f in feeds])
             else:
                 batch = StepBatch(
-                    [states[i].slot for i in rows],  # type: ignore[union-attr]
-                    [len(states[i].cached) for i in rows],  # type: ignore[union-attr]
+                    [states[i].slot for i in rows],
+                    [len(states[i].cached) for i in rows],
                     [[drafts[i][-1]] for i in rows],
                     [[0] for _ in rows],
                 )
                 for i in rows:  # the previous draft is now in the cache
-                    states[i].cached.append(drafts[i][-1])  # type: ignore[union-attr]
+                    states[i].cached.append(drafts[i][-1])
             logits = self._full_width(self.runner.forward(batch).logits)  # [len(rows), V] at each request's last fed token
             tokens, q = self._select(logits, [requests[i].sampling for i in rows], [states[i] for i in rows],
                                      [coupled_key(requests[i], len(drafts[i])) for i in rows])
@@ -245,8 +244,8 @@ class DraftModelProposer(Proposer):
                 if tokens[j] in requests[i].eos_token_ids:
                     continue  # never propose EOS or past it: the target decides whether to stop
                 drafts[i].append(tokens[j])
-                if q[j] is not None:
-                    q_rows[i].append(q[j])
+                if (q_j := q[j]) is not None:
+                    q_rows[i].append(q_j)
                 if len(drafts[i]) < k_of[i]:
                     still.append(i)
             rows = still
@@ -267,7 +266,7 @@ class DraftModelProposer(Proposer):
         self,
         logits: torch.Tensor,  # [n, V] float32 draft logits, row j belongs to params[j]
         params: list[SamplingParams],
-        states: list[_DraftState | None],
+        states: list[_DraftState],
         keys: list[int | None],  # per row: coupled_key (None: draw from the draft's own stream)
     ) -> tuple[list[int], list[torch.Tensor | None]]:  # draft token per row; q row [V] (None for greedy rows)
         """Greedy rows take the argmax; sampled rows draw from the processed ``q``."""
@@ -279,7 +278,7 @@ class DraftModelProposer(Proposer):
             idx = torch.tensor(sampled, device=logits.device)
             q = process_logits(logits[idx], *sampling_tensors(sp_rows, logits.device))  # [S, V] q: draft probs
             picked, sent = draw_drafts(q, [keys[j] for j in sampled],
-                                       lambda a: self._generator(states[sampled[a]], params[sampled[a]]))  # type: ignore[arg-type]
+                                       lambda a: self._generator(states[sampled[a]], params[sampled[a]]))
             for a in sent:
                 q_out[sampled[a]] = q[a]
             chosen[idx] = picked

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.eagle_head import EagleHead, load_head
-from workers.proposers.base import coupled_key, draw_drafts, Proposals, ProposalRequest, Proposer, stack_draft_probs
+from workers.proposers.base import ProposalRequest, Proposals, Proposer, coupled_key, draw_drafts, stack_draft_probs
 from workers.proposers.draft_model import DRAFT_SEED_SALT
 from workers.sampler import make_generator, process_logits, sampling_tensors
 from workers.sampling_params import SamplingParams
@@ -134,7 +134,6 @@ class EagleProposer(Proposer):
         counts: list[int],  # new pairs per request (sum = T)
     ) -> torch.Tensor:  # [num_requests, hidden] predicted feature at each request's last new pair
         hd = self.head
-        c = self.cfg
         positions = torch.tensor([s + i for s, n in zip(starts, counts) for i in range(n)], device=self.device)
         x = hd.fc(torch.cat([feats, self.embed[tokens]], -1))  # [T, hidden]
         cos, sin = hd.rope(positions, x.dtype)
@@ -186,9 +185,11 @@ class EagleProposer(Proposer):
         states = {i: self._states[requests[i].request_id] for i in rows}
 
         # Step 0: the pairs committed since the last call (at least the last one, re-fed if nothing is new).
-        slots, starts, counts, feats, toks = [], [], [], [], []
+        slots, starts, counts, feats = [], [], [], []
+        toks: list[int] = []
         for i in rows:
             r, st = requests[i], states[i]
+            assert r.hidden_states is not None, "the engine passes EAGLE's requests their hidden states"
             n = len(r.token_ids)
             s = min(st.n_true, n - 2)
             slots.append(st.slot)
@@ -215,8 +216,8 @@ class EagleProposer(Proposer):
                 if chosen[j] in requests[i].eos_token_ids:
                     continue  # never propose EOS: the target decides whether to stop
                 drafts[i].append(chosen[j])
-                if q[j] is not None:
-                    q_rows[i].append(q[j])
+                if (q_j := q[j]) is not None:
+                    q_rows[i].append(q_j)
                 if len(drafts[i]) < k_of[i] and pos_next[i] < self.max_model_len:
                     still.append(i)
                     keep.append(j)
@@ -244,7 +245,7 @@ class EagleProposer(Proposer):
             sp_rows = [params[j] for j in sampled]
             q = process_logits(full, *sampling_tensors(sp_rows, logits.device))  # [S, V] q: draft probs
             picked, sent = draw_drafts(q, [keys[j] for j in sampled],
-                                       lambda a: self._generator(states[sampled[a]], params[sampled[a]]))  # type: ignore[arg-type]
+                                       lambda a: self._generator(states[sampled[a]], params[sampled[a]]))
             for a in sent:
                 q_out[sampled[a]] = q[a]
             chosen[idx] = picked

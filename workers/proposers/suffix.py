@@ -43,7 +43,7 @@ from typing import Any, Sequence
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from workers.proposers.base import Proposals, ProposalRequest, Proposer
+from workers.proposers.base import ProposalRequest, Proposals, Proposer
 from workers.proposers.ngram import TOKEN_DTYPE, TokenBuffer, suffix_match_lengths
 
 _NO_TOKEN = -1  # separates cached sequences and ends the last one: "no continuation"
