@@ -41,8 +41,14 @@ DASHBOARD = os.environ.get("RAY_DASHBOARD_ADDRESS", "http://127.0.0.1:8265")
 def _ray(*args: str, check: bool = True, engine_first: bool = False) -> subprocess.CompletedProcess:
     """``engine_first``: start Ray so that the engine's threads keep the cores (cluster/cpu_priority.py)."""
     env = with_serve_env({**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
-    return subprocess.run([str(BIN / "ray"), *args], cwd=ROOT, check=check, text=True, capture_output=True,
-                          **cpu_priority.ray_start_kwargs(env, engine_first))
+    return subprocess.run(
+        [str(BIN / "ray"), *args],
+        cwd=ROOT,
+        check=check,
+        text=True,
+        capture_output=True,
+        **cpu_priority.ray_start_kwargs(env, engine_first),
+    )
 
 
 def ray_running() -> bool:
@@ -59,7 +65,10 @@ def load_checked(config: str) -> dict[str, Any]:
     problems = check_serve_config(cfg)
     if problems:
         n = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
-        sys.exit(f"[specserve] {config}: {n} (checked by cluster/config.py); nothing was started:\n  " + "\n  ".join(problems))
+        sys.exit(
+            f"[specserve] {config}: {n} (checked by cluster/config.py); nothing was started:\n  "
+            + "\n  ".join(problems)
+        )
     return cfg
 
 
@@ -120,8 +129,15 @@ def start(config: str, timeout_s: float) -> None:
     started = not ray_running()
     if started:
         print("[specserve] starting a local Ray head ...", flush=True)
-        _ray("start", "--head", f"--port={GCS_PORT}", "--num-cpus=4", "--dashboard-host=127.0.0.1",
-             "--disable-usage-stats", engine_first=engine_first)
+        _ray(
+            "start",
+            "--head",
+            f"--port={GCS_PORT}",
+            "--num-cpus=4",
+            "--dashboard-host=127.0.0.1",
+            "--disable-usage-stats",
+            engine_first=engine_first,
+        )
     print(f"[specserve] deploying {config} ...", flush=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     app_name = cfg["applications"][0].get("name", "default")
@@ -131,15 +147,20 @@ def start(config: str, timeout_s: float) -> None:
     while time.time() - t0 < timeout_s:
         failure = deploy_failure(app_name, deployed_at)
         if failure is not None:
-            sys.exit(f"\n[specserve] {app_name}: DEPLOY_FAILED after {time.time() - t0:.0f}s:\n{failure}\n"
-                     f"(the whole report: {BIN / 'serve'} status; `make stop` shuts the local Ray down)")
+            sys.exit(
+                f"\n[specserve] {app_name}: DEPLOY_FAILED after {time.time() - t0:.0f}s:\n{failure}\n"
+                f"(the whole report: {BIN / 'serve'} status; `make stop` shuts the local Ray down)"
+            )
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
                 if r.status == 200:
                     if started and engine_first:
                         cpu_priority.demote_background(cpu_priority.session_processes(GCS_PORT))
-                    print(f"[specserve] ready in {time.time() - t0:.0f}s: {url}/v1 (OpenAI API), model "
-                          f"{cfg['applications'][0]['args']['engine'].get('served_model_name')}", flush=True)
+                    print(
+                        f"[specserve] ready in {time.time() - t0:.0f}s: {url}/v1 (OpenAI API), model "
+                        f"{cfg['applications'][0]['args']['engine'].get('served_model_name')}",
+                        flush=True,
+                    )
                     return
         except Exception:
             pass

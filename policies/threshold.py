@@ -43,9 +43,7 @@ class ThresholdConfig(PolicyConfigBase):
     min_dwell_s: float = Field(
         1.0, ge=0.0, description="Seconds a path is held before it may change again (0 disables the dwell)."
     )
-    num_speculative_tokens: int = Field(
-        4, ge=1, le=MAX_SPECULATIVE_TOKENS, description="K used while speculating."
-    )
+    num_speculative_tokens: int = Field(4, ge=1, le=MAX_SPECULATIVE_TOKENS, description="K used while speculating.")
 
     @model_validator(mode="after")
     def _band(self) -> ThresholdConfig:

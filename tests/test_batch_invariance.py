@@ -36,8 +36,9 @@ def test_probe_finds_the_row_counts_a_kernel_agrees_on():
     assert got.min_rows == 2 and got.block == 24
     x = torch.randn(1, 48)
     assert torch.equal(bi.blocked(gemv_switch, x, got), gemv_switch(torch.cat([x, torch.zeros(1, 48)]))[:1])
-    plain = bi.probe_row_blocking(lambda x: (x[:, None, :] * w[None]).sum(-1), 48, torch.float32,
-                                  torch.device("cpu"), max_block=24)
+    plain = bi.probe_row_blocking(
+        lambda x: (x[:, None, :] * w[None]).sum(-1), 48, torch.float32, torch.device("cpu"), max_block=24
+    )
     assert plain == bi.RowBlocking(1, 24)
 
 
@@ -145,8 +146,12 @@ def check_forward_invariance(model, dtype: torch.dtype, length: int, seed: int, 
     for k in (1, 2, 4, 8):
         at = rng.randrange(1, length - k)
         ns, nst, ntok, nrow = _neighbours(rng, max_neighbours, 8, vocab)
-        batch = StepBatch(ns[:3] + [1] + ns[3:], nst[:3] + [at] + nst[3:], ntok[:3] + [ids[at : at + k + 1]] + ntok[3:],
-                          nrow[:3] + [list(range(k + 1))] + nrow[3:])
+        batch = StepBatch(
+            ns[:3] + [1] + ns[3:],
+            nst[:3] + [at] + nst[3:],
+            ntok[:3] + [ids[at : at + k + 1]] + ntok[3:],
+            nrow[:3] + [list(range(k + 1))] + nrow[3:],
+        )
         out = r.forward(batch).logits
         first = sum(len(x) for x in nrow[:3])
         expect(out[first : first + k + 1], at, f"verify K={k}")

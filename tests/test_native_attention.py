@@ -115,11 +115,14 @@ def test_threads_calling_the_kernel_at_once_get_their_own_results(kernel):
     gen = torch.Generator().manual_seed(5)
     kt = torch.randn(4, 3, 64, 512, generator=gen)  # [slots, Hkv, D, L]
     v = torch.randn(4, 3, 512, 64, generator=gen)
-    calls = [(torch.randn(6, 9, 64, generator=gen), torch.tensor([i % 4] * 6),
-              torch.randint(300, 513, (6,), generator=gen)) for i in range(8)]
+    calls = [
+        (torch.randn(6, 9, 64, generator=gen), torch.tensor([i % 4] * 6), torch.randint(300, 513, (6,), generator=gen))
+        for i in range(8)
+    ]
     alone = [kernel(q, kt, v, s, n, int(n.max()), 0.125) for q, s, n in calls]
     with ThreadPoolExecutor(4) as pool:
-        together = list(pool.map(
-            lambda c: [kernel(c[0], kt, v, c[1], c[2], int(c[2].max()), 0.125) for _ in range(20)], calls))
+        together = list(
+            pool.map(lambda c: [kernel(c[0], kt, v, c[1], c[2], int(c[2].max()), 0.125) for _ in range(20)], calls)
+        )
     for a, outs in zip(alone, together):
         assert all(torch.equal(a, o) for o in outs)

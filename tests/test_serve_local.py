@@ -72,8 +72,10 @@ def test_check_names_each_problem_where_it_is():
     assert problems[1].startswith("engine.proposers[0].optons: unknown key (did you mean options?); allowed: name,")
     assert problems[2] == "target.num_replicas: Input should be greater than or equal to 1 (got 0)"
     # the Router's user_config: the policy's own keys (the discriminated union's tag is no place in the YAML)
-    assert problems[3].startswith("deployments[Router].user_config.policy.prior_acceptence: unknown key (did you "
-                                  "mean prior_acceptance?); allowed: ")
+    assert problems[3].startswith(
+        "deployments[Router].user_config.policy.prior_acceptence: unknown key (did you "
+        "mean prior_acceptance?); allowed: "
+    )
     assert len(problems) == 4
 
 

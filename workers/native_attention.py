@@ -77,7 +77,9 @@ def _library() -> ctypes.CDLL | None:
             lib.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
                 out = Path(tmp) / lib.name
-                proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True)
+                proc = subprocess.run(
+                    [cc, *FLAGS, *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True
+                )
                 if proc.returncode != 0:
                     log.warning("native kernels did not compile, using torch ops:\n%s", proc.stderr[-2000:])
                     return None
@@ -110,8 +112,7 @@ def clear_cache() -> None:
 
 def _check_caches(kt_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """Both kernels read and write the caches through raw pointers: contiguous fp32 only."""
-    if not (kt_cache.is_contiguous() and v_cache.is_contiguous()
-            and kt_cache.dtype == v_cache.dtype == torch.float32):
+    if not (kt_cache.is_contiguous() and v_cache.is_contiguous() and kt_cache.dtype == v_cache.dtype == torch.float32):
         raise ValueError("the key and value caches must be contiguous fp32")
 
 
@@ -146,7 +147,11 @@ class NativeAttention:
         if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != D:
             raise ValueError("q must be fp32 with each row's heads contiguous")
         _check_caches(kt_cache, v_cache)
-        if slots.dtype != torch.int64 or nvis.dtype != torch.int64 or not (slots.is_contiguous() and nvis.is_contiguous()):
+        if (
+            slots.dtype != torch.int64
+            or nvis.dtype != torch.int64
+            or not (slots.is_contiguous() and nvis.is_contiguous())
+        ):
             raise ValueError("slots and nvis must be contiguous int64")
         threads = torch.get_num_threads()
         n_pad = -(-max_nvis // LANES) * LANES + 2 * LANES
@@ -155,12 +160,28 @@ class NativeAttention:
         if scratch is None or scratch.numel() < need:
             scratch = self._local.scratch = torch.empty(need, dtype=torch.float32)
         out = torch.empty(T, H, D, dtype=torch.float32)
-        rc = self._fn(q.data_ptr(), q.stride(0), kt_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-                      nvis.data_ptr(), out.data_ptr(), T, H, Hkv, D, L, scale, scratch.data_ptr(), n_pad,
-                      threads)
+        rc = self._fn(
+            q.data_ptr(),
+            q.stride(0),
+            kt_cache.data_ptr(),
+            v_cache.data_ptr(),
+            slots.data_ptr(),
+            nvis.data_ptr(),
+            out.data_ptr(),
+            T,
+            H,
+            Hkv,
+            D,
+            L,
+            scale,
+            scratch.data_ptr(),
+            n_pad,
+            threads,
+        )
         if rc != 0:
-            raise ValueError(f"attention shapes outside the kernel: T={T} H={H} Hkv={Hkv} D={D} L={L} "
-                             f"max visible keys {max_nvis}")
+            raise ValueError(
+                f"attention shapes outside the kernel: T={T} H={H} Hkv={Hkv} D={D} L={L} max visible keys {max_nvis}"
+            )
         return out
 
 
@@ -198,8 +219,17 @@ class NativeLayerOps:
         bf16 = self._bf16(h, weight, out, *(() if delta is None else (delta,)))
         if out.shape != h.shape or weight.shape != (n,) or (delta is not None and delta.shape != h.shape):
             raise ValueError("rms_norm shapes disagree")
-        self._rms(h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                  T, n, eps, bf16, torch.get_num_threads())
+        self._rms(
+            h.data_ptr(),
+            None if delta is None else delta.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            T,
+            n,
+            eps,
+            bf16,
+            torch.get_num_threads(),
+        )
         return out
 
     def rope_kv(
@@ -222,9 +252,25 @@ class NativeLayerOps:
         if not (positions.dtype == slots.dtype == torch.int64 and positions.is_contiguous() and slots.is_contiguous()):
             raise ValueError("positions and slots must be contiguous int64")
         q = torch.empty(T, num_heads, D, dtype=torch.float32)
-        rc = self._rope(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), slots.data_ptr(), cos.data_ptr(),
-                        sin.data_ptr(), q.data_ptr(), kt_cache.data_ptr(), v_cache.data_ptr(), T, num_heads, Hkv,
-                        D, L, cos.shape[0], bf16, torch.get_num_threads())
+        rc = self._rope(
+            qkv.data_ptr(),
+            qkv.stride(0),
+            positions.data_ptr(),
+            slots.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            q.data_ptr(),
+            kt_cache.data_ptr(),
+            v_cache.data_ptr(),
+            T,
+            num_heads,
+            Hkv,
+            D,
+            L,
+            cos.shape[0],
+            bf16,
+            torch.get_num_threads(),
+        )
         if rc != 0:
             raise ValueError(f"rope_kv: a position outside 0..{min(L, cos.shape[0]) - 1} or head_dim {D} unsupported")
         return q

@@ -57,7 +57,9 @@ class _AttnGroup:
     hi: int
     n: int  # new tokens per request (query rows)
     max_kv: int  # longest context in the group, after this step's tokens
-    mask: torch.Tensor  # [hi - lo, 1, n, max_kv] bool, True = visible; with pad_keys [hi - lo, 1, 1, n, max_kv], True = hidden
+    mask: (
+        torch.Tensor
+    )  # [hi - lo, 1, n, max_kv] bool, True = visible; with pad_keys [hi - lo, 1, 1, n, max_kv], True = hidden
     tok: torch.Tensor  # [T_g] rows of the step's flat token matrix that belong to the group
     sl: torch.Tensor  # [T_g] slot - lo of each of those rows
     qrow: torch.Tensor  # [T_g] query row of each within its request
@@ -147,7 +149,9 @@ class ModelRunner:
         self.final_norm = w(m.norm.weight)  # [hidden]
         self.lm_head = w(hf_model.lm_head.weight)  # [vocab, hidden]; shares storage semantics with embed when tied
         if head_rows is not None:
-            self.lm_head = self.lm_head[torch.as_tensor(list(head_rows), device=self.device)].contiguous()  # [V_head, hidden]
+            self.lm_head = self.lm_head[
+                torch.as_tensor(list(head_rows), device=self.device)
+            ].contiguous()  # [V_head, hidden]
         self.layers: list[dict[str, torch.Tensor]] = []
         for layer in m.layers:
             a, mlp = layer.self_attn, layer.mlp
@@ -155,7 +159,9 @@ class ModelRunner:
                 {
                     "in_norm": w(layer.input_layernorm.weight),  # [hidden]
                     # fused q/k/v: one matmul instead of three
-                    "qkv": w(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)),  # [(H + 2 Hkv) * D, hidden]
+                    "qkv": w(
+                        torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)
+                    ),  # [(H + 2 Hkv) * D, hidden]
                     "o": w(a.o_proj.weight),  # [hidden, H * D]
                     "post_norm": w(layer.post_attention_layernorm.weight),  # [hidden]
                     "gate_up": w(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0)),  # [2 * inter, hidden]
@@ -184,8 +190,11 @@ class ModelRunner:
         # packed copy of the same bf16-rounded weights and round the result back to bf16. Costs
         # 2x the bf16 weight memory again; the values a one-row step reads are unchanged.
         self._wide_f32 = (
-            self.device.type == "cpu" and cpu_gemm == "onednn" and dtype == torch.bfloat16
-            and not self._packed and _onednn_packs(torch.float32)
+            self.device.type == "cpu"
+            and cpu_gemm == "onednn"
+            and dtype == torch.bfloat16
+            and not self._packed
+            and _onednn_packs(torch.float32)
         )
         self.batch_invariant = batch_invariant
         if self._wide_f32:
@@ -216,8 +225,7 @@ class ModelRunner:
         # Every path reads and writes keys as [slots, Hkv, L, D]; for the native kernel that is a view of
         # keys stored transposed ([slots, Hkv, D, L], contiguous), the layout it reads.
         k_storage = (num_slots, self.num_kv_heads, self.head_dim, kv_len) if self.native_attn else kv_shape
-        self._k_storage = [torch.zeros(k_storage, dtype=kv_dtype, device=self.device)
-                           for _ in range(self.num_layers)]
+        self._k_storage = [torch.zeros(k_storage, dtype=kv_dtype, device=self.device) for _ in range(self.num_layers)]
         self.k_cache = [kt.transpose(2, 3) for kt in self._k_storage] if self.native_attn else self._k_storage
         self.v_cache = [torch.zeros(kv_shape, dtype=kv_dtype, device=self.device) for _ in range(self.num_layers)]
         # One row blocking per weight shape (all layers share them), probed with the thread count the
@@ -229,13 +237,19 @@ class ModelRunner:
 
     def _probe(self) -> None:
         L0 = self.layers[0]
-        widths = {"qkv": self.hidden_size, "o": self.num_heads * self.head_dim, "gate_up": self.hidden_size,
-                  "down": self.intermediate_size}
+        widths = {
+            "qkv": self.hidden_size,
+            "o": self.num_heads * self.head_dim,
+            "gate_up": self.hidden_size,
+            "down": self.intermediate_size,
+        }
         for name, width in widths.items():
             self.row_blocking[name] = bi.probe_row_blocking(
-                functools.partial(self._linear_kernel, L=L0, name=name), width, self.dtype, self.device)
-        self.row_blocking["lm_head"] = bi.probe_row_blocking(self._lm_head_kernel, self.hidden_size, self.dtype,
-                                                             self.device)
+                functools.partial(self._linear_kernel, L=L0, name=name), width, self.dtype, self.device
+            )
+        self.row_blocking["lm_head"] = bi.probe_row_blocking(
+            self._lm_head_kernel, self.hidden_size, self.dtype, self.device
+        )
         if not self.native_attn:
             self.attn_blocking = bi.probe_attention_blocking(self.head_dim, self.device)
         self._probed_threads = torch.get_num_threads()
@@ -356,22 +370,34 @@ class ModelRunner:
                     kc[slot_of_tok, :, positions] = k.to(kc.dtype)  # in-place write, [T, Hkv, D] at (slot, :, pos)
                     vc[slot_of_tok, :, positions] = v.to(vc.dtype)
                 if self.native_attn:
-                    o = self.native_attn(q.float(), self._k_storage[li], vc, slot_of_tok, nvis, max_kv,
-                                         D**-0.5)  # [T, H, D] fp32
+                    o = self.native_attn(
+                        q.float(), self._k_storage[li], vc, slot_of_tok, nvis, max_kv, D**-0.5
+                    )  # [T, H, D] fp32
                     o = o.reshape(total, H * D).to(self.dtype)
                 elif self.batch_invariant:
                     if len(groups) == 1 and groups[0].dense_row0 == 0 and groups[0].tok.numel() == total:
                         g = groups[0]  # every row in one dense group (a decode batch, a lone prefill): views only
-                        o = bi.attention(q.reshape(g.hi - g.lo, g.n, H, D), kc[g.lo : g.hi, :, : g.max_kv],
-                                         vc[g.lo : g.hi, :, : g.max_kv], g.mask, D**-0.5,
-                                         self.attn_blocking).reshape(total, H * D)
+                        o = bi.attention(
+                            q.reshape(g.hi - g.lo, g.n, H, D),
+                            kc[g.lo : g.hi, :, : g.max_kv],
+                            vc[g.lo : g.hi, :, : g.max_kv],
+                            g.mask,
+                            D**-0.5,
+                            self.attn_blocking,
+                        ).reshape(total, H * D)
                     else:
                         o = q.new_empty(total, H, D)
                         for g in groups:
                             qp = q.new_zeros(g.hi - g.lo, g.n, H, D)
                             qp[g.sl, g.qrow] = q[g.tok]
-                            attn = bi.attention(qp, kc[g.lo : g.hi, :, : g.max_kv], vc[g.lo : g.hi, :, : g.max_kv],
-                                                g.mask, D**-0.5, self.attn_blocking)  # [S_g, n_g, H, D]
+                            attn = bi.attention(
+                                qp,
+                                kc[g.lo : g.hi, :, : g.max_kv],
+                                vc[g.lo : g.hi, :, : g.max_kv],
+                                g.mask,
+                                D**-0.5,
+                                self.attn_blocking,
+                            )  # [S_g, n_g, H, D]
                             o[g.tok] = attn[g.sl, g.qrow]
                         o = o.reshape(total, H * D)
                 elif nreq == 1:
@@ -386,8 +412,11 @@ class ModelRunner:
                         qp = q.new_zeros(g.hi - g.lo, g.n, H, D)
                         qp[g.sl, g.qrow] = q[g.tok]
                         attn = F.scaled_dot_product_attention(
-                            qp.transpose(1, 2), kc[g.lo : g.hi, :, : g.max_kv], vc[g.lo : g.hi, :, : g.max_kv],
-                            attn_mask=g.mask, enable_gqa=True,
+                            qp.transpose(1, 2),
+                            kc[g.lo : g.hi, :, : g.max_kv],
+                            vc[g.lo : g.hi, :, : g.max_kv],
+                            attn_mask=g.mask,
+                            enable_gqa=True,
                         )  # [S_g, H, n_g, D]
                         o[g.tok] = attn.transpose(1, 2)[g.sl, g.qrow]
                     o = o.reshape(total, H * D)
@@ -409,8 +438,9 @@ class ModelRunner:
             extra = self._rms_norm(h[hrows], self.final_norm)  # [M', hidden]
         return StepOutput(logits=self._lm_head(hs), hidden=hs, extra_hidden=extra)
 
-    def _layers_native(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, nvis: torch.Tensor,
-                       max_kv: int) -> torch.Tensor:
+    def _layers_native(
+        self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, nvis: torch.Tensor, max_kv: int
+    ) -> torch.Tensor:
         """Every decoder layer with the native row-wise ops and attention; the GEMMs stay oneDNN's.
 
         Each residual add is fused into the RMSNorm after it, so ``h`` is updated in place there.
@@ -463,12 +493,21 @@ class ModelRunner:
             if pad_keys:
                 mask = ~mask.unsqueeze(1)  # [S_g, 1, 1, n, kv]: the form bi.attention masks with
             dense = slots == list(range(lo, hi)) and idxs == list(range(idxs[0], idxs[0] + len(idxs)))
-            groups.append(_AttnGroup(
-                lo=lo, hi=hi, n=n, max_kv=max_kv, mask=mask, dense_row0=offsets[idxs[0]] if dense else None,
-                tok=torch.tensor([offsets[i] + r for i in idxs for r in range(n)], dtype=torch.long, device=dev),
-                sl=torch.tensor([batch.slots[i] - lo for i in idxs for _ in range(n)], dtype=torch.long, device=dev),
-                qrow=torch.tensor([r for _ in idxs for r in range(n)], dtype=torch.long, device=dev),
-            ))
+            groups.append(
+                _AttnGroup(
+                    lo=lo,
+                    hi=hi,
+                    n=n,
+                    max_kv=max_kv,
+                    mask=mask,
+                    dense_row0=offsets[idxs[0]] if dense else None,
+                    tok=torch.tensor([offsets[i] + r for i in idxs for r in range(n)], dtype=torch.long, device=dev),
+                    sl=torch.tensor(
+                        [batch.slots[i] - lo for i in idxs for _ in range(n)], dtype=torch.long, device=dev
+                    ),
+                    qrow=torch.tensor([r for _ in idxs for r in range(n)], dtype=torch.long, device=dev),
+                )
+            )
         return groups
 
     def _lm_head(self, hs: torch.Tensor) -> torch.Tensor:
