@@ -117,3 +117,13 @@ def test_a_preempted_stream_sends_each_token_and_its_text_once(tiny_loaded, one_
     for rid, t in toks.items():
         assert len(t) == 40 and lps[rid] == 40
         assert text[rid] == eng.tokenizer.decode(t, skip_special_tokens=True)
+
+
+def test_memory_follows_the_pool_not_max_num_seqs_times_max_model_len(tiny_loaded):
+    """128 requests of the model's whole context (1024) cost the pool's bytes, not 128 x 1024 tokens' worth."""
+    cfg = EngineConfig(dtype="float32", max_num_seqs=128, max_model_len=1024, proposers=[],
+                       kv_cache_memory_gb=4096 * TINY_TOKEN_BYTES / 2**30)
+    eng = LLMEngine(cfg, tiny_loaded)
+    assert eng.kv.num_blocks == 256 and eng.runner.kv_bytes == 4096 * TINY_TOKEN_BYTES
+    out = eng.generate(rand_prompts(3, 23, 5, 10), {"max_tokens": 6, "ignore_eos": True})
+    assert [len(o) for o in out] == [6, 6, 6]

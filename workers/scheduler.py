@@ -247,4 +247,5 @@ class Scheduler:
             self.kv.grow(r, r.num_computed + 1 + k)
             kept.append(r)
             kept_ks.append(k)
-        return kept, kept_ks
+        live = [i for i, r in enumerate(kept) if r.status is Status.RUNNING]  # a later preemption never hits
+        return [kept[i] for i in live], [kept_ks[i] for i in live]            # an older request; checked anyway
