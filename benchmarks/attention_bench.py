@@ -21,16 +21,31 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import RESULTS_DIR, bar_panel, env_info, figure, format_table, save_figure, set_threads, write_json
+from benchmarks.common import (
+    RESULTS_DIR,
+    bar_panel,
+    env_info,
+    figure,
+    format_table,
+    save_figure,
+    set_threads,
+    write_json,
+)
 from workers import batch_invariant as bi
 from workers import native_attention
 
 H, HKV, D = 9, 3, 64
 # (name, query rows per request, requests, visible keys of the last row): decode rows see all keys,
 # prefill rows are causal (row i sees i + 1 keys)
-CASES = (("decode c=1, 40 keys", 1, 1, 40), ("decode c=1, 200 keys", 1, 1, 200), ("decode c=1, 1000 keys", 1, 1, 1000),
-         ("decode c=32, 300 keys", 1, 32, 300), ("prefill 64", 64, 1, 64), ("prefill 256", 256, 1, 256),
-         ("prefill 480", 480, 1, 480))
+CASES = (
+    ("decode c=1, 40 keys", 1, 1, 40),
+    ("decode c=1, 200 keys", 1, 1, 200),
+    ("decode c=1, 1000 keys", 1, 1, 1000),
+    ("decode c=32, 300 keys", 1, 32, 300),
+    ("prefill 64", 64, 1, 64),
+    ("prefill 256", 256, 1, 256),
+    ("prefill 480", 480, 1, 480),
+)
 
 
 def time_us(fn: Callable[[], Any], budget_s: float = 0.3) -> float:
@@ -44,8 +59,9 @@ def time_us(fn: Callable[[], Any], budget_s: float = 0.3) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def case_fns(n_rows: int, n_req: int, keys: int, native: native_attention.NativeAttention,
-             blocking: bi.AttentionBlocking) -> dict[str, Callable[[], Any]]:
+def case_fns(
+    n_rows: int, n_req: int, keys: int, native: native_attention.NativeAttention, blocking: bi.AttentionBlocking
+) -> dict[str, Callable[[], Any]]:
     gen = torch.Generator().manual_seed(0)
     L = bi.padded_keys(max(keys, 1024))
     k = torch.randn(n_req, HKV, L, D, generator=gen)  # [S, Hkv, L, D]
@@ -63,8 +79,13 @@ def case_fns(n_rows: int, n_req: int, keys: int, native: native_attention.Native
     return {
         "native": lambda: native(flat, kt, v, slots, nvis, keys, D**-0.5),
         "torch ops": lambda: bi.attention(q, k[:, :, :lp], v[:, :, :lp], masked, D**-0.5, blocking),
-        "sdpa": lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k[:, :, :keys], v[:, :, :keys],
-                                                       attn_mask=None if n_rows == 1 else sdpa_mask, enable_gqa=True),
+        "sdpa": lambda: F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k[:, :, :keys],
+            v[:, :, :keys],
+            attn_mask=None if n_rows == 1 else sdpa_mask,
+            enable_gqa=True,
+        ),
     }
 
 
@@ -86,18 +107,40 @@ def main(argv: list[str] | None = None) -> int:
             for impl in order:
                 us[name].setdefault(impl, []).append(time_us(cell[impl]))
         print(f"round {rnd + 1}/{args.rounds} done", flush=True)
-    rows = [{"case": name, **{impl: min(v) for impl, v in us[name].items()},
-             "torch_over_native": min(us[name]["torch ops"]) / min(us[name]["native"]),
-             "sdpa_over_native": min(us[name]["sdpa"]) / min(us[name]["native"])} for name in fns]
+    rows = [
+        {
+            "case": name,
+            **{impl: min(v) for impl, v in us[name].items()},
+            "torch_over_native": min(us[name]["torch ops"]) / min(us[name]["native"]),
+            "sdpa_over_native": min(us[name]["sdpa"]) / min(us[name]["native"]),
+        }
+        for name in fns
+    ]
     env = env_info()
-    print(format_table(rows, [("case", "case", "s"), ("native", "native us", ".1f"), ("torch ops", "torch ops us", ".1f"),
-                              ("sdpa", "sdpa us", ".1f"), ("torch_over_native", "torch/native", ".2f"),
-                              ("sdpa_over_native", "sdpa/native", ".2f")],
-                       title=f"One layer's attention, best of {args.rounds} interleaved rounds ({env['cpu']})"))
+    print(
+        format_table(
+            rows,
+            [
+                ("case", "case", "s"),
+                ("native", "native us", ".1f"),
+                ("torch ops", "torch ops us", ".1f"),
+                ("sdpa", "sdpa us", ".1f"),
+                ("torch_over_native", "torch/native", ".2f"),
+                ("sdpa_over_native", "sdpa/native", ".2f"),
+            ],
+            title=f"One layer's attention, best of {args.rounds} interleaved rounds ({env['cpu']})",
+        )
+    )
     write_json(RESULTS_DIR / "attention_bench.json", {"env": env, "args": vars(args), "rows": rows, "raw_us": us})
     fig, axes = figure(ncols=1, width=10)
-    bar_panel(axes[0], [r["case"] for r in rows], {impl: [r[impl] for r in rows] for impl in ("native", "torch ops", "sdpa")},
-              title="one layer's attention (lower is better)", ylabel="us", fmt="{:.0f}")
+    bar_panel(
+        axes[0],
+        [r["case"] for r in rows],
+        {impl: [r[impl] for r in rows] for impl in ("native", "torch ops", "sdpa")},
+        title="one layer's attention (lower is better)",
+        ylabel="us",
+        fmt="{:.0f}",
+    )
     save_figure(fig, RESULTS_DIR / "attention_bench.png", suptitle=f"Invariant attention kernels ({env['cpu']})")
     return 0
 

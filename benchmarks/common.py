@@ -331,8 +331,16 @@ def hf_generate(
     t1 = time.perf_counter()
     toks = out[0, len(prompt_ids) :].tolist()
     first = streamer.times[1] - t0 if len(streamer.times) > 1 else None
-    rec = RequestRecord(0, len(prompt_ids), 0.0, first, t1 - t0, toks, max(len(streamer.times) - 1, 0),
-                        "length" if len(toks) == max_new_tokens else "stop")
+    rec = RequestRecord(
+        0,
+        len(prompt_ids),
+        0.0,
+        first,
+        t1 - t0,
+        toks,
+        max(len(streamer.times) - 1, 0),
+        "length" if len(toks) == max_new_tokens else "stop",
+    )
     return RunResult(name, 1, t1 - t0, [rec])
 
 
@@ -403,7 +411,13 @@ def figure(ncols: int = 1, width: float = 6.0, height: float = 4.2):
 
 
 def line_panel(
-    ax: Any, xs: Sequence[float], series: dict[str, Sequence[float]], *, title: str, xlabel: str, ylabel: str,
+    ax: Any,
+    xs: Sequence[float],
+    series: dict[str, Sequence[float]],
+    *,
+    title: str,
+    xlabel: str,
+    ylabel: str,
     logx: bool = True,
 ) -> None:
     for label, ys in series.items():
@@ -423,8 +437,14 @@ def line_panel(
 
 
 def bar_panel(
-    ax: Any, groups: Sequence[str], series: dict[str, Sequence[float]], *, title: str, ylabel: str,
-    hline: float | None = None, fmt: str = "{:.2f}",
+    ax: Any,
+    groups: Sequence[str],
+    series: dict[str, Sequence[float]],
+    *,
+    title: str,
+    ylabel: str,
+    hline: float | None = None,
+    fmt: str = "{:.2f}",
 ) -> None:
     n = max(len(series), 1)
     width = 0.8 / n
@@ -433,8 +453,14 @@ def bar_panel(
         vals = [0.0 if (v is None or (isinstance(v, float) and math.isnan(v))) else v for v in vals]
         bars = ax.bar(xs, vals, width, label=label)
         for b, v in zip(bars, vals):
-            ax.annotate(fmt.format(v), (b.get_x() + b.get_width() / 2, v), textcoords="offset points",
-                        xytext=(0, 2), ha="center", fontsize=6)
+            ax.annotate(
+                fmt.format(v),
+                (b.get_x() + b.get_width() / 2, v),
+                textcoords="offset points",
+                xytext=(0, 2),
+                ha="center",
+                fontsize=6,
+            )
     if hline is not None:
         ax.axhline(hline, color="gray", linestyle="--", linewidth=1)
     ax.set_xticks(range(len(groups)))

@@ -81,8 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(s) for s in args.streams.split(",")]
     cells: dict[tuple[str, int], list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = LocalCluster(Path(tmp), args_patch={"engine": {"num_threads": 2, "max_num_seqs": 32,
-                                                                 "max_model_len": 2048}, "target": {"num_cpus": 1}})
+        cluster = LocalCluster(
+            Path(tmp),
+            args_patch={
+                "engine": {"num_threads": 2, "max_num_seqs": 32, "max_model_len": 2048},
+                "target": {"num_cpus": 1},
+            },
+        )
         try:
             print("starting the service ...", flush=True)
             cluster.start()
@@ -95,14 +100,17 @@ def main(argv: list[str] | None = None) -> int:
             procs = cluster.processes()
             asyncio.run(closed_loop(cluster.base_url, CHAT_PROMPTS, 2, 4, 16))  # warm-up
             for rnd in progress(range(args.rounds), desc="rounds"):
-                for mode in (MODES if rnd % 2 == 0 else MODES[::-1]):
+                for mode in MODES if rnd % 2 == 0 else MODES[::-1]:
                     apply(mode, procs, engine_tids)
                     for c in levels:
                         total = max(2 * c, 6)
                         r = asyncio.run(closed_loop(cluster.base_url, CHAT_PROMPTS, c, total, args.tokens))
                         cells.setdefault((mode, c), []).append(r)
-                        print(f"round {rnd} {mode:>12} c={c:<2} {r['tok_s']:6.1f} tok/s  TTFT p50 "
-                              f"{r['ttft_p50_ms']:5.0f} ms  TPOT p50 {r['tpot_p50_ms']:5.1f} ms", flush=True)
+                        print(
+                            f"round {rnd} {mode:>12} c={c:<2} {r['tok_s']:6.1f} tok/s  TTFT p50 "
+                            f"{r['ttft_p50_ms']:5.0f} ms  TPOT p50 {r['tpot_p50_ms']:5.1f} ms",
+                            flush=True,
+                        )
             apply("engine first", procs, engine_tids)
         finally:
             cluster.stop()
@@ -110,25 +118,48 @@ def main(argv: list[str] | None = None) -> int:
     for c in levels:
         base, first = cells[("ray default", c)], cells[("engine first", c)]
         paired = [f["tok_s"] / b["tok_s"] for f, b in zip(first, base)]
-        row = {"streams": c, "paired_tok_s_ratio": statistics.median(paired), "paired_min": min(paired),
-               "paired_max": max(paired)}
+        row = {
+            "streams": c,
+            "paired_tok_s_ratio": statistics.median(paired),
+            "paired_min": min(paired),
+            "paired_max": max(paired),
+        }
         for mode, rs in (("ray_default", base), ("engine_first", first)):
             for k in ("tok_s", "ttft_p50_ms", "tpot_p50_ms"):
                 row[f"{mode}_{k}"] = statistics.median(r[k] for r in rs)
         rows.append(row)
-        print(f"c={c}: engine first / ray default tok/s {row['paired_tok_s_ratio']:.3f} "
-              f"({row['paired_min']:.3f}-{row['paired_max']:.3f}); TPOT p50 {row['ray_default_tpot_p50_ms']:.1f} -> "
-              f"{row['engine_first_tpot_p50_ms']:.1f} ms; TTFT p50 {row['ray_default_ttft_p50_ms']:.0f} -> "
-              f"{row['engine_first_ttft_p50_ms']:.0f} ms")
+        print(
+            f"c={c}: engine first / ray default tok/s {row['paired_tok_s_ratio']:.3f} "
+            f"({row['paired_min']:.3f}-{row['paired_max']:.3f}); TPOT p50 {row['ray_default_tpot_p50_ms']:.1f} -> "
+            f"{row['engine_first_tpot_p50_ms']:.1f} ms; TTFT p50 {row['ray_default_ttft_p50_ms']:.0f} -> "
+            f"{row['engine_first_ttft_p50_ms']:.0f} ms"
+        )
     out = Path(args.out)
-    write_json(out.with_suffix(".json"), {"env": env_info(), "args": vars(args), "rows": rows,
-                                          "cells": {f"{m} c={c}": v for (m, c), v in cells.items()}})
+    write_json(
+        out.with_suffix(".json"),
+        {
+            "env": env_info(),
+            "args": vars(args),
+            "rows": rows,
+            "cells": {f"{m} c={c}": v for (m, c), v in cells.items()},
+        },
+    )
     fig, axes = figure(ncols=2, width=11)
     names = [f"c={r['streams']}" for r in rows]
-    bar_panel(axes[0], names, {m: [r[f"{m.replace(' ', '_')}_tok_s"] for r in rows] for m in MODES},
-              title="output tok/s over HTTP (median of rounds)", ylabel="tok/s")
-    bar_panel(axes[1], names, {m: [r[f"{m.replace(' ', '_')}_tpot_p50_ms"] for r in rows] for m in MODES},
-              title="TPOT p50", ylabel="ms")
+    bar_panel(
+        axes[0],
+        names,
+        {m: [r[f"{m.replace(' ', '_')}_tok_s"] for r in rows] for m in MODES},
+        title="output tok/s over HTTP (median of rounds)",
+        ylabel="tok/s",
+    )
+    bar_panel(
+        axes[1],
+        names,
+        {m: [r[f"{m.replace(' ', '_')}_tpot_p50_ms"] for r in rows] for m in MODES},
+        title="TPOT p50",
+        ylabel="ms",
+    )
     save_figure(fig, out.with_suffix(".png"), suptitle=env_info().get("cpu", ""))
     print(f"wrote {out.with_suffix('.json')} and .png")
     return 0

@@ -120,13 +120,24 @@ def main(argv: list[str] | None = None) -> int:
     copy_msgs = [m for _, _, m in COPY_PROMPTS[: 2 if args.quick else 4]]
     batch = max(n_chat, len(copy_msgs))
     eng = LLMEngine(
-        EngineConfig(dtype="float32", max_num_seqs=batch, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=512,
-                     num_speculative_tokens=max(ks), num_threads=args.threads),
+        EngineConfig(
+            dtype="float32",
+            max_num_seqs=batch,
+            max_model_len=MAX_MODEL_LEN,
+            max_num_batched_tokens=512,
+            num_speculative_tokens=max(ks),
+            num_threads=args.threads,
+        ),
         loaded,
         proposers={
-            "draft_model": DraftModelProposer(draft.model, num_slots=batch, max_model_len=MAX_MODEL_LEN,
-                                              dtype="float32", target_vocab_size=loaded.model.config.vocab_size,
-                                              vocab_ids=draft.draft_vocab),
+            "draft_model": DraftModelProposer(
+                draft.model,
+                num_slots=batch,
+                max_model_len=MAX_MODEL_LEN,
+                dtype="float32",
+                target_vocab_size=loaded.model.config.vocab_size,
+                vocab_ids=draft.draft_vocab,
+            ),
             "eagle": EagleProposer(args.eagle, loaded.model, num_slots=batch, max_model_len=MAX_MODEL_LEN),
             "ngram": NgramProposer(),
             "suffix": SuffixProposer(),
@@ -145,10 +156,13 @@ def main(argv: list[str] | None = None) -> int:
         if method == "suffix":
             eng.proposers["suffix"] = SuffixProposer()  # cold cache: plain runs must not teach it the answer
         eng.decide = fixed_k(k)
-        work = [(ids, {"max_tokens": n_tok, "temperature": temp, "seed": 1000 + i if temp else None})
-                for i, ids in enumerate(prompts)]
-        return run_closed_loop(eng, work, conc, proposer=method, speculation="on" if method else "off",
-                               name=label, show_progress=False)
+        work = [
+            (ids, {"max_tokens": n_tok, "temperature": temp, "seed": 1000 + i if temp else None})
+            for i, ids in enumerate(prompts)
+        ]
+        return run_closed_loop(
+            eng, work, conc, proposer=method, speculation="on" if method else "off", name=label, show_progress=False
+        )
 
     # ---------------------------------------------------------------- A. acceptance
     rows: list[dict[str, Any]] = []
@@ -161,13 +175,25 @@ def main(argv: list[str] | None = None) -> int:
         if t == 0.0 and r.outputs() != plain_out[s]:
             mismatches.append(f"{m} {s} K={k}: greedy output differs from plain")
             print(f"!!!!!!!! MISMATCH: {mismatches[-1]}", flush=True)
-        rows.append({"set": s, "temperature": t, "k": k, "method": m, "mean_acceptance_length": tot.mean_acceptance_length,
-                     "acceptance_rate": tot.acceptance_rate, "num_drafts": tot.num_drafts,
-                     "accepted_per_pos": tot.accepted_per_pos, "output_tokens": r.output_tokens})
+        rows.append(
+            {
+                "set": s,
+                "temperature": t,
+                "k": k,
+                "method": m,
+                "mean_acceptance_length": tot.mean_acceptance_length,
+                "acceptance_rate": tot.acceptance_rate,
+                "num_drafts": tot.num_drafts,
+                "accepted_per_pos": tot.accepted_per_pos,
+                "output_tokens": r.output_tokens,
+            }
+        )
 
     out_dir = Path(args.out)
     name = "draft_eval_quick" if args.quick else "draft_eval"
-    write_json(out_dir / f"{name}.partial.json", {"acceptance": rows, "mismatches": mismatches, "chat_prompts": chat_msgs})
+    write_json(
+        out_dir / f"{name}.partial.json", {"acceptance": rows, "mismatches": mismatches, "chat_prompts": chat_msgs}
+    )
 
     # ---------------------------------------------------------------- B. speed at c=1
     speed_methods = [("draft_model", 4), ("eagle", 2), ("eagle", 4), ("eagle", 6), ("ngram", 4)]
@@ -178,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     saved_tok = n_tok
     n_tok = 16 if args.quick else args.speed_tokens
     for rnd, i in progress(jobs_b, desc="B: c=1 speed", unit="prompt"):
-        order = labels[(i + rnd) % len(labels):] + labels[: (i + rnd) % len(labels)]
+        order = labels[(i + rnd) % len(labels) :] + labels[: (i + rnd) % len(labels)]
         for lab in order:
             m, k = (None, 0) if lab == "plain" else (lab.split()[0], int(lab.split("=")[1]))
             r = run([speed_prompts[i]], m, k, 0.0, 1, lab)
@@ -190,59 +216,134 @@ def main(argv: list[str] | None = None) -> int:
     for lab in labels:
         mr = merge_runs(lab, [best[(i, lab)] for i in range(len(speed_prompts))])
         tot = mr.spec_totals()
-        speed.append({"method": lab, "tok_s": mr.tok_s, "vs_plain": ratio(mr.tok_s, base.tok_s),
-                      "mean_acceptance_length": tot.mean_acceptance_length if tot.num_drafts else None,
-                      "same_output": mr.outputs() == base.outputs()})
+        speed.append(
+            {
+                "method": lab,
+                "tok_s": mr.tok_s,
+                "vs_plain": ratio(mr.tok_s, base.tok_s),
+                "mean_acceptance_length": tot.mean_acceptance_length if tot.num_drafts else None,
+                "same_output": mr.outputs() == base.outputs(),
+            }
+        )
 
     # ---------------------------------------------------------------- C. per-token cost
     tgt_runner = ModelRunner(loaded.model, 1, 256, torch.float32, "cpu")
-    dr_runner = ModelRunner(draft.model, 1, 256, torch.float32, "cpu", head_rows=draft.draft_vocab)  # as the proposer runs it
+    dr_runner = ModelRunner(
+        draft.model, 1, 256, torch.float32, "cpu", head_rows=draft.draft_vocab
+    )  # as the proposer runs it
     t_ms, d_ms = step_cost_ms(tgt_runner), step_cost_ms(dr_runner)
     e_prop = EagleProposer(args.eagle, loaded.model, num_slots=1, max_model_len=256)
     e_ms = eagle_step_cost_ms(e_prop, loaded.model.config.hidden_size)
-    cost = {"target_step_ms": t_ms, "draft_step_ms": d_ms, "draft_over_target": d_ms / t_ms,
-            "eagle_step_ms": e_ms, "eagle_over_target": e_ms / t_ms,
-            "draft_layers": draft.model.config.num_hidden_layers, "dtype": "float32"}
+    cost = {
+        "target_step_ms": t_ms,
+        "draft_step_ms": d_ms,
+        "draft_over_target": d_ms / t_ms,
+        "eagle_step_ms": e_ms,
+        "eagle_over_target": e_ms / t_ms,
+        "draft_layers": draft.model.config.num_hidden_layers,
+        "dtype": "float32",
+    }
 
     # ---------------------------------------------------------------- report
     tables = []
     for s in sets:
         for t in (0.0, 0.7):
             sub = [r for r in rows if r["set"] == s and r["temperature"] == t]
-            tables.append(format_table(
-                [{"method": m, **{f"K={k} len": next(r["mean_acceptance_length"] for r in sub if r["k"] == k and r["method"] == m) for k in ks},
-                  **{f"K={k} rate": next(r["acceptance_rate"] for r in sub if r["k"] == k and r["method"] == m) for k in ks}}
-                 for m in METHODS],
-                [("method", "method", "")] + [(f"K={k} len", f"K={k} len", ".2f") for k in ks]
-                + [(f"K={k} rate", f"K={k} rate", ".2f") for k in ks],
-                title=f"Acceptance, {s} prompts ({len(sets[s])} x {n_tok} tokens), "
-                      f"{'greedy' if t == 0 else f'T={t}'}: mean acceptance length / acceptance rate"))
-    tables.append(format_table(speed, [("method", "method", ""), ("tok_s", "tok/s", ".1f"), ("vs_plain", "vs plain", ".2f"),
-                                       ("mean_acceptance_length", "acc len", ".2f"), ("same_output", "same out", "")],
-                               title=f"Concurrency 1, held-out chat, greedy, {len(speed_prompts)} prompts x "
-                                     f"{args.speed_tokens} tokens (best of {args.speed_rounds} rounds)"))
-    tables.append(format_table([cost], [("target_step_ms", "target ms", ".1f"), ("draft_step_ms", "draft ms", ".1f"),
-                                        ("draft_over_target", "draft/target", ".3f"), ("eagle_step_ms", "eagle ms", ".2f"),
-                                        ("eagle_over_target", "eagle/target", ".3f")],
-                               title="Per-token cost, 1-token step at batch 1, fp32 (median)"))
+            tables.append(
+                format_table(
+                    [
+                        {
+                            "method": m,
+                            **{
+                                f"K={k} len": next(
+                                    r["mean_acceptance_length"] for r in sub if r["k"] == k and r["method"] == m
+                                )
+                                for k in ks
+                            },
+                            **{
+                                f"K={k} rate": next(
+                                    r["acceptance_rate"] for r in sub if r["k"] == k and r["method"] == m
+                                )
+                                for k in ks
+                            },
+                        }
+                        for m in METHODS
+                    ],
+                    [("method", "method", "")]
+                    + [(f"K={k} len", f"K={k} len", ".2f") for k in ks]
+                    + [(f"K={k} rate", f"K={k} rate", ".2f") for k in ks],
+                    title=f"Acceptance, {s} prompts ({len(sets[s])} x {n_tok} tokens), "
+                    f"{'greedy' if t == 0 else f'T={t}'}: mean acceptance length / acceptance rate",
+                )
+            )
+    tables.append(
+        format_table(
+            speed,
+            [
+                ("method", "method", ""),
+                ("tok_s", "tok/s", ".1f"),
+                ("vs_plain", "vs plain", ".2f"),
+                ("mean_acceptance_length", "acc len", ".2f"),
+                ("same_output", "same out", ""),
+            ],
+            title=f"Concurrency 1, held-out chat, greedy, {len(speed_prompts)} prompts x "
+            f"{args.speed_tokens} tokens (best of {args.speed_rounds} rounds)",
+        )
+    )
+    tables.append(
+        format_table(
+            [cost],
+            [
+                ("target_step_ms", "target ms", ".1f"),
+                ("draft_step_ms", "draft ms", ".1f"),
+                ("draft_over_target", "draft/target", ".3f"),
+                ("eagle_step_ms", "eagle ms", ".2f"),
+                ("eagle_over_target", "eagle/target", ".3f"),
+            ],
+            title="Per-token cost, 1-token step at batch 1, fp32 (median)",
+        )
+    )
     for tb in tables:
         print("\n" + tb)
     if mismatches:
         print("\nMISMATCHES:\n" + "\n".join(mismatches))
 
-    write_json(out_dir / f"{name}.json", {"benchmark": "draft_eval", "env": env, "ks": ks, "tokens": n_tok,
-                                           "chat_prompts": chat_msgs, "acceptance": rows, "speed_c1": speed,
-                                           "cost": cost, "mismatches": mismatches, "tables": tables,
-                                           "wall_s": time.perf_counter() - t_start})
+    write_json(
+        out_dir / f"{name}.json",
+        {
+            "benchmark": "draft_eval",
+            "env": env,
+            "ks": ks,
+            "tokens": n_tok,
+            "chat_prompts": chat_msgs,
+            "acceptance": rows,
+            "speed_c1": speed,
+            "cost": cost,
+            "mismatches": mismatches,
+            "tables": tables,
+            "wall_s": time.perf_counter() - t_start,
+        },
+    )
     fig, axes = figure(ncols=3, width=5.5)
     for ax, s in zip(axes[:2], sets):
         sub = [r for r in rows if r["set"] == s and r["temperature"] == 0.0]
-        bar_panel(ax, [f"K={k}" for k in ks],
-                  {m: [next(r["mean_acceptance_length"] for r in sub if r["k"] == k and r["method"] == m) for k in ks]
-                   for m in METHODS},
-                  title=f"{s}, greedy: mean acceptance length", ylabel="tokens per verify")
-    bar_panel(axes[2], [x["method"] for x in speed], {"tok/s": [x["tok_s"] for x in speed]},
-              title="c=1 held-out chat, greedy", ylabel="tokens/s")
+        bar_panel(
+            ax,
+            [f"K={k}" for k in ks],
+            {
+                m: [next(r["mean_acceptance_length"] for r in sub if r["k"] == k and r["method"] == m) for k in ks]
+                for m in METHODS
+            },
+            title=f"{s}, greedy: mean acceptance length",
+            ylabel="tokens per verify",
+        )
+    bar_panel(
+        axes[2],
+        [x["method"] for x in speed],
+        {"tok/s": [x["tok_s"] for x in speed]},
+        title="c=1 held-out chat, greedy",
+        ylabel="tokens/s",
+    )
     save_figure(fig, out_dir / f"{name}.png", "Trained drafts for SmolLM2-135M-Instruct")
     print(f"\nwrote {out_dir / name}.json/.png in {(time.perf_counter() - t_start) / 60:.1f} min")
     return 1 if mismatches else 0

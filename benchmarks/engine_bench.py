@@ -32,12 +32,12 @@ import torch
 from benchmarks.common import (
     RESULTS_DIR,
     RunResult,
+    bar_panel,
     env_info,
     figure,
     format_table,
     hf_generate,
     line_panel,
-    bar_panel,
     loadavg,
     merge_runs,
     progress,
@@ -64,8 +64,14 @@ CHAT_PROMPTS = [
 # Three requests per client at c >= 4, so the closed loop spends most of its time at its
 # concurrency rather than in the ramp-down tail (with 1.5 per client, the last third of a c=16 run
 # had fewer than 16 running).
-FULL = dict(tokens=64, num_prompts=3, concurrency=[1, 4, 16, 32], sweep_tokens=64,
-            sweep_requests={1: 3, 4: 12, 16: 48, 32: 96}, rounds=3)
+FULL = dict(
+    tokens=64,
+    num_prompts=3,
+    concurrency=[1, 4, 16, 32],
+    sweep_tokens=64,
+    sweep_requests={1: 3, 4: 12, 16: 48, 32: 96},
+    rounds=3,
+)
 QUICK = dict(tokens=16, num_prompts=1, concurrency=[1, 4], sweep_tokens=16, sweep_requests={1: 2, 4: 4}, rounds=1)
 
 MAX_MODEL_LEN = 512
@@ -117,16 +123,35 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     env = env_info()
-    print(f"[engine_bench] {'QUICK' if args.quick else 'FULL'} run; {env['cpu']}, torch {env['torch']}, "
-          f"transformers {env['transformers']}, {THREADS} threads, loadavg {env['loadavg_start']}", flush=True)
+    print(
+        f"[engine_bench] {'QUICK' if args.quick else 'FULL'} run; {env['cpu']}, torch {env['torch']}, "
+        f"transformers {env['transformers']}, {THREADS} threads, loadavg {env['loadavg_start']}",
+        flush=True,
+    )
     loaded = load_model("smollm2")
     hf = {"float32": loaded.model, "bfloat16": copy.deepcopy(loaded.model).to(torch.bfloat16).eval()}
     max_seqs = max(cfg["concurrency"])
     engines = {
-        "float32": LLMEngine(EngineConfig(dtype="float32", max_num_seqs=max_seqs, max_model_len=MAX_MODEL_LEN,
-                                          num_speculative_tokens=0, num_threads=THREADS), loaded),
-        "bfloat16": LLMEngine(EngineConfig(dtype="bfloat16", max_num_seqs=4, max_model_len=MAX_MODEL_LEN,
-                                           num_speculative_tokens=0, num_threads=THREADS), loaded),
+        "float32": LLMEngine(
+            EngineConfig(
+                dtype="float32",
+                max_num_seqs=max_seqs,
+                max_model_len=MAX_MODEL_LEN,
+                num_speculative_tokens=0,
+                num_threads=THREADS,
+            ),
+            loaded,
+        ),
+        "bfloat16": LLMEngine(
+            EngineConfig(
+                dtype="bfloat16",
+                max_num_seqs=4,
+                max_model_len=MAX_MODEL_LEN,
+                num_speculative_tokens=0,
+                num_threads=THREADS,
+            ),
+            loaded,
+        ),
     }
     eng0 = engines["float32"]
     eos = sorted(eng0.eos_token_ids)
@@ -160,29 +185,33 @@ def main(argv: list[str] | None = None) -> int:
     for dt in ("float32", "bfloat16"):
         h, e = merged[f"hf/{dt}"].summary(), merged[f"engine/{dt}"].summary()
         hf_out, eng_out = merged[f"hf/{dt}"].outputs(), merged[f"engine/{dt}"].outputs()
-        batch1_rows.append({
-            "dtype": dt,
-            "prompts": len(hf_out),
-            "tokens": e["output_tokens"],
-            "hf_tok_s": h["tok_s"],
-            "engine_tok_s": e["tok_s"],
-            "engine_over_hf": ratio(e["tok_s"], h["tok_s"]),
-            "hf_tpot_p50_ms": h["tpot_p50_ms"],
-            "engine_tpot_p50_ms": e["tpot_p50_ms"],
-            "hf_ttft_p50_ms": h["ttft_p50_ms"],
-            "engine_ttft_p50_ms": e["ttft_p50_ms"],
-            # greedy agreement: tokens until engine and HF first differ (HF masks EOS; the engine emits it)
-            "same_output": sum(a == b for a, b in zip(hf_out, eng_out)),
-            "min_common_prefix": min(common_prefix(a, b) for a, b in zip(hf_out, eng_out)),
-            "hf": h,
-            "engine": e,
-        })
+        batch1_rows.append(
+            {
+                "dtype": dt,
+                "prompts": len(hf_out),
+                "tokens": e["output_tokens"],
+                "hf_tok_s": h["tok_s"],
+                "engine_tok_s": e["tok_s"],
+                "engine_over_hf": ratio(e["tok_s"], h["tok_s"]),
+                "hf_tpot_p50_ms": h["tpot_p50_ms"],
+                "engine_tpot_p50_ms": e["tpot_p50_ms"],
+                "hf_ttft_p50_ms": h["ttft_p50_ms"],
+                "engine_ttft_p50_ms": e["ttft_p50_ms"],
+                # greedy agreement: tokens until engine and HF first differ (HF masks EOS; the engine emits it)
+                "same_output": sum(a == b for a, b in zip(hf_out, eng_out)),
+                "min_common_prefix": min(common_prefix(a, b) for a, b in zip(hf_out, eng_out)),
+                "hf": h,
+                "engine": e,
+            }
+        )
     for who in ("hf", "engine"):
-        batch1_rows.append({
-            "dtype": f"bf16/fp32 ({who})",
-            "ratio_only": True,
-            f"{who}_tok_s": ratio(merged[f"{who}/bfloat16"].tok_s, merged[f"{who}/float32"].tok_s),
-        })
+        batch1_rows.append(
+            {
+                "dtype": f"bf16/fp32 ({who})",
+                "ratio_only": True,
+                f"{who}_tok_s": ratio(merged[f"{who}/bfloat16"].tok_s, merged[f"{who}/float32"].tok_s),
+            }
+        )
     table1 = format_table(
         batch1_rows,
         [
@@ -210,17 +239,20 @@ def main(argv: list[str] | None = None) -> int:
     # so a load spike on the shared cores moves one round of one c, not the curve.
     per_c: dict[int, list[RunResult]] = {c: [] for c in cfg["concurrency"]}
     for rnd in range(cfg["rounds"]):
-        for c in (cfg["concurrency"] if rnd % 2 == 0 else cfg["concurrency"][::-1]):
+        for c in cfg["concurrency"] if rnd % 2 == 0 else cfg["concurrency"][::-1]:
             work = sweep_work(eng0.tokenize_chat, cfg["sweep_requests"][c], cfg["sweep_tokens"], seed=100 * rnd + c)
             warmup_engine(eng0, prompts[0], 2)
             q0, h0 = eng0.prefix_cache_queries, eng0.prefix_cache_hits
             res = run_closed_loop(eng0, work, c, name=f"engine/fp32 plain r{rnd}")
             res.prefix_hit = ratio(eng0.prefix_cache_hits - h0, eng0.prefix_cache_queries - q0)  # type: ignore[attr-defined]
             per_c[c].append(res)
-            print(f"  round {rnd} c={c:>2}: {res.tok_s:.1f} tok/s, {res.steady_tok_s:.1f} with all {c} clients busy "
-                  f"({len(res.records)} requests, "
-                  f"{res.output_tokens} tokens, {res.wall_s:.1f} s, prefix cache hits "
-                  f"{100 * res.prefix_hit:.0f}% of prompt tokens)", flush=True)
+            print(
+                f"  round {rnd} c={c:>2}: {res.tok_s:.1f} tok/s, {res.steady_tok_s:.1f} with all {c} clients busy "
+                f"({len(res.records)} requests, "
+                f"{res.output_tokens} tokens, {res.wall_s:.1f} s, prefix cache hits "
+                f"{100 * res.prefix_hit:.0f}% of prompt tokens)",
+                flush=True,
+            )
     sweep: list[dict[str, Any]] = []
     for c in cfg["concurrency"]:
         rs = sorted(per_c[c], key=lambda r: r.tok_s)
@@ -266,31 +298,56 @@ def main(argv: list[str] | None = None) -> int:
     # ---------------------------------------------------------------- reports
     env["loadavg_end"] = loadavg()
     env["elapsed_s"] = time.perf_counter() - t_start
-    json_path = write_json(out_dir / "engine_bench.json", {
-        "benchmark": "engine_bench",
-        "mode": "quick" if args.quick else "full",
-        "env": env,
-        "config": {**cfg, "max_model_len": MAX_MODEL_LEN, "threads": THREADS, "model": "SmolLM2-135M-Instruct"},
-        "batch1": batch1_rows,
-        "sweep_fp32": sweep,
-        "sweep_ratios": ratios,
-        "sweep_ratios_steady": steady,
-        "tables": [table1, table2],
-    })
+    json_path = write_json(
+        out_dir / "engine_bench.json",
+        {
+            "benchmark": "engine_bench",
+            "mode": "quick" if args.quick else "full",
+            "env": env,
+            "config": {**cfg, "max_model_len": MAX_MODEL_LEN, "threads": THREADS, "model": "SmolLM2-135M-Instruct"},
+            "batch1": batch1_rows,
+            "sweep_fp32": sweep,
+            "sweep_ratios": ratios,
+            "sweep_ratios_steady": steady,
+            "tables": [table1, table2],
+        },
+    )
     fig, (a1, a2, a3) = figure(3, width=5.2)
     cs = [s["concurrency"] for s in sweep]
-    line_panel(a1, cs, {"engine plain fp32 (whole run)": [s["tok_s"] for s in sweep],
-                        "all clients busy": [s["steady_tok_s"] for s in sweep]},
-               title="Aggregate output tok/s vs concurrency", xlabel="concurrent clients", ylabel="tok/s")
-    line_panel(a2, cs, {"TPOT p50": [s["tpot_p50_ms"] for s in sweep], "TPOT p99": [s["tpot_p99_ms"] for s in sweep]},
-               title="Per-request TPOT vs concurrency", xlabel="concurrent clients", ylabel="ms / token")
+    line_panel(
+        a1,
+        cs,
+        {
+            "engine plain fp32 (whole run)": [s["tok_s"] for s in sweep],
+            "all clients busy": [s["steady_tok_s"] for s in sweep],
+        },
+        title="Aggregate output tok/s vs concurrency",
+        xlabel="concurrent clients",
+        ylabel="tok/s",
+    )
+    line_panel(
+        a2,
+        cs,
+        {"TPOT p50": [s["tpot_p50_ms"] for s in sweep], "TPOT p99": [s["tpot_p99_ms"] for s in sweep]},
+        title="Per-request TPOT vs concurrency",
+        xlabel="concurrent clients",
+        ylabel="ms / token",
+    )
     dts = [r for r in batch1_rows if not r.get("ratio_only")]
-    bar_panel(a3, [r["dtype"] for r in dts], {"HF generate": [r["hf_tok_s"] for r in dts],
-                                              "engine plain": [r["engine_tok_s"] for r in dts]},
-              title="Batch 1: HF vs engine", ylabel="tok/s", fmt="{:.1f}")
-    png_path = save_figure(fig, out_dir / "engine_bench.png",
-                           suptitle=f"SmolLM2-135M, {env['cpu']}, {THREADS} threads, {env['time']} "
-                           f"(loadavg {env['loadavg_start']} -> {env['loadavg_end']})")
+    bar_panel(
+        a3,
+        [r["dtype"] for r in dts],
+        {"HF generate": [r["hf_tok_s"] for r in dts], "engine plain": [r["engine_tok_s"] for r in dts]},
+        title="Batch 1: HF vs engine",
+        ylabel="tok/s",
+        fmt="{:.1f}",
+    )
+    png_path = save_figure(
+        fig,
+        out_dir / "engine_bench.png",
+        suptitle=f"SmolLM2-135M, {env['cpu']}, {THREADS} threads, {env['time']} "
+        f"(loadavg {env['loadavg_start']} -> {env['loadavg_end']})",
+    )
     print(f"[engine_bench] done in {env['elapsed_s']:.0f} s; wrote {json_path} and {png_path}", flush=True)
     return 0
 

@@ -53,8 +53,13 @@ def paired(rounds: list[dict[str, Any]], streams: int) -> dict[str, Any]:
     for r in rounds:
         a, b = (next(x for x in r[arm]["rows"] if x["streams"] == streams) for arm in ("a", "b"))
         ratios.append(b["tok_s"] / a["tok_s"])
-    return {"ratios": ratios, "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
-            "b_faster": sum(q > 1 for q in ratios)}
+    return {
+        "ratios": ratios,
+        "median": statistics.median(ratios),
+        "min": min(ratios),
+        "max": max(ratios),
+        "b_faster": sum(q > 1 for q in ratios),
+    }
 
 
 def path_cpu_ms(profile: dict[str, Any], streams: int) -> float:
@@ -64,38 +69,78 @@ def path_cpu_ms(profile: dict[str, Any], streams: int) -> float:
 
 
 def run_arm(env: dict[str, str], streams: str, seconds: float, out: Path) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "benchmarks.serving_profile", "--streams", streams, "--seconds", str(seconds),
-           "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.serving_profile",
+        "--streams",
+        streams,
+        "--seconds",
+        str(seconds),
+        "--out",
+        str(out),
+    ]
     subprocess.run(cmd, env={**os.environ, **env}, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.with_suffix(".json").read_text())
 
 
-def report(rounds: list[dict[str, Any]], levels: list[int], envs: dict[str, dict[str, str]], command: str,
-           out: Path) -> dict[str, Any]:
+def report(
+    rounds: list[dict[str, Any]], levels: list[int], envs: dict[str, dict[str, str]], command: str, out: Path
+) -> dict[str, Any]:
     """Print the paired ratios, write ``out``.{json,png}; ``rounds``: ``[{"order", "a", "b"}]`` with
     each arm's serving_profile result."""
     summary = {str(c): paired(rounds, c) for c in levels}
     for c in levels:
         s = summary[str(c)]
-        print(f"c={c}: B / A tok/s median {s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f}), "
-              f"B faster in {s['b_faster']} of {len(rounds)} rounds")
+        print(
+            f"c={c}: B / A tok/s median {s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f}), "
+            f"B faster in {s['b_faster']} of {len(rounds)} rounds"
+        )
     result = {
-        "env": env_info(), "command": command, "arms": envs, "summary": summary,
-        "rounds": [{"order": r["order"], **{arm: {"tok_s": {x["streams"]: x["tok_s"] for x in r[arm]["rows"]},
-                                                   "path_cpu_ms_per_token": {c: path_cpu_ms(r[arm], c) for c in levels},
-                                                   "rows": r[arm]["rows"]} for arm in ("a", "b")}}
-                   for r in rounds],
+        "env": env_info(),
+        "command": command,
+        "arms": envs,
+        "summary": summary,
+        "rounds": [
+            {
+                "order": r["order"],
+                **{
+                    arm: {
+                        "tok_s": {x["streams"]: x["tok_s"] for x in r[arm]["rows"]},
+                        "path_cpu_ms_per_token": {c: path_cpu_ms(r[arm], c) for c in levels},
+                        "rows": r[arm]["rows"],
+                    }
+                    for arm in ("a", "b")
+                },
+            }
+            for r in rounds
+        ],
     }
     write_json(out.with_suffix(".json"), result)
     fig, axes = figure(ncols=2)
     ratios = {f"round {i + 1}": [summary[str(c)]["ratios"][i] for c in levels] for i in range(len(rounds))}
-    line_panel(axes[0], levels, {**ratios, "median": [summary[str(c)]["median"] for c in levels]},
-               title="B / A output tok/s, per round", xlabel="streams", ylabel="ratio")
+    line_panel(
+        axes[0],
+        levels,
+        {**ratios, "median": [summary[str(c)]["median"] for c in levels]},
+        title="B / A output tok/s, per round",
+        xlabel="streams",
+        ylabel="ratio",
+    )
     axes[0].axhline(1.0, color="gray", linestyle="--", linewidth=1)
-    line_panel(axes[1], levels, {arm.upper(): [statistics.median(r[arm]["path_cpu_ms_per_token"][c]
-                                                                 for r in result["rounds"]) for c in levels]
-                                 for arm in ("a", "b")},
-               title="ingress + proxy + Router CPU ms per token (median)", xlabel="streams", ylabel="ms")
+    line_panel(
+        axes[1],
+        levels,
+        {
+            arm.upper(): [
+                statistics.median(r[arm]["path_cpu_ms_per_token"][c] for r in result["rounds"]) for c in levels
+            ]
+            for arm in ("a", "b")
+        },
+        title="ingress + proxy + Router CPU ms per token (median)",
+        xlabel="streams",
+        ylabel="ms",
+    )
     label = {arm: " ".join(f"{k}={v}" for k, v in envs[arm].items()) or "shipped" for arm in ("a", "b")}
     title = f"{result['env'].get('cpu', '')}; A: {label['a']}; B: {label['b']}"
     save_figure(fig, out.with_suffix(".png"), suptitle=textwrap.fill(title, 150))
@@ -122,8 +167,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[env_ab] round {i}/{args.rounds}, arm {arm.upper()} ...", flush=True)
                 r[arm] = run_arm(envs[arm], args.streams, args.seconds, Path(tmp, f"{arm}_{i}"))
             rounds.append(r)
-            print("[env_ab]   B / A tok/s: " + ", ".join(
-                f"c={c} {paired([r], c)['median']:.3f}" for c in levels), flush=True)
+            print(
+                "[env_ab]   B / A tok/s: " + ", ".join(f"c={c} {paired([r], c)['median']:.3f}" for c in levels),
+                flush=True,
+            )
     command = " ".join(["python -m benchmarks.env_ab", *map(shlex.quote, argv if argv is not None else sys.argv[1:])])
     report(rounds, levels, envs, command, Path(args.out))
     return 0

@@ -66,8 +66,18 @@ from typing import Any, Iterator
 import httpx
 import psutil
 
-from benchmarks.common import (RESULTS_DIR, env_info, figure, line_panel, percentile, progress, run_closed_loop,
-                               save_figure, set_threads, write_json)
+from benchmarks.common import (
+    RESULTS_DIR,
+    env_info,
+    figure,
+    line_panel,
+    percentile,
+    progress,
+    run_closed_loop,
+    save_figure,
+    set_threads,
+    write_json,
+)
 from benchmarks.guidellm_report import parse_guidellm, steady_view
 from benchmarks.guidellm_workload import guidellm_prompts, guidellm_sampling, local_proposers, service_config
 from benchmarks.serving_profile import cpu_by_role
@@ -81,20 +91,39 @@ from workers.model_loader import load_model
 BIN = Path(sys.executable).parent
 
 
-def run_guidellm(url: str, model: str, tokenizer_dir: str, streams: int, seconds: float, prompt_tokens: int,
-                 output_tokens: int, out: Path, warmup: float, workers: int | None = None,
-                 service: list[psutil.Process] | None = None) -> dict[str, Any]:
+def run_guidellm(
+    url: str,
+    model: str,
+    tokenizer_dir: str,
+    streams: int,
+    seconds: float,
+    prompt_tokens: int,
+    output_tokens: int,
+    out: Path,
+    warmup: float,
+    workers: int | None = None,
+    service: list[psutil.Process] | None = None,
+) -> dict[str, Any]:
     """One guidellm closed-loop run at ``streams`` concurrent streams; returns its metrics, and the CPU
     guidellm itself used (it runs on the same cores as the service) and, given the ``service``'s
     processes, theirs by role, both in cores over the window its measured requests ran in."""
-    cmd = [str(BIN / "guidellm"), "run",
-           "--backend", f"kind=openai_http,target={url},model={model},request_format=/v1/completions",
-           "--profile", f"kind=concurrent,streams={streams},warmup={warmup}",
-           "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
-           "--tokenizer", f"kind=huggingface_auto,model={tokenizer_dir}",
-           "--constraint", f"kind=max_duration,seconds={seconds}",
-           "--output", f"kind=json,path={out}",
-           "--disable-console-interactive"]
+    cmd = [
+        str(BIN / "guidellm"),
+        "run",
+        "--backend",
+        f"kind=openai_http,target={url},model={model},request_format=/v1/completions",
+        "--profile",
+        f"kind=concurrent,streams={streams},warmup={warmup}",
+        "--data",
+        f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
+        "--tokenizer",
+        f"kind=huggingface_auto,model={tokenizer_dir}",
+        "--constraint",
+        f"kind=max_duration,seconds={seconds}",
+        "--output",
+        f"kind=json,path={out}",
+        "--disable-console-interactive",
+    ]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     env = dict(os.environ)
@@ -120,16 +149,23 @@ def run_guidellm(url: str, model: str, tokenizer_dir: str, streams: int, seconds
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     window = bench["start_time"], bench["end_time"]
     roles = sorted({r for _, d in by_role for r in d})
-    return {**parse_guidellm(report),
-            # while its measured requests ran: what it takes from the engine's cores
-            "client_cpu_cores": window_rate(samples, *window),
-            "client_cpu_cores_whole_run": cpu / wall,  # start-up included
-            # the same window: over guidellm's whole run its start-up, when nothing is served, dilutes them
-            "service_cpu_cores": {r: window_rate([(t, d.get(r, 0.0)) for t, d in by_role], *window) for r in roles}}
+    return {
+        **parse_guidellm(report),
+        # while its measured requests ran: what it takes from the engine's cores
+        "client_cpu_cores": window_rate(samples, *window),
+        "client_cpu_cores_whole_run": cpu / wall,  # start-up included
+        # the same window: over guidellm's whole run its start-up, when nothing is served, dilutes them
+        "service_cpu_cores": {r: window_rate([(t, d.get(r, 0.0)) for t, d in by_role], *window) for r in roles},
+    }
 
 
-def _sample_cpu(proc: subprocess.Popen, samples: list[tuple[float, float]], service: list[psutil.Process],
-                by_role: list[tuple[float, dict[str, float]]], every_s: float = 0.25) -> None:
+def _sample_cpu(
+    proc: subprocess.Popen,
+    samples: list[tuple[float, float]],
+    service: list[psutil.Process],
+    by_role: list[tuple[float, dict[str, float]]],
+    every_s: float = 0.25,
+) -> None:
     """Append (time, CPU seconds of ``proc`` and its children) to ``samples``, and (time, CPU seconds of
     the ``service``'s processes by role) to ``by_role``, until ``proc`` exits."""
     try:
@@ -173,8 +209,9 @@ def window_rate(samples: list[tuple[float, float]], start: float, end: float) ->
     return (at(end) - at(start)) / (end - start)
 
 
-def run_engine(engine: LLMEngine, streams: int, seconds: float, prompt_tokens: int, output_tokens: int,
-               seed: int, warmup: float) -> dict[str, Any]:
+def run_engine(
+    engine: LLMEngine, streams: int, seconds: float, prompt_tokens: int, output_tokens: int, seed: int, warmup: float
+) -> dict[str, Any]:
     """The same closed loop on the engine in process: enough requests for about ``seconds``; requests
     sent in the first ``warmup`` share of the run are left out of the latencies
     (see benchmarks/guidellm_report.py:steady_state)."""
@@ -186,17 +223,25 @@ def run_engine(engine: LLMEngine, streams: int, seconds: float, prompt_tokens: i
     recorder, hook = StepRecorder(engine), engine.on_step
     engine.on_step = recorder
     try:
-        res = run_closed_loop(engine, work, streams, speculation="auto", name=f"engine c={streams}", show_progress=False)
+        res = run_closed_loop(
+            engine, work, streams, speculation="auto", name=f"engine c={streams}", show_progress=False
+        )
     finally:
         engine.on_step = hook
     kept = [r for r in res.records if r.submit_s >= warmup * res.wall_s] or res.records
     ttfts = [r.ttft for r in kept]
     tpots = [r.tpot for r in kept]
-    return {"ttft_p50_ms": 1e3 * percentile(ttfts, 50), "ttft_p99_ms": 1e3 * percentile(ttfts, 99),
-            "itl_p50_ms": 1e3 * percentile(tpots, 50), "itl_p99_ms": 1e3 * percentile(tpots, 99),
-            # at the concurrency (all streams in flight), as guidellm's rate over its active phase
-            "tok_s": res.steady_tok_s or res.tok_s, "num_requests": len(kept), "num_errors": 0,
-            "steps": summarize(recorder.steps)}
+    return {
+        "ttft_p50_ms": 1e3 * percentile(ttfts, 50),
+        "ttft_p99_ms": 1e3 * percentile(ttfts, 99),
+        "itl_p50_ms": 1e3 * percentile(tpots, 50),
+        "itl_p99_ms": 1e3 * percentile(tpots, 99),
+        # at the concurrency (all streams in flight), as guidellm's rate over its active phase
+        "tok_s": res.steady_tok_s or res.tok_s,
+        "num_requests": len(kept),
+        "num_errors": 0,
+        "steps": summarize(recorder.steps),
+    }
 
 
 def replica_step_count(cluster: LocalCluster) -> int:
@@ -260,7 +305,9 @@ def in_process_engine(cfg: AppConfig, loaded: Any, prompt_tokens: int) -> LLMEng
     """The shipped engine in this process, as the target replica runs it (its own proposers, the goodput
     policy on the engine's cost model), warmed up with one short request."""
     set_threads(cfg.engine.num_threads or 2)
-    eng = LLMEngine(cfg.engine, loaded, proposers=local_proposers(cfg), decide=(policy := make_policy({"name": "goodput"})))
+    eng = LLMEngine(
+        cfg.engine, loaded, proposers=local_proposers(cfg), decide=(policy := make_policy({"name": "goodput"}))
+    )
     policy.use_cost_model(eng.cost_model)
     run_closed_loop(eng, [(list(range(10, 10 + prompt_tokens)), {"max_tokens": 8})], 1, show_progress=False)
     return eng
@@ -268,10 +315,18 @@ def in_process_engine(cfg: AppConfig, loaded: Any, prompt_tokens: int) -> LLMEng
 
 def served(workdir: Path, cfg: AppConfig, nodes: int) -> LocalCluster:
     """The shipped config as is on a local cluster (only its ports differ; LocalCluster's test sizes undone)."""
-    return LocalCluster(workdir, nodes=nodes, args_patch={
-        "engine": {"num_threads": cfg.engine.num_threads, "max_num_seqs": cfg.engine.max_num_seqs,
-                   "max_model_len": cfg.engine.max_model_len},
-        "target": {"num_cpus": cfg.target.num_cpus}})
+    return LocalCluster(
+        workdir,
+        nodes=nodes,
+        args_patch={
+            "engine": {
+                "num_threads": cfg.engine.num_threads,
+                "max_num_seqs": cfg.engine.max_num_seqs,
+                "max_model_len": cfg.engine.max_model_len,
+            },
+            "target": {"num_cpus": cfg.target.num_cpus},
+        },
+    )
 
 
 def warm_up_service(cluster: LocalCluster, cfg: AppConfig, prompt_tokens: int) -> None:
@@ -293,11 +348,17 @@ def goals(http: dict[int, dict[str, Any]], engine: dict[int, dict[str, Any]]) ->
             out["tok_s_16_http/engine>=0.8"] = http[16]["tok_s"] / engine[16]["tok_s"]
     if 1 in http and 1 in engine:
         out["tpot_1_http/engine<=1.1"] = http[1]["itl_p50_ms"] / engine[1]["itl_p50_ms"]
-    limits = {"ttft_p99_16_s<=1.5": (1.5, "<="), "itl_p50_16/itl_p50_1<=2.5": (2.5, "<="),
-              "tok_s_16/tok_s_1>=4.5": (4.5, ">="), "tok_s_16_http/engine>=0.8": (0.8, ">="),
-              "tpot_1_http/engine<=1.1": (1.1, "<=")}
-    return {k: {"value": round(v, 3), "met": v <= limits[k][0] if limits[k][1] == "<=" else v >= limits[k][0]}
-            for k, v in out.items()}
+    limits = {
+        "ttft_p99_16_s<=1.5": (1.5, "<="),
+        "itl_p50_16/itl_p50_1<=2.5": (2.5, "<="),
+        "tok_s_16/tok_s_1>=4.5": (4.5, ">="),
+        "tok_s_16_http/engine>=0.8": (0.8, ">="),
+        "tpot_1_http/engine<=1.1": (1.1, "<="),
+    }
+    return {
+        k: {"value": round(v, 3), "met": v <= limits[k][0] if limits[k][1] == "<=" else v >= limits[k][0]}
+        for k, v in out.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,18 +367,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=40.0)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=64)
-    ap.add_argument("--warmup", type=float, default=0.2,
-                    help="share of each level's duration guidellm leaves out of its statistics (the first "
-                         "wave of simultaneous arrivals); the in-process run leaves out its first wave too")
-    ap.add_argument("--guidellm-workers", default="10",
-                    help="comma-separated guidellm worker-process counts, each run at every level (10 is guidellm's "
-                         "default)")
+    ap.add_argument(
+        "--warmup",
+        type=float,
+        default=0.2,
+        help="share of each level's duration guidellm leaves out of its statistics (the first "
+        "wave of simultaneous arrivals); the in-process run leaves out its first wave too",
+    )
+    ap.add_argument(
+        "--guidellm-workers",
+        default="10",
+        help="comma-separated guidellm worker-process counts, each run at every level (10 is guidellm's default)",
+    )
     ap.add_argument("--skip-http", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
-    ap.add_argument("--no-bounds", action="store_true",
-                    help="skip the in-process runs beside the idle service and guidellm's measured CPU")
-    ap.add_argument("--nodes", type=int, default=1, choices=(1, 2),
-                    help="1: one Ray node, as `make serve` runs it; 2: the test clusters' two nodes")
+    ap.add_argument(
+        "--no-bounds",
+        action="store_true",
+        help="skip the in-process runs beside the idle service and guidellm's measured CPU",
+    )
+    ap.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        choices=(1, 2),
+        help="1: one Ray node, as `make serve` runs it; 2: the test clusters' two nodes",
+    )
     ap.add_argument("--out", default=str(RESULTS_DIR / "guidellm_load"))
     args = ap.parse_args(argv)
     levels = [int(s) for s in args.streams.split(",")]
@@ -354,10 +429,19 @@ def main(argv: list[str] | None = None) -> int:
                 for i, c in enumerate(progress(levels, desc="guidellm over HTTP", unit="level")):
                     for w in worker_counts if i % 2 == 0 else worker_counts[::-1]:
                         steps_before = replica_step_count(cluster)
-                        res = run_guidellm(cluster.base_url, cfg.engine.served_model_name, str(tok_dir), c,
-                                           args.seconds, args.prompt_tokens, args.output_tokens,
-                                           Path(tmp) / f"guidellm_{c}_{w}.json", args.warmup, workers=w,
-                                           service=procs)
+                        res = run_guidellm(
+                            cluster.base_url,
+                            cfg.engine.served_model_name,
+                            str(tok_dir),
+                            c,
+                            args.seconds,
+                            args.prompt_tokens,
+                            args.output_tokens,
+                            Path(tmp) / f"guidellm_{c}_{w}.json",
+                            args.warmup,
+                            workers=w,
+                            service=procs,
+                        )
                         res["steps"] = replica_steps_since(cluster, steps_before)
                         http_by_workers[w][c] = res
                         print(f"  HTTP c={c}, {w} guidellm workers: {res}", flush=True)
@@ -367,16 +451,20 @@ def main(argv: list[str] | None = None) -> int:
                     # controller, the proxy, ingress, Router, the idle replicas), and the client's CPU.
                     # The idle service's own cost, paired: the same pass with its processes stopped and
                     # running, back to back in alternating order (the machine drifts between minutes).
-                    for i, c in enumerate(progress(levels, desc="engine beside the idle service (+ client CPU)",
-                                                   unit="level")):
-                        for frozen in ((True, False) if i % 2 == 0 else (False, True)):
+                    for i, c in enumerate(
+                        progress(levels, desc="engine beside the idle service (+ client CPU)", unit="level")
+                    ):
+                        for frozen in (True, False) if i % 2 == 0 else (False, True):
                             if frozen:
                                 with stopped(procs):
                                     beside_frozen[c] = engine_level(c)
                             else:
                                 beside_service[c] = engine_level(c)
-                        print(f"  engine beside the idle service, c={c}: {beside_service[c]}; with its processes "
-                              f"stopped: {beside_frozen[c]}", flush=True)
+                        print(
+                            f"  engine beside the idle service, c={c}: {beside_service[c]}; with its processes "
+                            f"stopped: {beside_frozen[c]}",
+                            flush=True,
+                        )
                         burners = burn_cores(http[c]["client_cpu_cores"])
                         try:
                             beside[c] = engine_level(c)
@@ -385,65 +473,90 @@ def main(argv: list[str] | None = None) -> int:
                                 b.kill()
                                 b.wait()
                         beside[c]["client_cpu_cores"] = http[c]["client_cpu_cores"]
-                        print(f"  engine beside the idle service and {http[c]['client_cpu_cores']:.2f} client cores, "
-                              f"c={c}: {beside[c]}", flush=True)
+                        print(
+                            f"  engine beside the idle service and {http[c]['client_cpu_cores']:.2f} client cores, "
+                            f"c={c}: {beside[c]}",
+                            flush=True,
+                        )
             finally:
                 cluster.stop()
 
     rows = []
     for c in levels:
         h, e = http.get(c), engine_res.get(c)
-        rows.append({"streams": c, "http": h, "engine": e,
-                     "tok_s_http/engine": h["tok_s"] / e["tok_s"] if h and e else None})
-    result = {"env": env_info(), "args": vars(args), "service": cfg.model_dump(mode="json"), "rows": rows,
-              "goals": goals(http, engine_res), "goals_steady_state": goals(steady_view(http), engine_res),
-              "engine_beside_idle_service": beside_service,
-              "engine_beside_idle_service_and_client": beside,
-              "engine_beside_stopped_service": beside_frozen,
-              # what the idle service costs the engine, paired in time: tok/s running / tok/s stopped
-              "idle_service_tok_s_ratio": {c: beside_service[c]["tok_s"] / beside_frozen[c]["tok_s"]
-                                           for c in beside_frozen},
-              "http_by_guidellm_workers": http_by_workers,
-              "goals_by_guidellm_workers": {w: goals(h, engine_res) for w, h in http_by_workers.items()},
-              # the goals for a serving path that costs nothing: the idle service (and guidellm's CPU) beside it
-              "goals_beside_idle_service": goals(beside_service, engine_res) if beside_service else {},
-              "goals_costless_server": goals(beside, engine_res) if beside else {}}
-    print(f"\n{'streams':>7} | {'TTFT p50/p99 ms (HTTP)':>24} | {'ITL p50/p99 ms (HTTP)':>22} | {'tok/s HTTP':>10} | "
-          f"{'TTFT p50/p99 (eng)':>19} | {'ITL p50/p99 (eng)':>18} | {'tok/s eng':>9} | HTTP/eng")
+        rows.append(
+            {"streams": c, "http": h, "engine": e, "tok_s_http/engine": h["tok_s"] / e["tok_s"] if h and e else None}
+        )
+    result = {
+        "env": env_info(),
+        "args": vars(args),
+        "service": cfg.model_dump(mode="json"),
+        "rows": rows,
+        "goals": goals(http, engine_res),
+        "goals_steady_state": goals(steady_view(http), engine_res),
+        "engine_beside_idle_service": beside_service,
+        "engine_beside_idle_service_and_client": beside,
+        "engine_beside_stopped_service": beside_frozen,
+        # what the idle service costs the engine, paired in time: tok/s running / tok/s stopped
+        "idle_service_tok_s_ratio": {c: beside_service[c]["tok_s"] / beside_frozen[c]["tok_s"] for c in beside_frozen},
+        "http_by_guidellm_workers": http_by_workers,
+        "goals_by_guidellm_workers": {w: goals(h, engine_res) for w, h in http_by_workers.items()},
+        # the goals for a serving path that costs nothing: the idle service (and guidellm's CPU) beside it
+        "goals_beside_idle_service": goals(beside_service, engine_res) if beside_service else {},
+        "goals_costless_server": goals(beside, engine_res) if beside else {},
+    }
+    print(
+        f"\n{'streams':>7} | {'TTFT p50/p99 ms (HTTP)':>24} | {'ITL p50/p99 ms (HTTP)':>22} | {'tok/s HTTP':>10} | "
+        f"{'TTFT p50/p99 (eng)':>19} | {'ITL p50/p99 (eng)':>18} | {'tok/s eng':>9} | HTTP/eng"
+    )
     for r in rows:
         h, e = r["http"] or {}, r["engine"] or {}
 
         def f(d: dict, k: str) -> str:
             return f"{d[k]:.0f}" if k in d else "-"
-        print(f"{r['streams']:>7} | {f(h, 'ttft_p50_ms') + ' / ' + f(h, 'ttft_p99_ms'):>24} | "
-              f"{f(h, 'itl_p50_ms') + ' / ' + f(h, 'itl_p99_ms'):>22} | {h.get('tok_s', float('nan')):>10.1f} | "
-              f"{f(e, 'ttft_p50_ms') + ' / ' + f(e, 'ttft_p99_ms'):>19} | "
-              f"{f(e, 'itl_p50_ms') + ' / ' + f(e, 'itl_p99_ms'):>18} | {e.get('tok_s', float('nan')):>9.1f} | "
-              f"{r['tok_s_http/engine'] or float('nan'):.2f}")
+
+        print(
+            f"{r['streams']:>7} | {f(h, 'ttft_p50_ms') + ' / ' + f(h, 'ttft_p99_ms'):>24} | "
+            f"{f(h, 'itl_p50_ms') + ' / ' + f(h, 'itl_p99_ms'):>22} | {h.get('tok_s', float('nan')):>10.1f} | "
+            f"{f(e, 'ttft_p50_ms') + ' / ' + f(e, 'ttft_p99_ms'):>19} | "
+            f"{f(e, 'itl_p50_ms') + ' / ' + f(e, 'itl_p99_ms'):>18} | {e.get('tok_s', float('nan')):>9.1f} | "
+            f"{r['tok_s_http/engine'] or float('nan'):.2f}"
+        )
     for w, hw in http_by_workers.items():
         for c in levels:
             if c in hw:
                 cpu = hw[c]["service_cpu_cores"]
-                print(f"c={c}, {w} guidellm workers: {hw[c]['tok_s']:.1f} tok/s, TTFT p99 {hw[c]['ttft_p99_ms']:.0f} ms, "
-                      f"ITL p50 {hw[c]['itl_p50_ms']:.1f} ms; the target replica used "
-                      f"{cpu.get('target replica', 0.0):.2f} cores, the rest of the service "
-                      f"{sum(v for k, v in cpu.items() if k != 'target replica'):.2f}, guidellm itself "
-                      f"{hw[c]['client_cpu_cores']:.2f}")
+                print(
+                    f"c={c}, {w} guidellm workers: {hw[c]['tok_s']:.1f} tok/s, TTFT p99 {hw[c]['ttft_p99_ms']:.0f} ms, "
+                    f"ITL p50 {hw[c]['itl_p50_ms']:.1f} ms; the target replica used "
+                    f"{cpu.get('target replica', 0.0):.2f} cores, the rest of the service "
+                    f"{sum(v for k, v in cpu.items() if k != 'target replica'):.2f}, guidellm itself "
+                    f"{hw[c]['client_cpu_cores']:.2f}"
+                )
     for c in levels:
         if c in http and c in engine_res:
             print(f"c={c}: {compare(http[c].get('steps', {}), engine_res[c].get('steps', {}))}")
             if c in beside_service:
-                print(f"c={c}, against the engine beside the idle service: "
-                      f"{compare(http[c].get('steps', {}), beside_service[c].get('steps', {}))}")
+                print(
+                    f"c={c}, against the engine beside the idle service: "
+                    f"{compare(http[c].get('steps', {}), beside_service[c].get('steps', {}))}"
+                )
     for c, b in beside_service.items():
-        print(f"c={c} in process beside the idle service: TTFT p99 {b['ttft_p99_ms']:.0f} ms, ITL p50 "
-              f"{b['itl_p50_ms']:.1f} ms, {b['tok_s']:.1f} tok/s")
+        print(
+            f"c={c} in process beside the idle service: TTFT p99 {b['ttft_p99_ms']:.0f} ms, ITL p50 "
+            f"{b['itl_p50_ms']:.1f} ms, {b['tok_s']:.1f} tok/s"
+        )
     for c, r in result["idle_service_tok_s_ratio"].items():
-        print(f"c={c} in process: the idle service running / its processes stopped (paired) {r:.3f} tok/s "
-              f"({beside_service[c]['tok_s']:.1f} / {beside_frozen[c]['tok_s']:.1f})")
+        print(
+            f"c={c} in process: the idle service running / its processes stopped (paired) {r:.3f} tok/s "
+            f"({beside_service[c]['tok_s']:.1f} / {beside_frozen[c]['tok_s']:.1f})"
+        )
     for c, b in beside.items():
-        print(f"c={c} in process beside the idle service and {b['client_cpu_cores']:.2f} burnt client cores: TTFT p99 "
-              f"{b['ttft_p99_ms']:.0f} ms, ITL p50 {b['itl_p50_ms']:.1f} ms, {b['tok_s']:.1f} tok/s")
+        print(
+            f"c={c} in process beside the idle service and {b['client_cpu_cores']:.2f} burnt client cores: TTFT p99 "
+            f"{b['ttft_p99_ms']:.0f} ms, ITL p50 {b['itl_p50_ms']:.1f} ms, {b['tok_s']:.1f} tok/s"
+        )
+
     def verdict(g: dict[str, Any]) -> str:
         return f"{g['value']} {'met' if g['met'] else 'NOT met'}"
 
@@ -452,31 +565,49 @@ def main(argv: list[str] | None = None) -> int:
     for c in levels:
         h = http.get(c) or {}
         if h.get("steady_num_requests"):
-            print(f"c={c} over HTTP, the requests sent after guidellm's warm-up window ({h['steady_num_requests']} of "
-                  f"{h['num_requests']}): TTFT p50/p99 {h['steady_ttft_p50_ms']:.0f} / {h['steady_ttft_p99_ms']:.0f} ms "
-                  f"(guidellm's {h['ttft_p50_ms']:.0f} / {h['ttft_p99_ms']:.0f}), ITL p50 {h['steady_itl_p50_ms']:.1f} ms")
-    print("goals on the steady state (HTTP requests sent after the warm-up window): "
-          + ", ".join(f"{k} {verdict(g)}" for k, g in result["goals_steady_state"].items()))
+            print(
+                f"c={c} over HTTP, the requests sent after guidellm's warm-up window ({h['steady_num_requests']} of "
+                f"{h['num_requests']}): TTFT p50/p99 {h['steady_ttft_p50_ms']:.0f} / {h['steady_ttft_p99_ms']:.0f} ms "
+                f"(guidellm's {h['ttft_p50_ms']:.0f} / {h['ttft_p99_ms']:.0f}), ITL p50 {h['steady_itl_p50_ms']:.1f} ms"
+            )
+    print(
+        "goals on the steady state (HTTP requests sent after the warm-up window): "
+        + ", ".join(f"{k} {verdict(g)}" for k, g in result["goals_steady_state"].items())
+    )
     print(f"goals with {worker_counts[0]} guidellm workers (headline):")
     for k, g in result["goals"].items():
         idle, bound = result["goals_beside_idle_service"].get(k), result["goals_costless_server"].get(k)
-        print(f"goal {k}: {verdict(g)}"
-              + (f"  (beside the idle service: {verdict(idle)})" if idle else "")
-              + (f"  (a serving path costing nothing, beside the idle service and the client's CPU: {verdict(bound)})"
-                 if bound else ""))
+        print(
+            f"goal {k}: {verdict(g)}"
+            + (f"  (beside the idle service: {verdict(idle)})" if idle else "")
+            + (
+                f"  (a serving path costing nothing, beside the idle service and the client's CPU: {verdict(bound)})"
+                if bound
+                else ""
+            )
+        )
     out = Path(args.out)
     write_json(out.with_suffix(".json"), result)
     fig, axes = figure(ncols=3, width=5.5)
-    for ax, key, label in zip(axes, ["ttft_p99_ms", "itl_p50_ms", "tok_s"],
-                              ["TTFT p99 (ms)", "ITL p50 (ms)", "output tok/s"]):
-        series = {name: [(d.get(c) or {}).get(key) for c in levels]
-                  for name, d in [*((f"HTTP (guidellm, {w} workers)", h) for w, h in http_by_workers.items()),
-                                  ("engine in process", engine_res),
-                                  ("in process beside the idle service", beside_service),
-                                  ("... and the client's CPU", beside)] if d}
+    for ax, key, label in zip(
+        axes, ["ttft_p99_ms", "itl_p50_ms", "tok_s"], ["TTFT p99 (ms)", "ITL p50 (ms)", "output tok/s"]
+    ):
+        series = {
+            name: [(d.get(c) or {}).get(key) for c in levels]
+            for name, d in [
+                *((f"HTTP (guidellm, {w} workers)", h) for w, h in http_by_workers.items()),
+                ("engine in process", engine_res),
+                ("in process beside the idle service", beside_service),
+                ("... and the client's CPU", beside),
+            ]
+            if d
+        }
         line_panel(ax, levels, series, title=label, xlabel="concurrent streams", ylabel=label)
-    save_figure(fig, out.with_suffix(".png"), suptitle=f"guidellm {args.prompt_tokens} in / {args.output_tokens} out, "
-                f"{env_info().get('cpu', '')}")
+    save_figure(
+        fig,
+        out.with_suffix(".png"),
+        suptitle=f"guidellm {args.prompt_tokens} in / {args.output_tokens} out, {env_info().get('cpu', '')}",
+    )
     print(f"wrote {out.with_suffix('.json')} and .png")
     return 0
 

@@ -37,17 +37,31 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import RESULTS_DIR, env_info, figure, progress, save_figure, write_json
-from benchmarks.guidellm_load import (burn_cores, goals, in_process_engine, replica_step_count, replica_steps_since,
-                                      run_engine, run_guidellm, served, stopped, warm_up_service)
+from benchmarks.guidellm_load import (
+    burn_cores,
+    goals,
+    in_process_engine,
+    replica_step_count,
+    replica_steps_since,
+    run_engine,
+    run_guidellm,
+    served,
+    stopped,
+    warm_up_service,
+)
 from benchmarks.guidellm_report import steady_view
 from benchmarks.guidellm_workload import service_config
 from workers.model_loader import load_model
 
 PASSES = ("http", "bound", "alone", "beside")
 # what each goal set divides: an HTTP pass, or an in-process pass standing in for a serving path
-VIEWS = {"http": "guidellm over HTTP", "http_steady": "guidellm over HTTP, steady state",
-         "beside": "in process beside the idle service", "bound": "beside the idle service and the client's CPU",
-         "alone": "the engine alone"}
+VIEWS = {
+    "http": "guidellm over HTTP",
+    "http_steady": "guidellm over HTTP, steady state",
+    "beside": "in process beside the idle service",
+    "bound": "beside the idle service and the client's CPU",
+    "alone": "the engine alone",
+}
 
 
 def pass_order(round_index: int, bound: bool) -> list[str]:
@@ -76,8 +90,14 @@ def summarize_goals(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[s
         for key in rounds[0][view]:
             vals = [r[view][key]["value"] for r in rounds if key in r.get(view, {})]
             met = [r[view][key]["met"] for r in rounds if key in r.get(view, {})]
-            out.setdefault(view, {})[key] = {"values": vals, "median": statistics.median(vals), "min": min(vals),
-                                             "max": max(vals), "met_rounds": sum(met), "rounds": len(met)}
+            out.setdefault(view, {})[key] = {
+                "values": vals,
+                "median": statistics.median(vals),
+                "min": min(vals),
+                "max": max(vals),
+                "met_rounds": sum(met),
+                "rounds": len(met),
+            }
     return out
 
 
@@ -96,8 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--warmup", type=float, default=0.2)
     ap.add_argument("--guidellm-workers", type=int, default=10, help="guidellm's worker processes (its default: 10)")
-    ap.add_argument("--nodes", type=int, default=1, choices=(1, 2),
-                    help="1: one Ray node, as `make serve` runs it; 2: the test clusters' two nodes")
+    ap.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        choices=(1, 2),
+        help="1: one Ray node, as `make serve` runs it; 2: the test clusters' two nodes",
+    )
     ap.add_argument("--no-bound", action="store_true", help="skip the pass that burns the client's CPU")
     ap.add_argument("--out", default=str(RESULTS_DIR / "guidellm_paired"))
     args = ap.parse_args(argv)
@@ -129,10 +154,19 @@ def main(argv: list[str] | None = None) -> int:
                         seed = 1000 * r + c
                         if p == "http":
                             before = replica_step_count(cluster)
-                            res = run_guidellm(cluster.base_url, cfg.engine.served_model_name, str(tok_dir), c,
-                                               args.seconds, args.prompt_tokens, args.output_tokens,
-                                               Path(tmp) / f"guidellm_{r}_{c}.json", args.warmup,
-                                               workers=args.guidellm_workers, service=procs)
+                            res = run_guidellm(
+                                cluster.base_url,
+                                cfg.engine.served_model_name,
+                                str(tok_dir),
+                                c,
+                                args.seconds,
+                                args.prompt_tokens,
+                                args.output_tokens,
+                                Path(tmp) / f"guidellm_{r}_{c}.json",
+                                args.warmup,
+                                workers=args.guidellm_workers,
+                                service=procs,
+                            )
                             res["steps"] = replica_steps_since(cluster, before)
                         elif p == "alone":
                             with stopped(procs):
@@ -150,27 +184,50 @@ def main(argv: list[str] | None = None) -> int:
                                     b.wait()
                             res["client_cpu_cores"] = cores
                         passes[p][c] = res
-                        print(f"  round {r}, c={c}, {p}: {res['tok_s']:.1f} tok/s, TTFT p99 {res['ttft_p99_ms']:.0f} ms, "
-                              f"ITL p50 {res['itl_p50_ms']:.1f} ms, decode-only step p50 "
-                              f"{res['steps'].get('decode_only_step_ms_p50') or float('nan'):.1f} ms", flush=True)
-                rounds.append({"round": r, "order": order, "passes": passes, "goals": round_goals(passes),
-                               "served_step/alone_step": {c: step_ratio(passes["http"][c]["steps"],
-                                                                        passes["alone"][c]["steps"]) for c in levels}})
+                        print(
+                            f"  round {r}, c={c}, {p}: {res['tok_s']:.1f} tok/s, TTFT p99 {res['ttft_p99_ms']:.0f} ms, "
+                            f"ITL p50 {res['itl_p50_ms']:.1f} ms, decode-only step p50 "
+                            f"{res['steps'].get('decode_only_step_ms_p50') or float('nan'):.1f} ms",
+                            flush=True,
+                        )
+                rounds.append(
+                    {
+                        "round": r,
+                        "order": order,
+                        "passes": passes,
+                        "goals": round_goals(passes),
+                        "served_step/alone_step": {
+                            c: step_ratio(passes["http"][c]["steps"], passes["alone"][c]["steps"]) for c in levels
+                        },
+                    }
+                )
         finally:
             cluster.stop()
     summary = summarize_goals([r["goals"] for r in rounds])
-    step_ratios = {c: [r["served_step/alone_step"][c] for r in rounds if r["served_step/alone_step"][c]] for c in levels}
-    result = {"env": env_info(), "args": vars(args), "service": cfg.model_dump(mode="json"), "rounds": rounds,
-              "goals": summary, "served_step/alone_step": step_ratios}
+    step_ratios = {
+        c: [r["served_step/alone_step"][c] for r in rounds if r["served_step/alone_step"][c]] for c in levels
+    }
+    result = {
+        "env": env_info(),
+        "args": vars(args),
+        "service": cfg.model_dump(mode="json"),
+        "rounds": rounds,
+        "goals": summary,
+        "served_step/alone_step": step_ratios,
+    }
     print(f"\n{args.rounds} paired rounds, {env_info().get('cpu', '')}; goal: median (min-max), rounds met")
     for view, gs in summary.items():
         print(f"{VIEWS[view]}:")
         for k, s in gs.items():
-            print(f"    {k:<28} {s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f}), met in {s['met_rounds']}/{s['rounds']}")
+            print(
+                f"    {k:<28} {s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f}), met in {s['met_rounds']}/{s['rounds']}"
+            )
     for c, v in step_ratios.items():
         if v:
-            print(f"c={c}: served decode-only step / in-process (alone), paired: median {statistics.median(v):.2f} "
-                  f"({min(v):.2f}-{max(v):.2f})")
+            print(
+                f"c={c}: served decode-only step / in-process (alone), paired: median {statistics.median(v):.2f} "
+                f"({min(v):.2f}-{max(v):.2f})"
+            )
     out = Path(args.out)
     write_json(out.with_suffix(".json"), result)
     keys = list(summary["http"])
@@ -183,8 +240,12 @@ def main(argv: list[str] | None = None) -> int:
         ax.axhline(limit, color="k", ls="--", lw=1)
         ax.set_xticks(range(len(views)), [v.replace("_", "\n") for v in views], fontsize=7)
         ax.set_title(key, fontsize=8)
-    save_figure(fig, out.with_suffix(".png"), suptitle=f"serving goals per paired round (dashed: the goal), "
-                f"{args.prompt_tokens} in / {args.output_tokens} out, {env_info().get('cpu', '')}")
+    save_figure(
+        fig,
+        out.with_suffix(".png"),
+        suptitle=f"serving goals per paired round (dashed: the goal), "
+        f"{args.prompt_tokens} in / {args.output_tokens} out, {env_info().get('cpu', '')}",
+    )
     print(f"wrote {out.with_suffix('.json')} and .png")
     return 0
 

@@ -22,8 +22,10 @@ def parse_guidellm(report: dict[str, Any]) -> dict[str, Any]:
     tok_s = _dist(m, "output_tokens_per_second")
     reqs = bench.get("requests", {})
     return {
-        "ttft_p50_ms": ttft["percentiles"]["p50"], "ttft_p99_ms": ttft["percentiles"]["p99"],
-        "itl_p50_ms": itl["percentiles"]["p50"], "itl_p99_ms": itl["percentiles"]["p99"],
+        "ttft_p50_ms": ttft["percentiles"]["p50"],
+        "ttft_p99_ms": ttft["percentiles"]["p99"],
+        "itl_p50_ms": itl["percentiles"]["p50"],
+        "itl_p99_ms": itl["percentiles"]["p99"],
         "tok_s": tok_s["mean"],
         "num_requests": len(reqs.get("successful", [])) if isinstance(reqs, dict) else None,
         "num_errors": len(reqs.get("errored", [])) if isinstance(reqs, dict) else None,
@@ -42,16 +44,25 @@ def steady_state(bench: dict[str, Any]) -> dict[str, Any]:
     start = bench.get("start_time")
     reqs = bench.get("requests", {})
     done = reqs.get("successful", []) if isinstance(reqs, dict) else []
-    kept = [r for r in done if start is not None and r.get("request_start_time") is not None
-            and r["request_start_time"] >= start and r.get("time_to_first_token_ms") is not None]
+    kept = [
+        r
+        for r in done
+        if start is not None
+        and r.get("request_start_time") is not None
+        and r["request_start_time"] >= start
+        and r.get("time_to_first_token_ms") is not None
+    ]
     if not kept:
         return {"steady_num_requests": 0}
     ttft = [r["time_to_first_token_ms"] for r in kept]
     itl = [r["inter_token_latency_ms"] for r in kept if r.get("inter_token_latency_ms") is not None]
-    return {"steady_num_requests": len(kept),
-            "steady_ttft_p50_ms": percentile(ttft, 50), "steady_ttft_p99_ms": percentile(ttft, 99),
-            "steady_itl_p50_ms": percentile(itl, 50) if itl else None,
-            "steady_itl_p99_ms": percentile(itl, 99) if itl else None}
+    return {
+        "steady_num_requests": len(kept),
+        "steady_ttft_p50_ms": percentile(ttft, 50),
+        "steady_ttft_p99_ms": percentile(ttft, 99),
+        "steady_itl_p50_ms": percentile(itl, 50) if itl else None,
+        "steady_itl_p99_ms": percentile(itl, 99) if itl else None,
+    }
 
 
 def steady_view(http: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:

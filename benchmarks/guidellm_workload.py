@@ -22,11 +22,24 @@ def guidellm_sampling(output_tokens: int) -> dict[str, Any]:
     """The engine's sampling parameters for a request as guidellm 0.8 sends it to ``/v1/completions``
     (model, prompt, stream with usage, ``max_tokens``, ``stop: null``, ``ignore_eos``), read through
     the API's own request model, so that the in-process passes sample exactly as the served ones."""
-    body = {"model": "m", "prompt": "x", "stream": True, "max_tokens": output_tokens, "stop": None, "ignore_eos": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body = {
+        "model": "m",
+        "prompt": "x",
+        "stream": True,
+        "max_tokens": output_tokens,
+        "stop": None,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     req = CompletionRequest.model_validate(body)
-    return {"max_tokens": req.max_tokens, "ignore_eos": req.ignore_eos, "temperature": req.temperature,
-            "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed}
+    return {
+        "max_tokens": req.max_tokens,
+        "ignore_eos": req.ignore_eos,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "seed": req.seed,
+    }
 
 
 def guidellm_prompts(tokenizer: Any, n: int, prompt_tokens: int, seed: int) -> list[list[int]]:
@@ -42,14 +55,17 @@ def guidellm_prompts(tokenizer: Any, n: int, prompt_tokens: int, seed: int) -> l
         attempts = 0
         while len(ids) < prompt_tokens:
             attempts += 1
-            ids = tokenizer.encode(fake.text(max_nb_chars=int(prompt_tokens * 5 * 1.5 * attempts)),
-                                   add_special_tokens=False)
-        out.append(tokenizer.encode(tokenizer.decode(ids[:prompt_tokens], skip_special_tokens=True),
-                                    add_special_tokens=False))
+            ids = tokenizer.encode(
+                fake.text(max_nb_chars=int(prompt_tokens * 5 * 1.5 * attempts)), add_special_tokens=False
+            )
+        out.append(
+            tokenizer.encode(tokenizer.decode(ids[:prompt_tokens], skip_special_tokens=True), add_special_tokens=False)
+        )
     return out
 
 
 def local_proposers(cfg: AppConfig) -> dict[str, Any]:
     """The proposers the target replica runs in its own process (the draft worker's are remote)."""
-    return {p.name: make_proposer(p.name, **p.options) for p in cfg.engine.proposers
-            if p.name not in DRAFT_WORKER_PROPOSERS}
+    return {
+        p.name: make_proposer(p.name, **p.options) for p in cfg.engine.proposers if p.name not in DRAFT_WORKER_PROPOSERS
+    }

@@ -50,8 +50,16 @@ def inproc(eng: LLMEngine, prompt: list[int], n: int, **kw: Any) -> tuple[float,
 
 
 def over_http(url: str, text: str, n: int, **extra: Any) -> tuple[float, int, int]:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": n, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **extra}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": n,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
     first = None
     usage: dict[str, Any] = {}
     import json
@@ -77,14 +85,28 @@ def main() -> None:
     texts = [p for _, _, p in CHAT_PROMPTS[: 1 if a.quick else 3]]
     loaded = load_model("smollm2")
     cfg = EngineConfig(max_num_seqs=4, max_model_len=1024, num_threads=2, num_speculative_tokens=4)
-    eng = LLMEngine(cfg, loaded, proposers={"draft_model": DraftModelProposer(
-        loaded.model, num_slots=4, max_model_len=1024, target_vocab_size=loaded.model.config.vocab_size)})
+    eng = LLMEngine(
+        cfg,
+        loaded,
+        proposers={
+            "draft_model": DraftModelProposer(
+                loaded.model, num_slots=4, max_model_len=1024, target_vocab_size=loaded.model.config.vocab_size
+            )
+        },
+    )
     prompts = [eng.tokenize_chat([{"role": "user", "content": t}]) for t in texts]
-    acc: dict[str, list[float]] = {k: [] for k in ("inproc_plain", "http_plain", "inproc_draft_step", "http_draft_step")}
+    acc: dict[str, list[float]] = {
+        k: [] for k in ("inproc_plain", "http_plain", "inproc_draft_step", "http_draft_step")
+    }
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = LocalCluster(Path(tmp), policy={"name": "always", "num_speculative_tokens": 4}, args_patch={
-            "engine": {"max_num_seqs": 4, "max_model_len": 1024, "num_threads": 2},
-            "draft": {"num_threads": 2, "model": "target"}})  # the in-process proposer drafts with the target too
+        cluster = LocalCluster(
+            Path(tmp),
+            policy={"name": "always", "num_speculative_tokens": 4},
+            args_patch={
+                "engine": {"max_num_seqs": 4, "max_model_len": 1024, "num_threads": 2},
+                "draft": {"num_threads": 2, "model": "target"},
+            },
+        )  # the in-process proposer drafts with the target too
         try:
             cluster.start()
             for kw in ({"speculation": "off"}, {"speculation": "on", "proposer": "draft_model"}):  # warm-up
@@ -104,17 +126,42 @@ def main() -> None:
             cluster.stop()
     med = {k: 1e3 * statistics.median(v) for k, v in acc.items()}
     rows = [
-        {"what": "plain TPOT (ms)", "in_process": med["inproc_plain"], "http": med["http_plain"],
-         "ratio": med["http_plain"] / med["inproc_plain"]},
-        {"what": "draft-model step (ms)", "in_process": med["inproc_draft_step"], "http": med["http_draft_step"],
-         "ratio": med["http_draft_step"] / med["inproc_draft_step"]},
+        {
+            "what": "plain TPOT (ms)",
+            "in_process": med["inproc_plain"],
+            "http": med["http_plain"],
+            "ratio": med["http_plain"] / med["inproc_plain"],
+        },
+        {
+            "what": "draft-model step (ms)",
+            "in_process": med["inproc_draft_step"],
+            "http": med["http_draft_step"],
+            "ratio": med["http_draft_step"] / med["inproc_draft_step"],
+        },
     ]
     extra = med["http_draft_step"] - med["inproc_draft_step"] - (med["http_plain"] - med["inproc_plain"])
-    print(format_table(rows, [("what", "", "s"), ("in_process", "in process", ".1f"), ("http", "over HTTP", ".1f"),
-                              ("ratio", "ratio", ".2f")], title=f"Serve overhead at c=1, {n} tokens, median of runs"))
+    print(
+        format_table(
+            rows,
+            [
+                ("what", "", "s"),
+                ("in_process", "in process", ".1f"),
+                ("http", "over HTTP", ".1f"),
+                ("ratio", "ratio", ".2f"),
+            ],
+            title=f"Serve overhead at c=1, {n} tokens, median of runs",
+        )
+    )
     print(f"remote draft call cost per step (beyond the HTTP overhead): {extra:.1f} ms")
-    write_json(RESULTS_DIR / "http_overhead.json", {"env": env_info(), "rows": rows, "remote_draft_extra_ms": extra,
-                                                    "samples_ms": {k: [1e3 * x for x in v] for k, v in acc.items()}})
+    write_json(
+        RESULTS_DIR / "http_overhead.json",
+        {
+            "env": env_info(),
+            "rows": rows,
+            "remote_draft_extra_ms": extra,
+            "samples_ms": {k: [1e3 * x for x in v] for k, v in acc.items()},
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -25,7 +25,16 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
-    RESULTS_DIR, bar_panel, env_info, figure, format_table, hf_generate, progress, save_figure, set_threads, write_json,
+    RESULTS_DIR,
+    bar_panel,
+    env_info,
+    figure,
+    format_table,
+    hf_generate,
+    progress,
+    save_figure,
+    set_threads,
+    write_json,
 )
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
@@ -39,8 +48,9 @@ PROMPT = "Write a long story about a lighthouse keeper who finds a message in a 
 def decode_step_s(eng: LLMEngine, prompt: list[int], c: int, steps: int) -> float:
     """Median seconds of one plain decode step with ``c`` requests decoding."""
     for i in range(c):
-        eng.add_request(f"b{i}-{time.monotonic_ns()}", prompt, {"max_tokens": steps + 8, "ignore_eos": True},
-                        speculation="off")
+        eng.add_request(
+            f"b{i}-{time.monotonic_ns()}", prompt, {"max_tokens": steps + 8, "ignore_eos": True}, speculation="off"
+        )
     while any(r.in_prefill for r in eng.running) or eng.waiting:
         eng.step()
     eng.step()  # first step after prefill: every request decoding
@@ -73,9 +83,20 @@ def main(argv: list[str] | None = None) -> int:
     set_threads(2)
     loaded = load_model("smollm2")
     engines = {
-        (dt, inv): LLMEngine(EngineConfig(dtype=dt, batch_invariant=inv, max_num_seqs=max(CONCURRENCY),
-                                          enable_prefix_caching=False, max_model_len=512, max_num_batched_tokens=512, proposers=[]), loaded)
-        for dt in DTYPES for inv in (True, False)
+        (dt, inv): LLMEngine(
+            EngineConfig(
+                dtype=dt,
+                batch_invariant=inv,
+                max_num_seqs=max(CONCURRENCY),
+                enable_prefix_caching=False,
+                max_model_len=512,
+                max_num_batched_tokens=512,
+                proposers=[],
+            ),
+            loaded,
+        )
+        for dt in DTYPES
+        for inv in (True, False)
     }
     hf_models = {"float32": loaded.model, "bfloat16": copy.deepcopy(loaded.model).to(torch.bfloat16)}
     prompt = engines[("float32", True)].tokenize_chat([{"role": "user", "content": PROMPT}])
@@ -102,44 +123,83 @@ def main(argv: list[str] | None = None) -> int:
     for dt, c in cells:
         inv, fast = step_s[(dt, True, c)], step_s[(dt, False, c)]
         ratios = [f / i for i, f in zip(inv, fast)]  # invariant throughput / fast throughput, per round
-        rows.append({
-            "dtype": dt, "c": c,
-            "inv_tok_s": c / statistics.median(inv), "fast_tok_s": c / statistics.median(fast),
-            "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-            "cost_pct": 100 * (1 - statistics.median(ratios)),
-        })
-    prefill = {dt: {"inv_s": statistics.median(pre_s[(dt, True)]), "fast_s": statistics.median(pre_s[(dt, False)]),
-                    "ratio": statistics.median(f / i for i, f in zip(pre_s[(dt, True)], pre_s[(dt, False)]))}
-               for dt in DTYPES}
+        rows.append(
+            {
+                "dtype": dt,
+                "c": c,
+                "inv_tok_s": c / statistics.median(inv),
+                "fast_tok_s": c / statistics.median(fast),
+                "ratio": statistics.median(ratios),
+                "ratio_min": min(ratios),
+                "ratio_max": max(ratios),
+                "cost_pct": 100 * (1 - statistics.median(ratios)),
+            }
+        )
+    prefill = {
+        dt: {
+            "inv_s": statistics.median(pre_s[(dt, True)]),
+            "fast_s": statistics.median(pre_s[(dt, False)]),
+            "ratio": statistics.median(f / i for i, f in zip(pre_s[(dt, True)], pre_s[(dt, False)])),
+        }
+        for dt in DTYPES
+    }
     hf_med = {dt: statistics.median(v) for dt, v in hf.items()}
     inv_bf16_c1 = next(r["inv_tok_s"] for r in rows if r["dtype"] == "bfloat16" and r["c"] == 1)
     inv_f32_c1 = next(r["inv_tok_s"] for r in rows if r["dtype"] == "float32" and r["c"] == 1)
-    table = format_table(rows, [
-        ("dtype", "dtype", "s"), ("c", "c", "d"), ("inv_tok_s", "invariant tok/s", ".1f"),
-        ("fast_tok_s", "fast tok/s", ".1f"), ("ratio", "inv/fast (median)", ".3f"),
-        ("ratio_min", "min", ".3f"), ("ratio_max", "max", ".3f"), ("cost_pct", "cost %", ".1f"),
-    ], title=f"Batch-invariant vs fastest kernels, plain greedy decode, {args.rounds} interleaved rounds")
+    table = format_table(
+        rows,
+        [
+            ("dtype", "dtype", "s"),
+            ("c", "c", "d"),
+            ("inv_tok_s", "invariant tok/s", ".1f"),
+            ("fast_tok_s", "fast tok/s", ".1f"),
+            ("ratio", "inv/fast (median)", ".3f"),
+            ("ratio_min", "min", ".3f"),
+            ("ratio_max", "max", ".3f"),
+            ("cost_pct", "cost %", ".1f"),
+        ],
+        title=f"Batch-invariant vs fastest kernels, plain greedy decode, {args.rounds} interleaved rounds",
+    )
     env = env_info()
-    summary = (f"HF generate batch 1: fp32 {hf_med['float32']:.1f} tok/s, bf16 {hf_med['bfloat16']:.1f}; "
-               f"engine invariant c=1: bf16 {inv_bf16_c1:.1f} ({inv_bf16_c1 / hf_med['float32']:.2f}x HF fp32), "
-               f"fp32 {inv_f32_c1:.1f} ({inv_f32_c1 / hf_med['float32']:.2f}x HF fp32). CPU: {env['cpu']}")
+    summary = (
+        f"HF generate batch 1: fp32 {hf_med['float32']:.1f} tok/s, bf16 {hf_med['bfloat16']:.1f}; "
+        f"engine invariant c=1: bf16 {inv_bf16_c1:.1f} ({inv_bf16_c1 / hf_med['float32']:.2f}x HF fp32), "
+        f"fp32 {inv_f32_c1:.1f} ({inv_f32_c1 / hf_med['float32']:.2f}x HF fp32). CPU: {env['cpu']}"
+    )
     summary += "; prefill of a {}-token prompt, invariant/fast throughput: {}".format(
-        args.prefill_tokens, ", ".join(f"{dt} {p['ratio']:.3f} ({p['inv_s'] * 1e3:.0f} vs {p['fast_s'] * 1e3:.0f} ms)"
-                                       for dt, p in prefill.items()))
+        args.prefill_tokens,
+        ", ".join(
+            f"{dt} {p['ratio']:.3f} ({p['inv_s'] * 1e3:.0f} vs {p['fast_s'] * 1e3:.0f} ms)" for dt, p in prefill.items()
+        ),
+    )
     print(table)
     print(summary)
-    write_json(RESULTS_DIR / "invariance_bench.json", {
-        "env": env, "args": vars(args), "rows": rows, "hf_generate_tok_s": hf_med, "prefill": prefill,
-        "attention_kernel": engines[("float32", True)].runner.attention_kernel, "summary": summary,
-        "raw_step_s": {f"{dt}/{'inv' if inv else 'fast'}/c{c}": v for (dt, inv, c), v in step_s.items()},
-        "raw_hf_tok_s": hf, "raw_prefill_s": {f"{dt}/{'inv' if inv else 'fast'}": v for (dt, inv), v in pre_s.items()},
-    })
+    write_json(
+        RESULTS_DIR / "invariance_bench.json",
+        {
+            "env": env,
+            "args": vars(args),
+            "rows": rows,
+            "hf_generate_tok_s": hf_med,
+            "prefill": prefill,
+            "attention_kernel": engines[("float32", True)].runner.attention_kernel,
+            "summary": summary,
+            "raw_step_s": {f"{dt}/{'inv' if inv else 'fast'}/c{c}": v for (dt, inv, c), v in step_s.items()},
+            "raw_hf_tok_s": hf,
+            "raw_prefill_s": {f"{dt}/{'inv' if inv else 'fast'}": v for (dt, inv), v in pre_s.items()},
+        },
+    )
     fig, axes = figure(ncols=2, width=6)
     for ax, dt in zip(axes, DTYPES):
         sel = [r for r in rows if r["dtype"] == dt]
-        bar_panel(ax, [f"c={r['c']}" for r in sel],
-                  {"invariant": [r["inv_tok_s"] for r in sel], "fastest": [r["fast_tok_s"] for r in sel]},
-                  title=f"{dt}: output tok/s", ylabel="tok/s", fmt="{:.0f}")
+        bar_panel(
+            ax,
+            [f"c={r['c']}" for r in sel],
+            {"invariant": [r["inv_tok_s"] for r in sel], "fastest": [r["fast_tok_s"] for r in sel]},
+            title=f"{dt}: output tok/s",
+            ylabel="tok/s",
+            fmt="{:.0f}",
+        )
     save_figure(fig, RESULTS_DIR / "invariance_bench.png", suptitle=f"Batch-invariant kernels: cost ({env['cpu']})")
     return 0
 

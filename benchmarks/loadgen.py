@@ -28,8 +28,15 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_toke
 
     Times are ``time.perf_counter()`` seconds: ``t0`` (sent), ``chunks`` (each content chunk's
     arrival; a chunk can carry several tokens when a step commits drafts), ``t1`` (stream ended)."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     t0 = time.perf_counter()
     chunks: list[float] = []
     usage: dict[str, Any] = {}
@@ -46,12 +53,19 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_toke
                 chunks.append(time.perf_counter())
     t1 = time.perf_counter()
     n = usage.get("completion_tokens", 0)
-    return {"ttft": chunks[0] - t0 if chunks else t1 - t0, "e2e": t1 - t0, "tokens": n,
-            "tpot": (t1 - chunks[0]) / (n - 1) if chunks and n > 1 else None,
-            "gaps": [b - a for a, b in zip(chunks, chunks[1:])], "spec": usage.get("speculation", {}),
-            "prompt_tokens": usage.get("prompt_tokens", 0),
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-            "t0": t0, "t1": t1, "chunks": chunks}
+    return {
+        "ttft": chunks[0] - t0 if chunks else t1 - t0,
+        "e2e": t1 - t0,
+        "tokens": n,
+        "tpot": (t1 - chunks[0]) / (n - 1) if chunks and n > 1 else None,
+        "gaps": [b - a for a, b in zip(chunks, chunks[1:])],
+        "spec": usage.get("speculation", {}),
+        "prompt_tokens": usage.get("prompt_tokens", 0),
+        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+        "t0": t0,
+        "t1": t1,
+        "chunks": chunks,
+    }
 
 
 async def closed_loop(url: str, prompts: list[str], concurrency: int, total: int, max_tokens: int) -> dict[str, Any]:
@@ -72,10 +86,14 @@ async def closed_loop(url: str, prompts: list[str], concurrency: int, total: int
     gaps = [g for r in ok for g in r["gaps"]]
     tpots = [r["tpot"] for r in ok if r["tpot"] is not None]
     return {
-        "requests": len(results), "errors": len(results) - len(ok), "wall_s": wall,
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "wall_s": wall,
         "tok_s": sum(r["tokens"] for r in ok) / wall,
-        "tpot_p50_ms": 1e3 * percentile(tpots, 50), "tpot_p99_ms": 1e3 * percentile(tpots, 99),
-        "itl_p50_ms": 1e3 * percentile(gaps, 50), "itl_p99_ms": 1e3 * percentile(gaps, 99),
+        "tpot_p50_ms": 1e3 * percentile(tpots, 50),
+        "tpot_p99_ms": 1e3 * percentile(tpots, 99),
+        "itl_p50_ms": 1e3 * percentile(gaps, 50),
+        "itl_p99_ms": 1e3 * percentile(gaps, 99),
         "ttft_p50_ms": 1e3 * percentile([r["ttft"] for r in ok], 50),
         # the slowest start and the slowest request: one stall shows here and in wall_s, not in the medians
         "ttft_max_ms": 1e3 * max((r["ttft"] for r in ok), default=float("nan")),
@@ -86,7 +104,8 @@ async def closed_loop(url: str, prompts: list[str], concurrency: int, total: int
         "spec_steps": sum(r["spec"].get("spec_steps", 0) for r in ok),
         "plain_steps": sum(r["spec"].get("plain_steps", 0) for r in ok),
         # prefix caching: prompt tokens whose KV was reused (a miss on a long prompt costs seconds of TTFT)
-        "prompt_tokens": sum(r["prompt_tokens"] for r in ok), "cached_tokens": sum(r["cached_tokens"] for r in ok),
+        "prompt_tokens": sum(r["prompt_tokens"] for r in ok),
+        "cached_tokens": sum(r["cached_tokens"] for r in ok),
     }
 
 
@@ -137,7 +156,7 @@ class ContinuousLoad:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def start(self) -> "ContinuousLoad":
+    def start(self) -> ContinuousLoad:
         self._thread.start()
         self._started.wait()
         return self

@@ -31,8 +31,9 @@ H, HKV, D, BS = 9, 3, 64, 16
 def build_slot_kernel(ref: str) -> ctypes.CDLL:
     tmp = Path(tempfile.mkdtemp())
     for name in ("invariant_attention.c", "vec_math.h"):
-        src = subprocess.run(["git", "show", f"{ref}:workers/kernels/{name}"], capture_output=True, text=True,
-                             check=True).stdout
+        src = subprocess.run(
+            ["git", "show", f"{ref}:workers/kernels/{name}"], capture_output=True, text=True, check=True
+        ).stdout
         (tmp / name).write_text(src)
     out = tmp / "slot.so"
     subprocess.run(["cc", *na.FLAGS, str(tmp / "invariant_attention.c"), "-o", str(out), "-lm"], check=True)
@@ -48,11 +49,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), "?")
+    cpu = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        ),
+        "?",
+    )
     flags = set(next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split())
-    print(f"CPU: {cpu}; avx512f={'avx512f' in flags} avx512_bf16={'avx512_bf16' in flags} "
-          f"amx={'amx_tile' in flags}; torch {torch.get_num_threads()} threads; ctx {args.ctx}, {args.layers} layers")
+    print(
+        f"CPU: {cpu}; avx512f={'avx512f' in flags} avx512_bf16={'avx512_bf16' in flags} "
+        f"amx={'amx_tile' in flags}; torch {torch.get_num_threads()} threads; ctx {args.ctx}, {args.layers} layers"
+    )
 
     lib = build_slot_kernel(args.ref)
     slot_fn = lib.invariant_attention
@@ -90,16 +99,50 @@ def main() -> None:
 
         def run_slot() -> torch.Tensor:
             for kt, v in zip(kt_slot, v_slot):
-                slot_fn(q.data_ptr(), q.stride(0), kt.data_ptr(), v.data_ptr(), req.data_ptr(), nvis.data_ptr(),
-                        out.data_ptr(), c, H, HKV, D, L, D**-0.5, scratch.data_ptr(), n_pad, args.threads)
+                slot_fn(
+                    q.data_ptr(),
+                    q.stride(0),
+                    kt.data_ptr(),
+                    v.data_ptr(),
+                    req.data_ptr(),
+                    nvis.data_ptr(),
+                    out.data_ptr(),
+                    c,
+                    H,
+                    HKV,
+                    D,
+                    L,
+                    D**-0.5,
+                    scratch.data_ptr(),
+                    n_pad,
+                    args.threads,
+                )
             return out.clone()
 
         def run_paged(name: str) -> torch.Tensor:  # the raw ctypes call, as for the slot kernel (no Python checks)
             tab, kp, vp = pools[name]
             for k, v in zip(kp, vp):
-                paged._fn(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), tab.data_ptr(), tab.shape[1],
-                          req.data_ptr(), nvis.data_ptr(), out.data_ptr(), c, H, HKV, D, BS, c * nb, D**-0.5,
-                          scratch.data_ptr(), n_pad, args.threads)
+                paged._fn(
+                    q.data_ptr(),
+                    q.stride(0),
+                    k.data_ptr(),
+                    v.data_ptr(),
+                    tab.data_ptr(),
+                    tab.shape[1],
+                    req.data_ptr(),
+                    nvis.data_ptr(),
+                    out.data_ptr(),
+                    c,
+                    H,
+                    HKV,
+                    D,
+                    BS,
+                    c * nb,
+                    D**-0.5,
+                    scratch.data_ptr(),
+                    n_pad,
+                    args.threads,
+                )
             return out.clone()
 
         ref = run_slot()
@@ -115,9 +158,11 @@ def main() -> None:
         for name in ("contig", "scatter"):
             ratios = sorted(a / b for a, b in zip(times[name], times["slot"]))
             q1, q3 = ratios[len(ratios) // 4], ratios[3 * len(ratios) // 4]
-            print(f"c={c:2d} {name:8s}: median {med[name]:7.3f} ms/step (slot {med['slot']:7.3f}), best "
-                  f"{best[name]:7.3f} (slot {best['slot']:7.3f}); paired ratio median {statistics.median(ratios):.3f}, "
-                  f"IQR {q1:.3f}-{q3:.3f}, range {ratios[0]:.3f}-{ratios[-1]:.3f} ({args.rounds} rounds)")
+            print(
+                f"c={c:2d} {name:8s}: median {med[name]:7.3f} ms/step (slot {med['slot']:7.3f}), best "
+                f"{best[name]:7.3f} (slot {best['slot']:7.3f}); paired ratio median {statistics.median(ratios):.3f}, "
+                f"IQR {q1:.3f}-{q3:.3f}, range {ratios[0]:.3f}-{ratios[-1]:.3f} ({args.rounds} rounds)"
+            )
 
 
 if __name__ == "__main__":

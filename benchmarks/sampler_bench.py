@@ -21,7 +21,16 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.common import RESULTS_DIR, env_info, figure, format_table, line_panel, save_figure, set_threads, write_json
+from benchmarks.common import (
+    RESULTS_DIR,
+    env_info,
+    figure,
+    format_table,
+    line_panel,
+    save_figure,
+    set_threads,
+    write_json,
+)
 from workers.sampler import keyed_exponentials, keyed_sample, position_key
 
 
@@ -53,8 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = [int(r) for r in args.rows.split(",")]
     gen = torch.Generator().manual_seed(0)
     # a sampled LM's rows: softmax of logits with a realistic spread
-    inputs = {n: (torch.softmax(torch.randn(n, args.vocab, generator=gen) * 3.0, dim=-1),
-                  [position_key(1234 + i, i) for i in range(n)]) for n in rows}
+    inputs = {
+        n: (
+            torch.softmax(torch.randn(n, args.vocab, generator=gen) * 3.0, dim=-1),
+            [position_key(1234 + i, i) for i in range(n)],
+        )
+        for n in rows
+    }
     for n, (p, keys) in inputs.items():
         if not torch.equal(keyed_sample(p, keys), definition(p, keys)):
             raise SystemExit(f"keyed_sample and its definition disagree at {n} rows")
@@ -70,19 +84,44 @@ def main(argv: list[str] | None = None) -> int:
     for n in rows:
         s, d = cells[n]["shipped"], cells[n]["definition"]
         speedups = [b / a for a, b in zip(s, d)]
-        table.append({"rows": n, "shipped_ms": 1e3 * statistics.median(s), "definition_ms": 1e3 * statistics.median(d),
-                      "speedup": statistics.median(speedups), "speedup_min": min(speedups),
-                      "speedup_max": max(speedups)})
-    print(format_table(table, [("rows", "rows", "d"), ("shipped_ms", "shipped ms", ".2f"),
-                               ("definition_ms", "definition ms", ".2f"), ("speedup", "speed-up", ".2f"),
-                               ("speedup_min", "min", ".2f"), ("speedup_max", "max", ".2f")],
-                       title=f"keyed sampling, vocab {args.vocab}, {args.threads} threads"))
+        table.append(
+            {
+                "rows": n,
+                "shipped_ms": 1e3 * statistics.median(s),
+                "definition_ms": 1e3 * statistics.median(d),
+                "speedup": statistics.median(speedups),
+                "speedup_min": min(speedups),
+                "speedup_max": max(speedups),
+            }
+        )
+    print(
+        format_table(
+            table,
+            [
+                ("rows", "rows", "d"),
+                ("shipped_ms", "shipped ms", ".2f"),
+                ("definition_ms", "definition ms", ".2f"),
+                ("speedup", "speed-up", ".2f"),
+                ("speedup_min", "min", ".2f"),
+                ("speedup_max", "max", ".2f"),
+            ],
+            title=f"keyed sampling, vocab {args.vocab}, {args.threads} threads",
+        )
+    )
     out = Path(args.out)
     write_json(out.with_suffix(".json"), {"env": env_info(), "args": vars(args), "rows": table, "cells_s": cells})
     fig, axes = figure(ncols=1, width=7)
-    line_panel(axes[0], rows, {"keyed_sample (shipped)": [t["shipped_ms"] for t in table],
-                               "argmax(p / keyed_exponentials) (definition)": [t["definition_ms"] for t in table]},
-               title="ms per call (median over rounds)", xlabel="rows (requests sampled in the step)", ylabel="ms")
+    line_panel(
+        axes[0],
+        rows,
+        {
+            "keyed_sample (shipped)": [t["shipped_ms"] for t in table],
+            "argmax(p / keyed_exponentials) (definition)": [t["definition_ms"] for t in table],
+        },
+        title="ms per call (median over rounds)",
+        xlabel="rows (requests sampled in the step)",
+        ylabel="ms",
+    )
     save_figure(fig, out.with_suffix(".png"), suptitle=env_info().get("cpu", ""))
     print(f"wrote {out.with_suffix('.json')} and .png")
     return 0

@@ -24,7 +24,17 @@ import httpx
 import openai
 import torch
 
-from benchmarks.common import RESULTS_DIR, bar_panel, env_info, figure, hf_generate, progress, save_figure, set_threads, write_json
+from benchmarks.common import (
+    RESULTS_DIR,
+    bar_panel,
+    env_info,
+    figure,
+    hf_generate,
+    progress,
+    save_figure,
+    set_threads,
+    write_json,
+)
 from benchmarks.engine_bench import CHAT_PROMPTS
 from cluster.local_cluster import LocalCluster
 from workers.model_loader import load_model
@@ -36,8 +46,14 @@ def over_http(client: openai.OpenAI, text: str, n: int) -> float:
     """Output tokens per second of one streamed chat request, first byte to last included."""
     t0 = time.perf_counter()
     stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=n, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        model=MODEL,
+        messages=[{"role": "user", "content": text}],
+        max_tokens=n,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     tokens = 0
     for ch in stream:
         if ch.usage:
@@ -55,14 +71,23 @@ def main(argv: list[str] | None = None) -> int:
     hf = {"float32": loaded.model, "bfloat16": copy.deepcopy(loaded.model).to(torch.bfloat16)}
     texts = CHAT_PROMPTS[:3]
     tok = loaded.tokenizer
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                                  add_generation_prompt=True), add_special_tokens=False)
-               for t in texts]
+    prompts = [
+        tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        )
+        for t in texts
+    ]
     rates: dict[str, list[float]] = {"http": [], "hf_float32": [], "hf_bfloat16": []}
     with tempfile.TemporaryDirectory() as tmp:
         # ray_config.yaml as shipped; LocalCluster's test-sized engine (1 thread, 8 slots) set back to it
-        cluster = LocalCluster(Path(tmp), args_patch={"engine": {"num_threads": 2, "max_num_seqs": 32,
-                                                                 "max_model_len": 2048}, "target": {"num_cpus": 1}})
+        cluster = LocalCluster(
+            Path(tmp),
+            args_patch={
+                "engine": {"num_threads": 2, "max_num_seqs": 32, "max_model_len": 2048},
+                "target": {"num_cpus": 1},
+            },
+        )
         try:
             cluster.start()
             client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
@@ -82,18 +107,38 @@ def main(argv: list[str] | None = None) -> int:
     med = {k: statistics.median(v) for k, v in rates.items()}
     pairs = [h / f for h, f in zip(rates["http"], rates["hf_float32"])]
     env = env_info()
-    summary = (f"default service over HTTP c=1: {med['http']:.1f} tok/s (engine dtype {replica.get('dtype')}, "
-               f"batch_invariant {replica.get('batch_invariant')}); HF generate fp32 {med['hf_float32']:.1f}, "
-               f"bf16 {med['hf_bfloat16']:.1f}; HTTP / HF fp32: median of pairs {statistics.median(pairs):.2f}x "
-               f"(min {min(pairs):.2f}, max {max(pairs):.2f}, {len(pairs)} pairs). CPU: {env['cpu']}")
+    summary = (
+        f"default service over HTTP c=1: {med['http']:.1f} tok/s (engine dtype {replica.get('dtype')}, "
+        f"batch_invariant {replica.get('batch_invariant')}); HF generate fp32 {med['hf_float32']:.1f}, "
+        f"bf16 {med['hf_bfloat16']:.1f}; HTTP / HF fp32: median of pairs {statistics.median(pairs):.2f}x "
+        f"(min {min(pairs):.2f}, max {max(pairs):.2f}, {len(pairs)} pairs). CPU: {env['cpu']}"
+    )
     print(summary)
-    write_json(RESULTS_DIR / "service_vs_hf.json", {"env": env, "args": vars(args), "median_tok_s": med,
-                                                     "ratio_pairs": pairs, "replica": replica, "raw": rates,
-                                                     "summary": summary})
+    write_json(
+        RESULTS_DIR / "service_vs_hf.json",
+        {
+            "env": env,
+            "args": vars(args),
+            "median_tok_s": med,
+            "ratio_pairs": pairs,
+            "replica": replica,
+            "raw": rates,
+            "summary": summary,
+        },
+    )
     fig, (ax,) = figure(ncols=1, width=6)
-    bar_panel(ax, ["c=1"], {"service (HTTP)": [med["http"]], "HF generate fp32": [med["hf_float32"]],
-                            "HF generate bf16": [med["hf_bfloat16"]]}, title="output tok/s, one stream",
-              ylabel="tok/s", fmt="{:.1f}")
+    bar_panel(
+        ax,
+        ["c=1"],
+        {
+            "service (HTTP)": [med["http"]],
+            "HF generate fp32": [med["hf_float32"]],
+            "HF generate bf16": [med["hf_bfloat16"]],
+        },
+        title="output tok/s, one stream",
+        ylabel="tok/s",
+        fmt="{:.1f}",
+    )
     save_figure(fig, RESULTS_DIR / "service_vs_hf.png", suptitle=env["cpu"])
     return 0
 

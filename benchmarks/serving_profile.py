@@ -35,10 +35,19 @@ def role(p: psutil.Process) -> str:
         cmd = " ".join(p.cmdline())
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return "gone"
-    for key, name in [("TargetWorker", "target replica"), ("Ingress", "ingress"), ("ProxyActor", "HTTP proxy"),
-                      ("ServeReplica:specserve:Router", "Router"), ("DraftWorker", "draft worker"),
-                      ("ServeController", "Serve controller"), ("gcs_server", "GCS"), ("raylet", "raylet"),
-                      ("dashboard", "dashboard"), ("log_monitor", "Ray daemons"), ("monitor", "Ray daemons")]:
+    for key, name in [
+        ("TargetWorker", "target replica"),
+        ("Ingress", "ingress"),
+        ("ProxyActor", "HTTP proxy"),
+        ("ServeReplica:specserve:Router", "Router"),
+        ("DraftWorker", "draft worker"),
+        ("ServeController", "Serve controller"),
+        ("gcs_server", "GCS"),
+        ("raylet", "raylet"),
+        ("dashboard", "dashboard"),
+        ("log_monitor", "Ray daemons"),
+        ("monitor", "Ray daemons"),
+    ]:
         if key in cmd:
             return name
     return "other Ray" if "ray" in cmd else "other"
@@ -61,17 +70,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", default="1,16")
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--nodes", type=int, default=1, choices=(1, 2),
-                    help="1: one Ray node, as `make serve` runs it; 2: the test clusters' two nodes")
+    ap.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        choices=(1, 2),
+        help="1: one Ray node, as `make serve` runs it; 2: the test clusters' two nodes",
+    )
     ap.add_argument("--out", default=str(RESULTS_DIR / "serving_profile"))
     args = ap.parse_args(argv)
     levels = [int(s) for s in args.streams.split(",")]
     rows: list[dict[str, Any]] = []
     me = psutil.Process()
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = LocalCluster(Path(tmp), args_patch={"engine": {"num_threads": 2, "max_num_seqs": 32,
-                                                                 "max_model_len": 2048}, "target": {"num_cpus": 1}},
-                               nodes=args.nodes)
+        cluster = LocalCluster(
+            Path(tmp),
+            args_patch={
+                "engine": {"num_threads": 2, "max_num_seqs": 32, "max_model_len": 2048},
+                "target": {"num_cpus": 1},
+            },
+            nodes=args.nodes,
+        )
         try:
             print("starting the service ...", flush=True)
             cluster.start()
@@ -88,13 +107,23 @@ def main(argv: list[str] | None = None) -> int:
                 tokens = round(cell["tok_s"] * cell["wall_s"])
                 cpu = {k: cpu1.get(k, 0.0) - cpu0.get(k, 0.0) for k in cpu1}
                 cpu["this client"] = cpu.pop("other", 0.0)
-                row = {"streams": c, "wall_s": wall, "output_tokens": tokens, "tok_s": tokens / wall,
-                       "cpu_s": cpu, "cpu_ms_per_token": {k: 1e3 * v / tokens for k, v in cpu.items()},
-                       "cpu_utilisation": sum(cpu.values()) / wall, "engine_step_ms_in_replica": step_ms,
-                       "client_tpot_p50_ms": cell.get("tpot_p50_ms")}
+                row = {
+                    "streams": c,
+                    "wall_s": wall,
+                    "output_tokens": tokens,
+                    "tok_s": tokens / wall,
+                    "cpu_s": cpu,
+                    "cpu_ms_per_token": {k: 1e3 * v / tokens for k, v in cpu.items()},
+                    "cpu_utilisation": sum(cpu.values()) / wall,
+                    "engine_step_ms_in_replica": step_ms,
+                    "client_tpot_p50_ms": cell.get("tpot_p50_ms"),
+                }
                 rows.append(row)
-                print(f"c={c}: {tokens / wall:.1f} tok/s, step in replica {step_ms} ms, client TPOT p50 "
-                      f"{cell.get('tpot_p50_ms')} ms; CPU ms per output token:", flush=True)
+                print(
+                    f"c={c}: {tokens / wall:.1f} tok/s, step in replica {step_ms} ms, client TPOT p50 "
+                    f"{cell.get('tpot_p50_ms')} ms; CPU ms per output token:",
+                    flush=True,
+                )
                 for k, v in sorted(row["cpu_ms_per_token"].items(), key=lambda kv: -kv[1]):
                     print(f"    {k:>18}: {v:7.2f}")
         finally:
@@ -104,8 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     write_json(out.with_suffix(".json"), result)
     roles = sorted({k for r in rows for k in r["cpu_ms_per_token"]})
     fig, axes = figure(ncols=1, width=10)
-    bar_panel(axes[0], roles, {f"c={r['streams']}": [r["cpu_ms_per_token"].get(k, 0.0) for k in roles] for r in rows},
-              title="CPU ms per output token, by process", ylabel="ms")
+    bar_panel(
+        axes[0],
+        roles,
+        {f"c={r['streams']}": [r["cpu_ms_per_token"].get(k, 0.0) for k in roles] for r in rows},
+        title="CPU ms per output token, by process",
+        ylabel="ms",
+    )
     save_figure(fig, out.with_suffix(".png"), suptitle=env_info().get("cpu", ""))
     print(f"wrote {out.with_suffix('.json')} and .png")
     return 0

@@ -135,16 +135,30 @@ def make_request(rng: random.Random) -> dict[str, Any]:
     if stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
-    return {"kind": kind, "body": body, "greedy": greedy, "key": (kind, prompt_i, body["max_tokens"]),
-            "hangup_s": rng.uniform(0.2, 1.0)}
+    return {
+        "kind": kind,
+        "body": body,
+        "greedy": greedy,
+        "key": (kind, prompt_i, body["max_tokens"]),
+        "hangup_s": rng.uniform(0.2, 1.0),
+    }
 
 
-async def run_one(client: httpx.AsyncClient, url: str, req: dict[str, Any], disconnect: bool, tally: Tally,
-                  greedy_ref: dict, timeout_s: float) -> None:
+async def run_one(
+    client: httpx.AsyncClient,
+    url: str,
+    req: dict[str, Any],
+    disconnect: bool,
+    tally: Tally,
+    greedy_ref: dict,
+    timeout_s: float,
+) -> None:
     path = "/v1/chat/completions" if req["kind"] == "chat" else "/v1/completions"
     body = req["body"]
-    label = f"{req['kind']} stream={body.get('stream', False)} spec={body['speculation']} " \
-            f"proposer={body.get('proposer')} T={body['temperature']}"
+    label = (
+        f"{req['kind']} stream={body.get('stream', False)} spec={body['speculation']} "
+        f"proposer={body.get('proposer')} T={body['temperature']}"
+    )
     tally.started += 1
     t0 = time.monotonic()
     text: str | None = None
@@ -221,8 +235,11 @@ async def drain(client: httpx.AsyncClient, url: str, timeout_s: float) -> dict[s
     while time.monotonic() - t0 < timeout_s:
         try:
             r = await client.get(url + "/v1/speculation/stats", timeout=10)
-            loads = {rid: {k: v.get(k) for k in ("running", "waiting", "kv_tokens_in_use")}
-                     for rid, v in r.json().get("replicas", {}).items() if v.get("age_s", 99) < 5}
+            loads = {
+                rid: {k: v.get(k) for k in ("running", "waiting", "kv_tokens_in_use")}
+                for rid, v in r.json().get("replicas", {}).items()
+                if v.get("age_s", 99) < 5
+            }
             if loads and all(v["running"] == 0 and v["waiting"] == 0 for v in loads.values()):
                 return {"drained": True, "seconds": round(time.monotonic() - t0, 2), "loads": loads}
         except (httpx.HTTPError, ValueError):
@@ -253,8 +270,9 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                 budget["left"] -= 1
                 req = make_request(wrng)
                 target = tally_warm if time.monotonic() < warm_end else tally
-                await run_one(client, url, req, wrng.random() < args.disconnect_rate, target, greedy_ref,
-                              args.request_timeout_s)
+                await run_one(
+                    client, url, req, wrng.random() < args.disconnect_rate, target, greedy_ref, args.request_timeout_s
+                )
 
         async def mark_warm() -> None:
             await asyncio.sleep(max(0.0, warm_end - time.monotonic()))
@@ -292,8 +310,12 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         "warmup_s": args.warmup,
         "load_seconds": round(load_seconds, 1),
         "concurrency": args.concurrency,
-        "warmup": {"requests": tally_warm.started, "ok": tally_warm.ok, "disconnected": tally_warm.disconnected,
-                   "errors": tally_warm.errors},
+        "warmup": {
+            "requests": tally_warm.started,
+            "ok": tally_warm.ok,
+            "disconnected": tally_warm.disconnected,
+            "errors": tally_warm.errors,
+        },
         "requests": tally.started,
         "ok": tally.ok,
         "disconnected": tally.disconnected,
@@ -330,8 +352,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-requests", type=int, default=100_000, help="stop after this many requests in all")
     ap.add_argument("--disconnect-rate", type=float, default=0.1)
     ap.add_argument("--request-timeout-s", type=float, default=180.0)
-    ap.add_argument("--grace-s", type=float, default=60.0,
-                    help="after the end, how long requests in flight may finish before they are hung up on")
+    ap.add_argument(
+        "--grace-s",
+        type=float,
+        default=60.0,
+        help="after the end, how long requests in flight may finish before they are hung up on",
+    )
     ap.add_argument("--drain-timeout-s", type=float, default=30.0)
     ap.add_argument("--rss-tolerance", type=float, default=0.10)
     ap.add_argument("--rss-every-s", type=float, default=15.0, help="RSS timeline sampling period")
@@ -339,12 +365,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the report here")
-    ap.add_argument("--local", action="store_true",
-                    help="start a two-node local Ray cluster with ray_config.yaml (cluster/local_cluster.py), soak it, "
-                    "stop it; --url and --dashboard are then taken from it")
-    ap.add_argument("--args-patch", default=None,
-                    help="with --local: JSON merged into the app's args per section, e.g. "
-                    "'{\"draft\": {\"model\": \"target\"}}'")
+    ap.add_argument(
+        "--local",
+        action="store_true",
+        help="start a two-node local Ray cluster with ray_config.yaml (cluster/local_cluster.py), soak it, "
+        "stop it; --url and --dashboard are then taken from it",
+    )
+    ap.add_argument(
+        "--args-patch",
+        default=None,
+        help='with --local: JSON merged into the app\'s args per section, e.g. \'{"draft": {"model": "target"}}\'',
+    )
     args = ap.parse_args(argv)
     if args.local:
         return _soak_local(args)
@@ -364,8 +395,11 @@ def _soak_local(args: argparse.Namespace) -> int:
         try:
             t0 = time.time()
             cluster.start()
-            print(f"[soak] local cluster up in {time.time() - t0:.0f} s at {cluster.base_url}", file=sys.stderr,
-                  flush=True)
+            print(
+                f"[soak] local cluster up in {time.time() - t0:.0f} s at {cluster.base_url}",
+                file=sys.stderr,
+                flush=True,
+            )
             args.url, args.dashboard = cluster.base_url, f"http://127.0.0.1:{cluster.dash_port}"
             return _report(asyncio.run(soak(args)), args)
         finally:

@@ -95,15 +95,27 @@ PARA_CLINIC = (
     "main number."
 )
 JSON_USER = {
-    "id": 10482, "name": "Maria Lopez", "email": "maria.lopez@example.com", "city": "Denver", "country": "USA",
-    "plan": "premium", "signup_date": "2023-04-17", "active": True, "tags": ["newsletter", "beta-tester"],
+    "id": 10482,
+    "name": "Maria Lopez",
+    "email": "maria.lopez@example.com",
+    "city": "Denver",
+    "country": "USA",
+    "plan": "premium",
+    "signup_date": "2023-04-17",
+    "active": True,
+    "tags": ["newsletter", "beta-tester"],
     "address": {"street": "1420 Larimer Street", "zip": "80202"},
     "notes": "Prefers contact by email. Renewal due in April.",
 }
 JSON_ORDER = {
-    "order_id": "A-55310", "customer_id": 7781, "status": "processing", "currency": "EUR",
-    "items": [{"sku": "BK-1042", "title": "Field Guide to Birds", "qty": 1, "price": 24.5},
-              {"sku": "MG-0007", "title": "Ceramic Mug", "qty": 2, "price": 9.0}],
+    "order_id": "A-55310",
+    "customer_id": 7781,
+    "status": "processing",
+    "currency": "EUR",
+    "items": [
+        {"sku": "BK-1042", "title": "Field Guide to Birds", "qty": 1, "price": 24.5},
+        {"sku": "MG-0007", "title": "Ceramic Mug", "qty": 2, "price": 9.0},
+    ],
     "shipping": {"method": "standard", "address": "Keizersgracht 112, Amsterdam", "eta_days": 4},
     "gift_wrap": False,
 }
@@ -114,18 +126,24 @@ def verbatim(p: str) -> str:
 
 
 def edit(p: str, old: str, new: str) -> str:
-    return (f"Rewrite the paragraph below exactly as it is, but replace the word \"{old}\" with \"{new}\". "
-            f"Output only the rewritten paragraph.\n\n{p}")
+    return (
+        f'Rewrite the paragraph below exactly as it is, but replace the word "{old}" with "{new}". '
+        f"Output only the rewritten paragraph.\n\n{p}"
+    )
 
 
 def json_edit(obj: dict, field: str, value: Any) -> str:
-    return (f"Change the \"{field}\" field of this JSON object to {json.dumps(value)} and output the complete "
-            f"JSON object with no other changes.\n\n{json.dumps(obj, indent=2)}")
+    return (
+        f'Change the "{field}" field of this JSON object to {json.dumps(value)} and output the complete '
+        f"JSON object with no other changes.\n\n{json.dumps(obj, indent=2)}"
+    )
 
 
 def extract(p: str, word: str) -> str:
-    return (f"List every sentence from the paragraph below that contains the word \"{word}\". Copy each sentence "
-            f"exactly, one per line.\n\n{p}")
+    return (
+        f'List every sentence from the paragraph below that contains the word "{word}". Copy each sentence '
+        f"exactly, one per line.\n\n{p}"
+    )
 
 
 # (name, kind, user message). Section A uses the first of each kind; section B cycles through all.
@@ -149,10 +167,26 @@ CHAT_PROMPTS = [
 # Sized for <= ~12 min on 2 shared, busy cores.
 # Section A lets copy answers run to their natural length (a paragraph is ~130 tokens; a 48-token
 # cap measured mostly the prompt's prefill, which speculation does not speed up).
-FULL = dict(tokens=160, num_copy=4, num_chat=1, rounds_a=2, concurrency=[1, 4, 16, 32], sweep_tokens=32,
-            sweep_requests={1: 2, 4: 6, 16: 16, 32: 32}, rounds=3)
-QUICK = dict(tokens=16, num_copy=1, num_chat=1, rounds_a=1, concurrency=[1, 4], sweep_tokens=8, sweep_requests={1: 1, 4: 4},
-             rounds=1)
+FULL = dict(
+    tokens=160,
+    num_copy=4,
+    num_chat=1,
+    rounds_a=2,
+    concurrency=[1, 4, 16, 32],
+    sweep_tokens=32,
+    sweep_requests={1: 2, 4: 6, 16: 16, 32: 32},
+    rounds=3,
+)
+QUICK = dict(
+    tokens=16,
+    num_copy=1,
+    num_chat=1,
+    rounds_a=1,
+    concurrency=[1, 4],
+    sweep_tokens=8,
+    sweep_requests={1: 1, 4: 4},
+    rounds=1,
+)
 
 MAX_MODEL_LEN = 768
 THREADS = 2
@@ -199,20 +233,33 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     env = env_info()
-    print(f"[spec_bench] {'QUICK' if args.quick else 'FULL'} run; {env['cpu']}, torch {env['torch']}, "
-          f"transformers {env['transformers']}, {THREADS} threads, K={ks}, loadavg {env['loadavg_start']}", flush=True)
+    print(
+        f"[spec_bench] {'QUICK' if args.quick else 'FULL'} run; {env['cpu']}, torch {env['torch']}, "
+        f"transformers {env['transformers']}, {THREADS} threads, K={ks}, loadavg {env['loadavg_start']}",
+        flush=True,
+    )
     loaded = load_model("smollm2")
     model = loaded.model
     max_seqs = max(cfg["concurrency"])
     eng = LLMEngine(
-        EngineConfig(dtype="float32", max_num_seqs=max_seqs, max_model_len=MAX_MODEL_LEN,
-                     num_speculative_tokens=max(ks + [SWEEP_K]), num_threads=THREADS),
+        EngineConfig(
+            dtype="float32",
+            max_num_seqs=max_seqs,
+            max_model_len=MAX_MODEL_LEN,
+            num_speculative_tokens=max(ks + [SWEEP_K]),
+            num_threads=THREADS,
+        ),
         loaded,
         proposers={
             "ngram": NgramProposer(),
             "suffix": SuffixProposer(),
-            "draft_model": DraftModelProposer(model, num_slots=2, max_model_len=MAX_MODEL_LEN, dtype="float32",
-                                              target_vocab_size=model.config.vocab_size),
+            "draft_model": DraftModelProposer(
+                model,
+                num_slots=2,
+                max_model_len=MAX_MODEL_LEN,
+                dtype="float32",
+                target_vocab_size=model.config.vocab_size,
+            ),
         },
     )
     eos = sorted(eng.eos_token_ids)
@@ -233,8 +280,16 @@ def main(argv: list[str] | None = None) -> int:
             if proposer == "suffix":
                 eng.proposers["suffix"] = SuffixProposer()  # cold global cache: see the module docstring
             eng.decide = fixed_k(k)
-            return run_closed_loop(eng, [(ids, params)], 1, proposer=proposer,
-                                   speculation="on" if k else "off", name=label, show_progress=False)
+            return run_closed_loop(
+                eng,
+                [(ids, params)],
+                1,
+                proposer=proposer,
+                speculation="on" if k else "off",
+                name=label,
+                show_progress=False,
+            )
+
         return run
 
     def hf_run(label: str, **kw: Any):
@@ -243,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                 assistant.generation_config.num_assistant_tokens = kw["_k"]
             extra = {k: v for k, v in kw.items() if k != "_k"}
             return hf_generate(model, ids, n_tok, ignore_eos=False, eos_token_id=eos, name=label, **extra)
+
         return run
 
     methods: list[tuple[str, str, Any]] = [("plain", "engine", engine_run("plain", None, 0))]
@@ -253,8 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     methods.append(("HF plain", "hf", hf_run("HF plain")))
     for k in ks:
         methods.append((f"HF prompt-lookup K={k}", "hf", hf_run(f"HF prompt-lookup K={k}", prompt_lookup_num_tokens=k)))
-        methods.append((f"HF assisted(self) K={k}", "hf",
-                        hf_run(f"HF assisted(self) K={k}", assistant_model=assistant, _k=k)))
+        methods.append(
+            (f"HF assisted(self) K={k}", "hf", hf_run(f"HF assisted(self) K={k}", assistant_model=assistant, _k=k))
+        )
 
     # Warm-up: every method once, a few tokens, untimed.
     warm_ids = chat(CHAT_PROMPTS[0][2])
@@ -290,12 +347,17 @@ def main(argv: list[str] | None = None) -> int:
             out = runs_now[label].outputs()[0]
             if out != ref[fam]:
                 n = next((i for i, (a, b) in enumerate(zip(out, ref[fam])) if a != b), min(len(out), len(ref[fam])))
-                mismatches.append(f"{name} / {label} (round {rnd}): differs from {fam} plain at token {n} "
-                                  f"({len(out)} vs {len(ref[fam])} tokens)")
+                mismatches.append(
+                    f"{name} / {label} (round {rnd}): differs from {fam} plain at token {n} "
+                    f"({len(out)} vs {len(ref[fam])} tokens)"
+                )
                 print(f"\n!!!!!!!! MISMATCH: {mismatches[-1]} !!!!!!!!\n", flush=True)
         if ref["engine"] != ref["hf"] and rnd == 0:
-            print(f"  note: {name}: engine plain and HF plain greedy differ (fp32 numerics), "
-                  f"tokens {len(ref['engine'])} vs {len(ref['hf'])}", flush=True)
+            print(
+                f"  note: {name}: engine plain and HF plain greedy differ (fp32 numerics), "
+                f"tokens {len(ref['engine'])} vs {len(ref['hf'])}",
+                flush=True,
+            )
 
     def summarize(names: list[str], label: str, fam: str) -> dict[str, Any]:
         run = merge_runs(label, [results[(n, label)] for n in names])
@@ -328,14 +390,22 @@ def main(argv: list[str] | None = None) -> int:
     ]
     section_a: dict[str, list[dict[str, Any]]] = {}
     tables: list[str] = []
-    for cat, names in (("copy-heavy", [n for n, k, _ in prompts_a if k != "chat"]),
-                       ("open chat", [n for n, k, _ in prompts_a if k == "chat"])):
+    for cat, names in (
+        ("copy-heavy", [n for n, k, _ in prompts_a if k != "chat"]),
+        ("open chat", [n for n, k, _ in prompts_a if k == "chat"]),
+    ):
         if not names:
             continue
         rows = [summarize(names, label, fam) for label, fam, _ in methods]
         section_a[cat] = rows
-        tables.append(format_table(rows, cols, title=f"A. {cat} ({', '.join(names)}), fp32, concurrency 1, greedy, "
-                                   f"max {n_tok} tokens, best of {cfg['rounds_a']} runs per prompt and method"))
+        tables.append(
+            format_table(
+                rows,
+                cols,
+                title=f"A. {cat} ({', '.join(names)}), fp32, concurrency 1, greedy, "
+                f"max {n_tok} tokens, best of {cfg['rounds_a']} runs per prompt and method",
+            )
+        )
         print("\n" + tables[-1], flush=True)
     per_prompt = []
     for name, kind, _ in prompts_a:
@@ -351,12 +421,19 @@ def main(argv: list[str] | None = None) -> int:
         (label, label.replace("(self)", "*").replace("prompt-lookup", "PLD").replace("assisted", "asst"), ".2f")
         for label, _, _ in methods[1:]
     ]
-    tables.append(format_table(per_prompt, pp_cols, title="A. per prompt: speedup vs engine plain "
-                               "(* = target as its own draft; PLD = prompt lookup)"))
+    tables.append(
+        format_table(
+            per_prompt,
+            pp_cols,
+            title="A. per prompt: speedup vs engine plain (* = target as its own draft; PLD = prompt lookup)",
+        )
+    )
     print("\n" + tables[-1], flush=True)
-    print(f"\n  {'ALL SPECULATIVE OUTPUTS EQUAL PLAIN' if not mismatches else f'{len(mismatches)} MISMATCHES'} "
-          f"({len(prompts_a)} prompts x {len(methods) - 1} speculative methods x {cfg['rounds_a']} rounds)\n",
-          flush=True)
+    print(
+        f"\n  {'ALL SPECULATIVE OUTPUTS EQUAL PLAIN' if not mismatches else f'{len(mismatches)} MISMATCHES'} "
+        f"({len(prompts_a)} prompts x {len(methods) - 1} speculative methods x {cfg['rounds_a']} rounds)\n",
+        flush=True,
+    )
 
     # ---------------------------------------------------------------- B. always-spec vs plain under load
     copy_ids = [chat(msg) for _, _, msg in COPY_PROMPTS]
@@ -366,10 +443,17 @@ def main(argv: list[str] | None = None) -> int:
     for c in cfg["concurrency"]:
         rng = random.Random(c)
         n_req = cfg["sweep_requests"][c]
-        work = [(copy_ids[i % len(copy_ids)],
-                 {"max_tokens": max(2, round(cfg["sweep_tokens"] * rng.uniform(0.5, 1.5))), "temperature": 0,
-                  "ignore_eos": True})
-                for i in range(n_req)]
+        work = [
+            (
+                copy_ids[i % len(copy_ids)],
+                {
+                    "max_tokens": max(2, round(cfg["sweep_tokens"] * rng.uniform(0.5, 1.5))),
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
+            for i in range(n_req)
+        ]
         # Alternate the order each round (plain first, then spec first, ...) and take medians, so a load
         # spike on the shared cores hits one round of one side, not the verdict.
         runs: dict[str, list[RunResult]] = {"plain": [], "spec": []}
@@ -379,48 +463,82 @@ def main(argv: list[str] | None = None) -> int:
                 if side == "plain":
                     runs[side].append(run_closed_loop(eng, work, c, speculation="off", name=f"plain r{rnd}"))
                 else:
-                    runs[side].append(run_closed_loop(eng, work, c, proposer="ngram", speculation="on",
-                                                      name=f"ngram K={SWEEP_K} r{rnd}"))
+                    runs[side].append(
+                        run_closed_loop(
+                            eng, work, c, proposer="ngram", speculation="on", name=f"ngram K={SWEEP_K} r{rnd}"
+                        )
+                    )
         ref = runs["plain"][0].outputs()
         bad = sum(a != b for run in runs["plain"][1:] + runs["spec"] for a, b in zip(ref, run.outputs()))
         if bad:
             sweep_mismatch += bad
-            print(f"\n!!!!!!!! MISMATCH: c={c}: {bad} always-spec/plain outputs differ from the first plain run "
-                  f"!!!!!!!!\n", flush=True)
+            print(
+                f"\n!!!!!!!! MISMATCH: c={c}: {bad} always-spec/plain outputs differ from the first plain run "
+                f"!!!!!!!!\n",
+                flush=True,
+            )
         round_ratios = [ratio(sr.tok_s, pr.tok_s) for pr, sr in zip(runs["plain"], runs["spec"])]
         ps, ss = merge_runs("plain", runs["plain"]).summary(), merge_runs("spec", runs["spec"]).summary()
-        sweep.append({
-            "concurrency": c, "num_requests": n_req, "rounds": cfg["rounds"],
-            "output_tokens": runs["plain"][0].output_tokens,
-            "plain_tok_s": median([r.tok_s for r in runs["plain"]]),
-            "spec_tok_s": median([r.tok_s for r in runs["spec"]]),
-            "spec_over_plain": median(round_ratios),
-            "round_ratios": round_ratios,
-            "ratio_range": "/".join(f"{x:.2f}" for x in round_ratios),
-            "plain_tpot_p50_ms": ps["tpot_p50_ms"], "spec_tpot_p50_ms": ss["tpot_p50_ms"],
-            "plain_tpot_p99_ms": ps["tpot_p99_ms"], "spec_tpot_p99_ms": ss["tpot_p99_ms"],
-            "acceptance_rate": ss["spec"]["acceptance_rate"], "mean_acceptance_length": ss["spec"]["mean_acceptance_length"],
-            "mismatches": bad, "plain": ps, "spec": ss,
-            "plain_rounds": [r.summary() for r in runs["plain"]], "spec_rounds": [r.summary() for r in runs["spec"]],
-        })
-        print(f"  c={c:>2}: plain {sweep[-1]['plain_tok_s']:.1f} tok/s, always-spec {sweep[-1]['spec_tok_s']:.1f} "
-              f"tok/s (median ratio {sweep[-1]['spec_over_plain']:.2f}x; rounds {sweep[-1]['ratio_range']})",
-              flush=True)
+        sweep.append(
+            {
+                "concurrency": c,
+                "num_requests": n_req,
+                "rounds": cfg["rounds"],
+                "output_tokens": runs["plain"][0].output_tokens,
+                "plain_tok_s": median([r.tok_s for r in runs["plain"]]),
+                "spec_tok_s": median([r.tok_s for r in runs["spec"]]),
+                "spec_over_plain": median(round_ratios),
+                "round_ratios": round_ratios,
+                "ratio_range": "/".join(f"{x:.2f}" for x in round_ratios),
+                "plain_tpot_p50_ms": ps["tpot_p50_ms"],
+                "spec_tpot_p50_ms": ss["tpot_p50_ms"],
+                "plain_tpot_p99_ms": ps["tpot_p99_ms"],
+                "spec_tpot_p99_ms": ss["tpot_p99_ms"],
+                "acceptance_rate": ss["spec"]["acceptance_rate"],
+                "mean_acceptance_length": ss["spec"]["mean_acceptance_length"],
+                "mismatches": bad,
+                "plain": ps,
+                "spec": ss,
+                "plain_rounds": [r.summary() for r in runs["plain"]],
+                "spec_rounds": [r.summary() for r in runs["spec"]],
+            }
+        )
+        print(
+            f"  c={c:>2}: plain {sweep[-1]['plain_tok_s']:.1f} tok/s, always-spec {sweep[-1]['spec_tok_s']:.1f} "
+            f"tok/s (median ratio {sweep[-1]['spec_over_plain']:.2f}x; rounds {sweep[-1]['ratio_range']})",
+            flush=True,
+        )
     first_below, est = crossover(sweep)
-    tables.append(format_table(sweep, [
-        ("concurrency", "c", "d"), ("num_requests", "requests", "d"), ("output_tokens", "out tokens", "d"),
-        ("plain_tok_s", "plain tok/s", ".1f"), ("spec_tok_s", f"ngram K={SWEEP_K} tok/s", ".1f"),
-        ("spec_over_plain", "spec/plain", ".2f"), ("ratio_range", "per round", "s"), ("plain_tpot_p50_ms", "plain TPOT p50", ".1f"),
-        ("spec_tpot_p50_ms", "spec TPOT p50", ".1f"), ("plain_tpot_p99_ms", "plain TPOT p99", ".1f"),
-        ("spec_tpot_p99_ms", "spec TPOT p99", ".1f"), ("acceptance_rate", "accept rate", ".3f"),
-        ("mean_acceptance_length", "mean accept len", ".2f"),
-    ], title=f"B. always-spec (ngram, K={SWEEP_K}) vs plain, fp32, closed loop on the copy-heavy mix "
-             f"({len(COPY_PROMPTS)} prompts, mean {cfg['sweep_tokens']} tokens, 0.5x-1.5x); tok/s and spec/plain are "
-             f"medians over {cfg['rounds']} alternating rounds, TPOT over all rounds"))
-    verdict = (f"always-spec first falls below plain at c={first_below} (measured); "
-               f"log-interpolated crossover ~c={est:.1f}" if first_below is not None and est is not None
-               else f"always-spec first falls below plain at c={first_below}" if first_below is not None
-               else f"always-spec stays at or above plain up to c={max(cfg['concurrency'])}")
+    tables.append(
+        format_table(
+            sweep,
+            [
+                ("concurrency", "c", "d"),
+                ("num_requests", "requests", "d"),
+                ("output_tokens", "out tokens", "d"),
+                ("plain_tok_s", "plain tok/s", ".1f"),
+                ("spec_tok_s", f"ngram K={SWEEP_K} tok/s", ".1f"),
+                ("spec_over_plain", "spec/plain", ".2f"),
+                ("ratio_range", "per round", "s"),
+                ("plain_tpot_p50_ms", "plain TPOT p50", ".1f"),
+                ("spec_tpot_p50_ms", "spec TPOT p50", ".1f"),
+                ("plain_tpot_p99_ms", "plain TPOT p99", ".1f"),
+                ("spec_tpot_p99_ms", "spec TPOT p99", ".1f"),
+                ("acceptance_rate", "accept rate", ".3f"),
+                ("mean_acceptance_length", "mean accept len", ".2f"),
+            ],
+            title=f"B. always-spec (ngram, K={SWEEP_K}) vs plain, fp32, closed loop on the copy-heavy mix "
+            f"({len(COPY_PROMPTS)} prompts, mean {cfg['sweep_tokens']} tokens, 0.5x-1.5x); tok/s and spec/plain are "
+            f"medians over {cfg['rounds']} alternating rounds, TPOT over all rounds",
+        )
+    )
+    verdict = (
+        f"always-spec first falls below plain at c={first_below} (measured); log-interpolated crossover ~c={est:.1f}"
+        if first_below is not None and est is not None
+        else f"always-spec first falls below plain at c={first_below}"
+        if first_below is not None
+        else f"always-spec stays at or above plain up to c={max(cfg['concurrency'])}"
+    )
     print("\n" + tables[-1] + "\n  " + verdict, flush=True)
     if sweep_mismatch:
         print(f"  !!!!!!!! {sweep_mismatch} MISMATCHED OUTPUTS IN THE SWEEP !!!!!!!!", flush=True)
@@ -428,36 +546,73 @@ def main(argv: list[str] | None = None) -> int:
     # ---------------------------------------------------------------- reports
     env["loadavg_end"] = loadavg()
     env["elapsed_s"] = time.perf_counter() - t_start
-    json_path = write_json(out_dir / "spec_bench.json", {
-        "benchmark": "spec_bench", "mode": "quick" if args.quick else "full", "env": env,
-        "config": {**cfg, "ks": ks, "sweep_k": SWEEP_K, "max_model_len": MAX_MODEL_LEN, "threads": THREADS,
-                   "model": "SmolLM2-135M-Instruct", "dtype": "float32",
-                   "hf_prompt_lookup_max_matching_ngram_size": "HF default (2)",
-                   "hf_assisted": "same model, num_assistant_tokens=K constant, confidence threshold 0",
-                   "suffix": "fresh proposer (cold global cache) per run"},
-        "prompts": {n: {"kind": k, "message": m} for n, k, m in COPY_PROMPTS + CHAT_PROMPTS},
-        "plain_output_text": samples,
-        "section_a": section_a, "section_a_per_prompt": per_prompt, "mismatches": mismatches,
-        "sweep": sweep, "sweep_mismatches": sweep_mismatch,
-        "crossover": {"first_c_spec_below_plain": first_below, "interpolated_c": est, "verdict": verdict},
-        "tables": tables,
-    })
+    json_path = write_json(
+        out_dir / "spec_bench.json",
+        {
+            "benchmark": "spec_bench",
+            "mode": "quick" if args.quick else "full",
+            "env": env,
+            "config": {
+                **cfg,
+                "ks": ks,
+                "sweep_k": SWEEP_K,
+                "max_model_len": MAX_MODEL_LEN,
+                "threads": THREADS,
+                "model": "SmolLM2-135M-Instruct",
+                "dtype": "float32",
+                "hf_prompt_lookup_max_matching_ngram_size": "HF default (2)",
+                "hf_assisted": "same model, num_assistant_tokens=K constant, confidence threshold 0",
+                "suffix": "fresh proposer (cold global cache) per run",
+            },
+            "prompts": {n: {"kind": k, "message": m} for n, k, m in COPY_PROMPTS + CHAT_PROMPTS},
+            "plain_output_text": samples,
+            "section_a": section_a,
+            "section_a_per_prompt": per_prompt,
+            "mismatches": mismatches,
+            "sweep": sweep,
+            "sweep_mismatches": sweep_mismatch,
+            "crossover": {"first_c_spec_below_plain": first_below, "interpolated_c": est, "verdict": verdict},
+            "tables": tables,
+        },
+    )
     fig, (a1, a2, a3) = figure(3, width=5.6)
     cats = list(section_a)
     spec_labels = [label for label, _, _ in methods[1:]]
-    bar_panel(a1, cats, {lab: [next(r["vs_plain"] for r in section_a[c] if r["method"] == lab) for c in cats]
-                         for lab in spec_labels},
-              title="Batch 1: speedup vs engine plain", ylabel="x engine plain tok/s", hline=1.0)
+    bar_panel(
+        a1,
+        cats,
+        {lab: [next(r["vs_plain"] for r in section_a[c] if r["method"] == lab) for c in cats] for lab in spec_labels},
+        title="Batch 1: speedup vs engine plain",
+        ylabel="x engine plain tok/s",
+        hline=1.0,
+    )
     cs = [s["concurrency"] for s in sweep]
-    line_panel(a2, cs, {"plain": [s["plain_tok_s"] for s in sweep],
-                        f"always-spec ngram K={SWEEP_K}": [s["spec_tok_s"] for s in sweep]},
-               title="Copy-heavy mix: aggregate tok/s", xlabel="concurrent clients", ylabel="tok/s")
-    line_panel(a3, cs, {"spec / plain": [s["spec_over_plain"] for s in sweep]},
-               title="Always-spec / plain throughput", xlabel="concurrent clients", ylabel="ratio")
+    line_panel(
+        a2,
+        cs,
+        {
+            "plain": [s["plain_tok_s"] for s in sweep],
+            f"always-spec ngram K={SWEEP_K}": [s["spec_tok_s"] for s in sweep],
+        },
+        title="Copy-heavy mix: aggregate tok/s",
+        xlabel="concurrent clients",
+        ylabel="tok/s",
+    )
+    line_panel(
+        a3,
+        cs,
+        {"spec / plain": [s["spec_over_plain"] for s in sweep]},
+        title="Always-spec / plain throughput",
+        xlabel="concurrent clients",
+        ylabel="ratio",
+    )
     a3.axhline(1.0, color="gray", linestyle="--", linewidth=1)
-    png_path = save_figure(fig, out_dir / "spec_bench.png",
-                           suptitle=f"SmolLM2-135M fp32, {env['cpu']}, {THREADS} threads, {env['time']} "
-                           f"(loadavg {env['loadavg_start']} -> {env['loadavg_end']}); {verdict}")
+    png_path = save_figure(
+        fig,
+        out_dir / "spec_bench.png",
+        suptitle=f"SmolLM2-135M fp32, {env['cpu']}, {THREADS} threads, {env['time']} "
+        f"(loadavg {env['loadavg_start']} -> {env['loadavg_end']}); {verdict}",
+    )
     print(f"[spec_bench] done in {env['elapsed_s']:.0f} s; wrote {json_path} and {png_path}", flush=True)
     return 1 if (mismatches or sweep_mismatch) else 0
 

@@ -39,7 +39,7 @@ def since(entries: Sequence[dict[str, Any]], steps_before: int, steps_after: int
     """The trace entries of the steps taken between two step counts, and whether the trace (a bounded
     deque of the last steps) had already dropped some of them."""
     n = max(steps_after - steps_before, 0)
-    return list(entries[len(entries) - n:] if n else []), n > len(entries)
+    return list(entries[len(entries) - n :] if n else []), n > len(entries)
 
 
 class StepRecorder:
@@ -81,13 +81,19 @@ def compare(http: dict[str, Any], engine: dict[str, Any]) -> str:
         return "steps: not recorded"
 
     def mix(d: dict[str, Any]) -> str:
-        return f"{d['step_ms_mean']:.1f} ms at {d['decode_rows_mean']:.1f} decode rows + {d['prompt_tokens_mean']:.1f} " \
-               f"prompt tokens"
+        return (
+            f"{d['step_ms_mean']:.1f} ms at {d['decode_rows_mean']:.1f} decode rows + {d['prompt_tokens_mean']:.1f} "
+            f"prompt tokens"
+        )
 
-    line = (f"steps over HTTP {mix(http)}, in process {mix(engine)} "
-            f"({http['step_ms_mean'] / engine['step_ms_mean']:.2f}x the time)")
+    line = (
+        f"steps over HTTP {mix(http)}, in process {mix(engine)} "
+        f"({http['step_ms_mean'] / engine['step_ms_mean']:.2f}x the time)"
+    )
     a, b = http.get("decode_only_step_ms_p50"), engine.get("decode_only_step_ms_p50")
     if a and b:
-        line += (f"; decode-only step p50 {a:.1f} ms at {http['decode_only_rows_mean']:.1f} rows vs {b:.1f} ms at "
-                 f"{engine['decode_only_rows_mean']:.1f} ({a / b:.2f}x)")
+        line += (
+            f"; decode-only step p50 {a:.1f} ms at {http['decode_only_rows_mean']:.1f} rows vs {b:.1f} ms at "
+            f"{engine['decode_only_rows_mean']:.1f} ({a / b:.2f}x)"
+        )
     return line

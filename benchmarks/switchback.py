@@ -94,10 +94,20 @@ def rotation(modes: list[str], rounds: int) -> list[tuple[int, str]]:
     return order
 
 
-def run_switchback(probe: Any, url: str, prompts: list[str], concurrency: int, max_tokens: int,
-                   modes: dict[str, dict[str, Any]], rounds: int, window_s: float, washout_s: float,
-                   warmup_s: float, poll_s: float = 0.5,
-                   on_window: Callable[[dict[str, Any]], None] | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def run_switchback(
+    probe: Any,
+    url: str,
+    prompts: list[str],
+    concurrency: int,
+    max_tokens: int,
+    modes: dict[str, dict[str, Any]],
+    rounds: int,
+    window_s: float,
+    washout_s: float,
+    warmup_s: float,
+    poll_s: float = 0.5,
+    on_window: Callable[[dict[str, Any]], None] | None = None,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Drive ``concurrency`` clients without pause and give each mode ``rounds`` windows.
 
     ``modes`` maps a mode name to its Router policy (what ``serve deploy`` would set in
@@ -118,8 +128,15 @@ def run_switchback(probe: Any, url: str, prompts: list[str], concurrency: int, m
                 time.sleep(poll_s)
                 ages += read_counters(probe)[1]
             b, more = read_counters(probe)
-            w = {"mode": mode, "round": rnd, "t_switch": t_switch, "t_a": t_a, "t_b": time.perf_counter(),
-                 **window_delta(a, b), "view_age_max_ms": 1e3 * max(ages + more) if ages + more else None}
+            w = {
+                "mode": mode,
+                "round": rnd,
+                "t_switch": t_switch,
+                "t_a": t_a,
+                "t_b": time.perf_counter(),
+                **window_delta(a, b),
+                "view_age_max_ms": 1e3 * max(ages + more) if ages + more else None,
+            }
             windows.append(w)
             if on_window is not None:
                 on_window(w)
@@ -142,8 +159,12 @@ def client_metrics(windows: list[dict[str, Any]], records: list[dict[str, Any]],
             gaps += [y - x for x, y in zip(ch, ch[1:]) if a <= y <= b]
             if r["t0"] >= s and a <= ch[0] <= b:
                 ttfts.append(ch[0] - r["t0"])
-    return {"itl_p50_ms": 1e3 * percentile(gaps, 50), "itl_p99_ms": 1e3 * percentile(gaps, 99),
-            "ttft_p50_ms": 1e3 * percentile(ttfts, 50), "gaps": len(gaps)}
+    return {
+        "itl_p50_ms": 1e3 * percentile(gaps, 50),
+        "itl_p99_ms": 1e3 * percentile(gaps, 99),
+        "ttft_p50_ms": 1e3 * percentile(ttfts, 50),
+        "gaps": len(gaps),
+    }
 
 
 def summarize(windows: list[dict[str, Any]], records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -154,11 +175,15 @@ def summarize(windows: list[dict[str, Any]], records: list[dict[str, Any]]) -> d
         ws = sorted((w for w in windows if w["mode"] == mode), key=lambda w: w["round"])
         secs = sum(w["seconds"] for w in ws)
         ages = [w["view_age_max_ms"] for w in ws if w["view_age_max_ms"] is not None]
-        out[mode] = {"tok_s": sum(w["tok_s"] * w["seconds"] for w in ws) / secs if secs else float("nan"),
-                     "tok_s_rounds": [w["tok_s"] for w in ws], "seconds": secs,
-                     "spec_request_steps": sum(w["spec_request_steps"] for w in ws),
-                     "plain_request_steps": sum(w["plain_request_steps"] for w in ws),
-                     "view_age_max_ms": max(ages) if ages else None, **client_metrics(windows, records, mode)}
+        out[mode] = {
+            "tok_s": sum(w["tok_s"] * w["seconds"] for w in ws) / secs if secs else float("nan"),
+            "tok_s_rounds": [w["tok_s"] for w in ws],
+            "seconds": secs,
+            "spec_request_steps": sum(w["spec_request_steps"] for w in ws),
+            "plain_request_steps": sum(w["plain_request_steps"] for w in ws),
+            "view_age_max_ms": max(ages) if ages else None,
+            **client_metrics(windows, records, mode),
+        }
     return out
 
 

@@ -123,11 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     modes = [m for _ in range(plan["rounds"]) for m in ("off", "on")]
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = LocalCluster(Path(tmp), policy=POLICY, args_patch={
-            "engine": {"max_num_seqs": 32, "max_model_len": 1024, "num_threads": 2},
-            "draft": {"enabled": False},
-            "telemetry": telemetry_for("off", sink),
-        })
+        cluster = LocalCluster(
+            Path(tmp),
+            policy=POLICY,
+            args_patch={
+                "engine": {"max_num_seqs": 32, "max_model_len": 1024, "num_threads": 2},
+                "draft": {"enabled": False},
+                "telemetry": telemetry_for("off", sink),
+            },
+        )
         try:
             cluster.start()
             for i, mode in enumerate(progress(modes, desc="telemetry rounds", unit="round")):
@@ -144,8 +148,10 @@ def main(argv: list[str] | None = None) -> int:
                     stop.set()
                     res["scrapes"] = scrapes[0]
                     runs.setdefault((mode, c), []).append(res)
-                    print(f"  round {i // 2} {mode:>3} c={c:>2}: {res['tok_s']:.1f} tok/s, {res['errors']} errors",
-                          flush=True)
+                    print(
+                        f"  round {i // 2} {mode:>3} c={c:>2}: {res['tok_s']:.1f} tok/s, {res['errors']} errors",
+                        flush=True,
+                    )
         finally:
             cluster.stop()
             sink.close()
@@ -153,27 +159,49 @@ def main(argv: list[str] | None = None) -> int:
     for c in plan["concurrency"]:
         off = median(r["tok_s"] for r in runs[("off", c)])
         on = median(r["tok_s"] for r in runs[("on", c)])
-        rows.append({
-            "concurrency": c, "off_tok_s": off, "on_tok_s": on, "on_over_off": on / off if off else None,
-            "off_rounds": "/".join(f"{r['tok_s']:.1f}" for r in runs[("off", c)]),
-            "on_rounds": "/".join(f"{r['tok_s']:.1f}" for r in runs[("on", c)]),
-            "errors": sum(r["errors"] for k, v in runs.items() if k[1] == c for r in v),
-        })
-    table = format_table(rows, [
-        ("concurrency", "c", "d"), ("off_tok_s", "off tok/s", ".1f"), ("on_tok_s", "on tok/s", ".1f"),
-        ("on_over_off", "on/off", ".3f"), ("off_rounds", "off rounds", "s"), ("on_rounds", "on rounds", "s"),
-        ("errors", "errors", "d"),
-    ], title="Telemetry overhead over HTTP (median round; on = metrics + OTLP traces + /metrics scrape every 5 s)")
+        rows.append(
+            {
+                "concurrency": c,
+                "off_tok_s": off,
+                "on_tok_s": on,
+                "on_over_off": on / off if off else None,
+                "off_rounds": "/".join(f"{r['tok_s']:.1f}" for r in runs[("off", c)]),
+                "on_rounds": "/".join(f"{r['tok_s']:.1f}" for r in runs[("on", c)]),
+                "errors": sum(r["errors"] for k, v in runs.items() if k[1] == c for r in v),
+            }
+        )
+    table = format_table(
+        rows,
+        [
+            ("concurrency", "c", "d"),
+            ("off_tok_s", "off tok/s", ".1f"),
+            ("on_tok_s", "on tok/s", ".1f"),
+            ("on_over_off", "on/off", ".3f"),
+            ("off_rounds", "off rounds", "s"),
+            ("on_rounds", "on rounds", "s"),
+            ("errors", "errors", "d"),
+        ],
+        title="Telemetry overhead over HTTP (median round; on = metrics + OTLP traces + /metrics scrape every 5 s)",
+    )
     print(table)
     print(f"OTLP sink received {sink.requests} export requests, {sink.bytes / 1e3:.0f} kB")
-    out = {"env": info, "plan": {**plan, "concurrency": list(plan["concurrency"])}, "rows": rows,
-           "otlp_requests": sink.requests, "otlp_bytes": sink.bytes,
-           "runs": {f"{m}/c{c}": v for (m, c), v in runs.items()}}
+    out = {
+        "env": info,
+        "plan": {**plan, "concurrency": list(plan["concurrency"])},
+        "rows": rows,
+        "otlp_requests": sink.requests,
+        "otlp_bytes": sink.bytes,
+        "runs": {f"{m}/c{c}": v for (m, c), v in runs.items()},
+    }
     write_json(RESULTS_DIR / "telemetry_overhead.json", out)
     fig, axes = figure(ncols=1, width=6)
-    bar_panel(axes[0], [f"c={r['concurrency']}" for r in rows],
-              {"off": [r["off_tok_s"] for r in rows], "on": [r["on_tok_s"] for r in rows]},
-              title="Output tok/s, telemetry off vs on", ylabel="tok/s")
+    bar_panel(
+        axes[0],
+        [f"c={r['concurrency']}" for r in rows],
+        {"off": [r["off_tok_s"] for r in rows], "on": [r["on_tok_s"] for r in rows]},
+        title="Output tok/s, telemetry off vs on",
+        ylabel="tok/s",
+    )
     save_figure(fig, RESULTS_DIR / "telemetry_overhead.png", suptitle=f"Telemetry overhead, {info.get('cpu', '')}")
     return 0
 

@@ -49,14 +49,17 @@ class AutoscalingConfig(BaseModel):
     max_replicas: int = Field(2, ge=1, description="Most target replicas.")
     initial_replicas: int | None = Field(None, ge=1, description="Replicas at deploy (default min_replicas).")
     target_ongoing_requests: float = Field(
-        8.0, gt=0, description="Requests in flight per replica the autoscaler aims for; above it, it adds replicas.")
+        8.0, gt=0, description="Requests in flight per replica the autoscaler aims for; above it, it adds replicas."
+    )
     upscale_delay_s: float = Field(10.0, ge=0, description="Load must stay above target this long before a scale-up.")
-    downscale_delay_s: float = Field(120.0, ge=0, description="Load must stay below target this long before a scale-down.")
+    downscale_delay_s: float = Field(
+        120.0, ge=0, description="Load must stay below target this long before a scale-down."
+    )
     metrics_interval_s: float = Field(2.0, gt=0, description="How often replicas report their ongoing requests.")
     look_back_period_s: float = Field(10.0, gt=0, description="Window the autoscaler averages the load over.")
 
     @model_validator(mode="after")
-    def _bounds(self) -> "AutoscalingConfig":
+    def _bounds(self) -> AutoscalingConfig:
         if self.max_replicas < self.min_replicas:
             raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
         if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
@@ -68,7 +71,8 @@ class TargetResources(Resources):
     """The target deployment: fixed ``num_replicas``, or Serve autoscaling between bounds."""
 
     autoscaling_config: AutoscalingConfig | None = Field(
-        None, description="When set, Serve's autoscaler sizes the target deployment and num_replicas is ignored.")
+        None, description="When set, Serve's autoscaler sizes the target deployment and num_replicas is ignored."
+    )
 
 
 class DraftConfig(BaseModel):
@@ -92,8 +96,10 @@ class DraftConfig(BaseModel):
     )
     retry_after_s: float = Field(1.0, ge=0, description="After a failed call, run plain for this long, then retry.")
     state_ttl_s: float = Field(
-        60.0, gt=0, description="Draft state of a request no call touched for this long is freed (orphans of a "
-        "dead target replica); a live request resyncs, output unchanged."
+        60.0,
+        gt=0,
+        description="Draft state of a request no call touched for this long is freed (orphans of a "
+        "dead target replica); a live request resyncs, output unchanged.",
     )
     resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.5))
 
@@ -115,10 +121,13 @@ class IngressConfig(BaseModel):
     max_n: int = Field(8, ge=1, le=128, description="Largest n (choices per prompt) a request may ask for.")
     max_prompts: int = Field(32, ge=1, le=1024, description="Most prompts in one batched completions request.")
     max_resumes: int = Field(
-        3, ge=0, le=10,
+        3,
+        ge=0,
+        le=10,
         description="Times one request is submitted again when its target replica dies (before or during its "
         "stream): with the tokens already sent, so the stream continues bit-identically on another replica. 0: a "
-        "replica's death ends its streams with an error.")
+        "replica's death ends its streams with an error.",
+    )
     tool_prompt: ToolPromptFormat = Field(
         default_factory=ToolPromptFormat,
         description="How tools reach the served model as text and how its calls are read back (the model's chat "
@@ -126,9 +135,11 @@ class IngressConfig(BaseModel):
     )
     num_replicas: int = Field(1, ge=1, description="Ingress replicas (HTTP parsing, SSE framing).")
     max_ongoing_requests: int = Field(
-        256, ge=1, description="Requests one ingress replica streams at once. Serve's own default (5) would cap the "
+        256,
+        ge=1,
+        description="Requests one ingress replica streams at once. Serve's own default (5) would cap the "
         "whole service at 5 concurrent requests; the target's limits (target.max_ongoing_requests / "
-        "max_queued_requests) are where overload is turned into 503s."
+        "max_queued_requests) are where overload is turned into 503s.",
     )
 
 
@@ -136,21 +147,31 @@ class RouterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     report_interval_s: float = Field(
-        0.05, gt=0, le=5, description="How often target replicas check their load and push it if it changed.")
+        0.05, gt=0, le=5, description="How often target replicas check their load and push it if it changed."
+    )
     heartbeat_s: float = Field(
-        0.5, gt=0, le=60, description="Most time between two pushes of an unchanged load (keeps the replica fresh "
-        "for the Router and brings a changed policy within this time).")
+        0.5,
+        gt=0,
+        le=60,
+        description="Most time between two pushes of an unchanged load (keeps the replica fresh "
+        "for the Router and brings a changed policy within this time).",
+    )
     stale_after_s: float = Field(2.0, gt=0, description="Loads older than this are ignored when picking a replica.")
     route_timeout_s: float = Field(
-        0.1, gt=0, le=10,
+        0.1,
+        gt=0,
+        le=10,
         description="Most the ingress waits for the Router's answer. A Router that fails, restarts or is slow is "
-        "then skipped: Serve picks a target replica and the engine's per-step policy decides the path.")
+        "then skipped: Serve picks a target replica and the engine's per-step policy decides the path.",
+    )
 
     @model_validator(mode="after")
-    def _fresh_enough(self) -> "RouterConfig":
+    def _fresh_enough(self) -> RouterConfig:
         if self.heartbeat_s >= self.stale_after_s:
-            raise ValueError(f"heartbeat_s ({self.heartbeat_s}) must be below stale_after_s ({self.stale_after_s}): "
-                             "an idle replica would look dead to the Router")
+            raise ValueError(
+                f"heartbeat_s ({self.heartbeat_s}) must be below stale_after_s ({self.stale_after_s}): "
+                "an idle replica would look dead to the Router"
+            )
         return self
 
 
@@ -175,8 +196,9 @@ class TelemetryConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     metrics: bool = Field(
-        True, description="Record metrics for GET /metrics. false: no-op instruments, /metrics has no samples "
-        "(the telemetry-overhead benchmark's baseline)."
+        True,
+        description="Record metrics for GET /metrics. false: no-op instruments, /metrics has no samples "
+        "(the telemetry-overhead benchmark's baseline).",
     )
 
     tracing: Literal["off", "console", "otlp", "memory"] = Field(
@@ -214,7 +236,7 @@ class AppConfig(BaseModel):
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
 
     @model_validator(mode="after")
-    def _eagle_needs_a_head(self) -> "AppConfig":
+    def _eagle_needs_a_head(self) -> AppConfig:
         if self.draft.enabled and any(p.name == "eagle" for p in self.engine.proposers) and not self.draft.eagle:
             raise ValueError("engine.proposers lists 'eagle' but draft.eagle (the EAGLE head directory) is not set")
         return self

@@ -106,7 +106,7 @@ def _type(ann: Any, links: dict[type, str]) -> str:
         return f"[{ann.__name__}](#{links[ann]})" if ann in links else ann.__name__
     origin, args = typing.get_origin(ann), typing.get_args(ann)
     if origin is Literal:
-        return " / ".join(f'`{json.dumps(a)}`' for a in args)
+        return " / ".join(f"`{json.dumps(a)}`" for a in args)
     if origin is typing.Annotated:
         return _type(args[0], links)
     if origin in (Union, types.UnionType):
@@ -163,8 +163,12 @@ def _walk(path: str, model: type[BaseModel], defaults: BaseModel | None, note: s
         elif typing.get_origin(info.annotation) is list and _model_of(typing.get_args(info.annotation)[0]):
             item = _model_of(typing.get_args(info.annotation)[0])
             assert item is not None
-            out += _walk(sub_path + "[]", item, None,
-                         "One entry of the list; entries have no defaults of their own beyond these.")
+            out += _walk(
+                sub_path + "[]",
+                item,
+                None,
+                "One entry of the list; entries have no defaults of their own beyond these.",
+            )
         for member in _union_members(info.annotation):
             tag = member.model_fields["name"].default
             out += _walk(f"{sub_path} (name: {tag})", member, member())
@@ -175,8 +179,12 @@ def _sections() -> list[_Section]:
     sections = _walk("", AppConfig, AppConfig())
     at_ = next(i for i, s in enumerate(sections) if s.path == "engine.proposers[]") + 1
     sections[at_:at_] = [
-        _Section(f"engine.proposers[].options (name: {name})", model, model(),
-                 f"`options` of a `{name}` entry of `engine.proposers`, validated by the proposer.")
+        _Section(
+            f"engine.proposers[].options (name: {name})",
+            model,
+            model(),
+            f"`options` of a `{name}` entry of `engine.proposers`, validated by the proposer.",
+        )
         for name, model in PROPOSER_OPTIONS.items()
     ]
     return sections + _walk("", RouterUserConfig, RouterUserConfig())
@@ -225,8 +233,11 @@ def _table(sec: _Section, links: dict[type, str], anchors: dict[str, str], shipp
             tag = getattr(sec.defaults, name).name
             member = f"{sub_path} (name: {tag})"
             default = f'`{{"name": "{tag}"}}`, see [`{member}`](#{anchors[member]})'
-        elif sub is not None and sub_path in anchors and (sec.defaults is None
-                                                          or getattr(sec.defaults, name) is not None):
+        elif (
+            sub is not None
+            and sub_path in anchors
+            and (sec.defaults is None or getattr(sec.defaults, name) is not None)
+        ):
             default = f"see [`{sub_path}`](#{anchors[sub_path]})"
         elif sec.defaults is not None:
             default = _value(getattr(sec.defaults, name))
@@ -239,8 +250,10 @@ def _table(sec: _Section, links: dict[type, str], anchors: dict[str, str], shipp
             desc = "One of the models below, chosen by its `name`."
         ship = shipped.get(name, _UNSET)
         ship_cell = "" if ship is _UNSET or isinstance(ship, dict) and name != "options" else _value(ship)
-        rows.append(f"| `{name}` | {_cell(_type(info.annotation, links))} | {_cell(default)} | {_cell(ship_cell)} | "
-                    f"{_cell(_bounds(info))} | {_cell(desc) or '(no description in the code)'} |")
+        rows.append(
+            f"| `{name}` | {_cell(_type(info.annotation, links))} | {_cell(default)} | {_cell(ship_cell)} | "
+            f"{_cell(_bounds(info))} | {_cell(desc) or '(no description in the code)'} |"
+        )
     return rows
 
 

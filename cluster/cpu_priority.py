@@ -37,8 +37,14 @@ DAEMON_NICE = 10  # CFS weight 110 against the engine's 1024
 # Program markers of Ray's background daemons: nothing on a request's path waits for them. The first
 # group has health checks that fail when it starves; the second can wait for idle cycles.
 NICE_DAEMONS = ("gcs_server", "ServeController", "RuntimeEnvAgent")
-IDLE_DAEMONS = ("dashboard", "log_monitor", "autoscaler/_private/monitor.py", "ray.util.client.server",
-                "DashboardAgent", "multiprocessing.forkserver")
+IDLE_DAEMONS = (
+    "dashboard",
+    "log_monitor",
+    "autoscaler/_private/monitor.py",
+    "ray.util.client.server",
+    "DashboardAgent",
+    "multiprocessing.forkserver",
+)
 
 
 def enabled(app_args: dict[str, Any]) -> bool:
@@ -117,9 +123,11 @@ def session_processes(gcs_port: int) -> list[psutil.Process]:
     for p in psutil.process_iter(["cmdline"]):  # the GCS, or any raylet / monitor that names its address
         cmd = p.info["cmdline"] or []
         if f"--gcs_server_port={gcs_port}" in cmd or any(
-                a.startswith(("--gcs-address=", "--gcs_address=")) and a.endswith(f":{gcs_port}") for a in cmd):
-            session = next((a.split("=", 1)[1] for a in cmd if a.startswith(("--session-dir=", "--session_dir="))),
-                           None)
+            a.startswith(("--gcs-address=", "--gcs_address=")) and a.endswith(f":{gcs_port}") for a in cmd
+        ):
+            session = next(
+                (a.split("=", 1)[1] for a in cmd if a.startswith(("--session-dir=", "--session_dir="))), None
+            )
             if session:
                 break
     if not session:
@@ -128,8 +136,10 @@ def session_processes(gcs_port: int) -> list[psutil.Process]:
     gcs = f":{gcs_port}"
     for p in psutil.process_iter(["cmdline"]):
         # the session's own processes, and those that only name the GCS address (Ray's client server)
-        if any(a.endswith(session) or session + "/" in a or (a.startswith("--address=") and a.endswith(gcs))
-               for a in (p.info["cmdline"] or [])):
+        if any(
+            a.endswith(session) or session + "/" in a or (a.startswith("--address=") and a.endswith(gcs))
+            for a in (p.info["cmdline"] or [])
+        ):
             found[p.pid] = p
             try:
                 found.update({c.pid: c for c in p.children(recursive=True)})

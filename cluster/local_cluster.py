@@ -84,8 +84,9 @@ def free_ports(n: int, rng: random.Random | None = None) -> list[int]:
 
 
 class LocalCluster:
-    def __init__(self, workdir: Path, policy: dict[str, Any] | None = None, args_patch: dict | None = None,
-                 nodes: int = 2) -> None:
+    def __init__(
+        self, workdir: Path, policy: dict[str, Any] | None = None, args_patch: dict | None = None, nodes: int = 2
+    ) -> None:
         """``nodes``: 2 (the target on the head, the draft worker on a second node: placement by node
         resource, as on a real cluster) or 1 (one node with both resources, as ``make serve`` runs: one
         raylet and one set of node agents less, each waking up beside the engine)."""
@@ -105,28 +106,51 @@ class LocalCluster:
 
     def _run(self, *cmd: str, check: bool = True, ray_start: bool = False) -> subprocess.CompletedProcess:
         """``ray_start``: engine first, as the app config asks (cluster/cpu_priority.py)."""
-        return subprocess.run(cmd, cwd=ROOT, check=check, text=True, capture_output=True,
-                              **cpu_priority.ray_start_kwargs(self.env, ray_start and self.engine_first))
+        return subprocess.run(
+            cmd,
+            cwd=ROOT,
+            check=check,
+            text=True,
+            capture_output=True,
+            **cpu_priority.ray_start_kwargs(self.env, ray_start and self.engine_first),
+        )
 
     @property
     def engine_first(self) -> bool:
         return cpu_priority.enabled(self.config(self.policy)["applications"][0]["args"])
 
-    def start(self) -> "LocalCluster":
+    def start(self) -> LocalCluster:
         one_node = self.nodes == 1  # the head then carries the draft node's resource and its 2 CPUs too
         head_resources = {"target_node": 1, "draft_node": 1} if one_node else {"target_node": 1}
-        self._run(str(BIN / "ray"), "start", "--head", f"--port={self.gcs_port}", f"--num-cpus={4 if one_node else 2}",
-                  f"--dashboard-port={self.dash_port}", "--dashboard-host=127.0.0.1",
-                  f"--ray-client-server-port={self.client_port}", "--resources", json.dumps(head_resources),
-                  ray_start=True)
+        self._run(
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            f"--port={self.gcs_port}",
+            f"--num-cpus={4 if one_node else 2}",
+            f"--dashboard-port={self.dash_port}",
+            "--dashboard-host=127.0.0.1",
+            f"--ray-client-server-port={self.client_port}",
+            "--resources",
+            json.dumps(head_resources),
+            ray_start=True,
+        )
         if one_node:
             self.deploy(self.policy)
         else:
             # The second node joins while the app deploys: Serve places the draft worker once its node's
             # resource appears, and the two starts no longer add up.
             with ThreadPoolExecutor(1) as pool:
-                joined = pool.submit(self._run, str(BIN / "ray"), "start", f"--address=127.0.0.1:{self.gcs_port}",
-                                     "--num-cpus=2", "--resources", json.dumps({"draft_node": 1}), ray_start=True)
+                joined = pool.submit(
+                    self._run,
+                    str(BIN / "ray"),
+                    "start",
+                    f"--address=127.0.0.1:{self.gcs_port}",
+                    "--num-cpus=2",
+                    "--resources",
+                    json.dumps({"draft_node": 1}),
+                    ray_start=True,
+                )
                 self.deploy(self.policy)
                 joined.result()
         self.wait_healthy()
@@ -142,7 +166,7 @@ class LocalCluster:
             except psutil.Error:
                 pass
 
-    def processes(self) -> list["psutil.Process"]:
+    def processes(self) -> list[psutil.Process]:
         """Every process of this cluster (cluster/cpu_priority.py:session_processes)."""
         return cpu_priority.session_processes(self.gcs_port)
 
@@ -153,8 +177,9 @@ class LocalCluster:
         args = app["args"]
         args["engine"].update({"max_model_len": 512, "max_num_seqs": 8, "num_threads": 1})
         args["target"].update({"num_cpus": 0.5, "resources": {"target_node": 0.01}})
-        args["draft"].update({"num_threads": 1, "max_num_seqs": 16,
-                              "resources": {"num_cpus": 0.5, "resources": {"draft_node": 0.01}}})
+        args["draft"].update(
+            {"num_threads": 1, "max_num_seqs": 16, "resources": {"num_cpus": 0.5, "resources": {"draft_node": 0.01}}}
+        )
         for key, val in self.args_patch.items():
             args.setdefault(key, {}).update(copy.deepcopy(val))
         app["deployments"] = [{"name": "Router", "user_config": {"policy": policy}}]
@@ -167,8 +192,9 @@ class LocalCluster:
         path.write_text(yaml.safe_dump(self.config(policy)))
         deadline = time.monotonic() + timeout_s
         while True:
-            out = self._run(str(BIN / "serve"), "deploy", "-a", f"http://127.0.0.1:{self.dash_port}", str(path),
-                            check=False)
+            out = self._run(
+                str(BIN / "serve"), "deploy", "-a", f"http://127.0.0.1:{self.dash_port}", str(path), check=False
+            )
             if out.returncode == 0:
                 return
             if "Connection refused" not in out.stderr or time.monotonic() > deadline:
@@ -200,8 +226,9 @@ class LocalCluster:
             f"h = serve.get_deployment_handle({deployment!r}, app_name='specserve')\n"
             f"print(json.dumps(getattr(h, {method!r}).remote(*{list(args)!r}).result()))\n"
         )
-        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=self.driver_env, text=True,
-                             capture_output=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, env=self.driver_env, text=True, capture_output=True, timeout=120
+        )
         if out.returncode != 0:
             raise RuntimeError(out.stderr[-2000:])
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -229,9 +256,15 @@ class Probe:
     )
 
     def __init__(self, cluster: LocalCluster) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", self._CODE, f"127.0.0.1:{cluster.gcs_port}"], cwd=ROOT,
-                                     env=cluster.driver_env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", self._CODE, f"127.0.0.1:{cluster.gcs_port}"],
+            cwd=ROOT,
+            env=cluster.driver_env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
 
     def call(self, deployment: str, method: str, *args: Any, timeout_s: float = 60, **kwargs: Any) -> Any:
         """``kwargs`` go to the method too; ``replica_id=...`` sends a TargetWorker call to that replica
@@ -249,7 +282,7 @@ class Probe:
                     raise RuntimeError(out["error"])
                 return out["ok"]
 
-    def __enter__(self) -> "Probe":
+    def __enter__(self) -> Probe:
         return self
 
     def __exit__(self, *exc: object) -> None:

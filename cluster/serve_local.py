@@ -31,8 +31,14 @@ GCS_PORT = 6379  # `ray start --head`'s default
 def _ray(*args: str, check: bool = True, engine_first: bool = False) -> subprocess.CompletedProcess:
     """``engine_first``: start Ray so that the engine's threads keep the cores (cluster/cpu_priority.py)."""
     env = with_serve_env({**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
-    return subprocess.run([str(BIN / "ray"), *args], cwd=ROOT, check=check, text=True, capture_output=True,
-                          **cpu_priority.ray_start_kwargs(env, engine_first))
+    return subprocess.run(
+        [str(BIN / "ray"), *args],
+        cwd=ROOT,
+        check=check,
+        text=True,
+        capture_output=True,
+        **cpu_priority.ray_start_kwargs(env, engine_first),
+    )
 
 
 def ray_running() -> bool:
@@ -47,8 +53,15 @@ def start(config: str, timeout_s: float) -> None:
     started = not ray_running()
     if started:
         print("[specserve] starting a local Ray head ...", flush=True)
-        _ray("start", "--head", f"--port={GCS_PORT}", "--num-cpus=4", "--dashboard-host=127.0.0.1",
-             "--disable-usage-stats", engine_first=engine_first)
+        _ray(
+            "start",
+            "--head",
+            f"--port={GCS_PORT}",
+            "--num-cpus=4",
+            "--dashboard-host=127.0.0.1",
+            "--disable-usage-stats",
+            engine_first=engine_first,
+        )
     print(f"[specserve] deploying {config} ...", flush=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     subprocess.run([str(BIN / "serve"), "deploy", config], cwd=ROOT, env=env, check=True)
@@ -59,8 +72,11 @@ def start(config: str, timeout_s: float) -> None:
                 if r.status == 200:
                     if started and engine_first:
                         cpu_priority.demote_background(cpu_priority.session_processes(GCS_PORT))
-                    print(f"[specserve] ready in {time.time() - t0:.0f}s: {url}/v1 (OpenAI API), model "
-                          f"{cfg['applications'][0]['args']['engine'].get('served_model_name')}", flush=True)
+                    print(
+                        f"[specserve] ready in {time.time() - t0:.0f}s: {url}/v1 (OpenAI API), model "
+                        f"{cfg['applications'][0]['args']['engine'].get('served_model_name')}",
+                        flush=True,
+                    )
                     return
         except Exception:
             pass

@@ -29,8 +29,8 @@ import re
 from typing import Any, Iterable, Mapping
 
 from opentelemetry import trace as trace_api
-from opentelemetry.metrics import NoOpMeterProvider
 from opentelemetry.context import Context
+from opentelemetry.metrics import NoOpMeterProvider
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import Gauge, Histogram, InMemoryMetricReader, MetricsData, Sum
 from opentelemetry.sdk.resources import Resource
@@ -42,10 +42,28 @@ from workers.stats import SpecDecodeStats
 Sample = dict[str, Any]
 
 # Histogram bounds (seconds). Latencies span a 20 ms CPU step to minutes-long requests.
-LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
-                     20.0, 40.0, 80.0, 160.0)
-STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
-                  2.5, 5.0)
+LATENCY_BUCKETS_S = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 
@@ -78,20 +96,30 @@ def metrics_to_samples(data: MetricsData | None, extra_labels: Mapping[str, str]
                 d = m.data
                 if isinstance(d, Histogram):
                     for p in d.data_points:
-                        out.append({
-                            "name": m.name, "kind": "histogram", "description": m.description or "",
-                            "labels": {**_labels(p.attributes), **extra},
-                            "bounds": [float(b) for b in p.explicit_bounds],
-                            "buckets": [int(c) for c in p.bucket_counts],
-                            "sum": float(p.sum), "count": int(p.count),
-                        })
+                        out.append(
+                            {
+                                "name": m.name,
+                                "kind": "histogram",
+                                "description": m.description or "",
+                                "labels": {**_labels(p.attributes), **extra},
+                                "bounds": [float(b) for b in p.explicit_bounds],
+                                "buckets": [int(c) for c in p.bucket_counts],
+                                "sum": float(p.sum),
+                                "count": int(p.count),
+                            }
+                        )
                 elif isinstance(d, (Sum, Gauge)):
                     kind = "counter" if isinstance(d, Sum) and d.is_monotonic else "gauge"
                     for p in d.data_points:
-                        out.append({
-                            "name": m.name, "kind": kind, "description": m.description or "",
-                            "labels": {**_labels(p.attributes), **extra}, "value": p.value,
-                        })
+                        out.append(
+                            {
+                                "name": m.name,
+                                "kind": kind,
+                                "description": m.description or "",
+                                "labels": {**_labels(p.attributes), **extra},
+                                "value": p.value,
+                            }
+                        )
     return out
 
 
@@ -198,8 +226,14 @@ def spec_decode_summary(samples: Iterable[Sample]) -> dict[str, dict[str, Any]]:
             if len(st.accepted_per_pos) <= pos:
                 st.accepted_per_pos.extend([0] * (pos + 1 - len(st.accepted_per_pos)))
             st.accepted_per_pos[pos] += v
-    keep = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos", "acceptance_rate",
-            "mean_acceptance_length")
+    keep = (
+        "num_drafts",
+        "num_draft_tokens",
+        "num_accepted_tokens",
+        "accepted_per_pos",
+        "acceptance_rate",
+        "mean_acceptance_length",
+    )
     return {p: {k: v for k, v in st.as_dict().items() if k in keep} for p, st in sorted(agg.items())}
 
 
@@ -244,11 +278,13 @@ class Telemetry:
     def __init__(self, config: TelemetryConfig, component: str, replica: str) -> None:
         self.config = config
         self.replica = replica
-        resource = Resource.create({
-            "service.name": config.service_name,
-            "service.instance.id": replica,
-            "specserve.component": component,
-        })
+        resource = Resource.create(
+            {
+                "service.name": config.service_name,
+                "service.instance.id": replica,
+                "specserve.component": component,
+            }
+        )
         self.reader: InMemoryMetricReader | None = None
         self.meter_provider: MeterProvider | None = None
         if config.metrics:

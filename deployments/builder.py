@@ -25,12 +25,16 @@ def build_app(args: dict[str, Any] | None = None):
     if cfg.draft.enabled and any(p.name in DRAFT_WORKER_PROPOSERS for p in cfg.engine.proposers):
         d = cfg.draft.resources
         draft = DraftWorker.options(
-            num_replicas=d.num_replicas, ray_actor_options=d.ray_actor_options(),
+            num_replicas=d.num_replicas,
+            ray_actor_options=d.ray_actor_options(),
             max_ongoing_requests=d.max_ongoing_requests,
         ).bind(raw)
     t = cfg.target
-    scaling: dict[str, Any] = ({"autoscaling_config": t.autoscaling_config.model_dump(exclude_none=True)}
-                               if t.autoscaling_config is not None else {"num_replicas": t.num_replicas})
+    scaling: dict[str, Any] = (
+        {"autoscaling_config": t.autoscaling_config.model_dump(exclude_none=True)}
+        if t.autoscaling_config is not None
+        else {"num_replicas": t.num_replicas}
+    )
     target = TargetWorker.options(
         **scaling,
         ray_actor_options=t.ray_actor_options(),

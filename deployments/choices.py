@@ -57,13 +57,23 @@ def usage(choices: list[Choice]) -> dict[str, Any]:
     cached = sum(x.get("num_cached_tokens", 0) for x in first_of_prompt.values())
     out = P.usage(done[0])
     spec = out["speculation"]
-    for key, src in (("spec_steps", "spec_steps"), ("plain_steps", "plain_steps"),
-                     ("draft_tokens", "num_draft_tokens"), ("accepted_tokens", "num_accepted_tokens"),
-                     ("grammar_draft_tokens", "num_grammar_draft_tokens"),
-                     ("grammar_accepted_tokens", "num_grammar_accepted_tokens")):
+    for key, src in (
+        ("spec_steps", "spec_steps"),
+        ("plain_steps", "plain_steps"),
+        ("draft_tokens", "num_draft_tokens"),
+        ("accepted_tokens", "num_accepted_tokens"),
+        ("grammar_draft_tokens", "num_grammar_draft_tokens"),
+        ("grammar_accepted_tokens", "num_grammar_accepted_tokens"),
+    ):
         spec[key] = sum(x["spec"].get(src, 0) for x in done)
     completion = sum(x["num_output_tokens"] for x in done)
-    out.update({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached},
-                "completion_tokens_details": {"reasoning_tokens": 0}})
+    out.update(
+        {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "completion_tokens_details": {"reasoning_tokens": 0},
+        }
+    )
     return out

@@ -15,9 +15,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from ray import serve
-
 from opentelemetry.metrics import Observation
+from ray import serve
 
 from cluster.config import AppConfig
 from cluster.telemetry import Telemetry
@@ -61,8 +60,14 @@ class DraftWorker:
         # the EAGLE head (optional) drafts from the target's hidden states, which each call carries
         self.eagle: EagleProposer | None = None
         if d.eagle:
-            self.eagle = EagleProposer(d.eagle, target.model, num_slots=d.max_num_seqs,
-                                       max_model_len=cfg.engine.max_model_len, dtype=d.dtype, device=d.device)
+            self.eagle = EagleProposer(
+                d.eagle,
+                target.model,
+                num_slots=d.max_num_seqs,
+                max_model_len=cfg.engine.max_model_len,
+                dtype=d.dtype,
+                device=d.device,
+            )
         self._hidden: dict[str, torch.Tensor] = {}  # eagle requests: [len(known) - 1, hidden] fp16
         self._known: dict[str, list[int]] = {}
         self._last_seen: dict[str, float] = {}  # request id -> time.monotonic() of its last call
@@ -100,6 +105,7 @@ class DraftWorker:
         import torch  # loaded since __init__: a dictionary lookup
 
         from workers.proposers.base import ProposalRequest
+
         with self._lock:
             for rid in released:
                 self._forget(rid)
@@ -156,7 +162,10 @@ class DraftWorker:
                 props = (self.eagle if method == "eagle" else self.proposer).propose(reqs)  # type: ignore[union-attr]
                 for j, i in enumerate(idx):
                     p = props.draft_probs[j]
-                    answers[i] = {"draft_token_ids": props.draft_token_ids[j], "draft_probs": None if p is None else p.cpu()}
+                    answers[i] = {
+                        "draft_token_ids": props.draft_token_ids[j],
+                        "draft_probs": None if p is None else p.cpu(),
+                    }
             self.num_calls += 1
             return answers  # type: ignore[return-value]
 
@@ -164,16 +173,26 @@ class DraftWorker:
         ctx = serve.get_replica_context()
         self.telemetry = Telemetry(cfg.telemetry, "draft", ctx.replica_id.unique_id if ctx else "draft")
         m = self.telemetry.meter
-        m.create_observable_counter("specserve_draft_calls", callbacks=[lambda _o: [Observation(self.num_calls)]],
-                                    description="Batched propose calls served by the draft worker.")
-        m.create_observable_counter("specserve_draft_swept_requests", callbacks=[lambda _o: [Observation(self.num_swept)]],
-                                    description="Request states dropped after state_ttl_s without a call.")
-        m.create_observable_gauge("specserve_draft_active_requests",
-                                  callbacks=[lambda _o: [Observation(self.proposer.num_active)]],
-                                  description="Requests holding a draft KV slot.")
-        m.create_observable_gauge("specserve_draft_kv_tokens_in_use",
-                                  callbacks=[lambda _o: [Observation(self.proposer.kv_tokens_in_use)]],
-                                  description="Draft KV cache tokens in use.")
+        m.create_observable_counter(
+            "specserve_draft_calls",
+            callbacks=[lambda _o: [Observation(self.num_calls)]],
+            description="Batched propose calls served by the draft worker.",
+        )
+        m.create_observable_counter(
+            "specserve_draft_swept_requests",
+            callbacks=[lambda _o: [Observation(self.num_swept)]],
+            description="Request states dropped after state_ttl_s without a call.",
+        )
+        m.create_observable_gauge(
+            "specserve_draft_active_requests",
+            callbacks=[lambda _o: [Observation(self.proposer.num_active)]],
+            description="Requests holding a draft KV slot.",
+        )
+        m.create_observable_gauge(
+            "specserve_draft_kv_tokens_in_use",
+            callbacks=[lambda _o: [Observation(self.proposer.kv_tokens_in_use)]],
+            description="Draft KV cache tokens in use.",
+        )
 
     def metrics_samples(self) -> list[dict[str, Any]]:
         """The draft worker's metric samples (plain dicts) for the ingress's ``/metrics``."""
@@ -188,5 +207,10 @@ class DraftWorker:
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
     def stats(self) -> dict[str, Any]:
-        return {"active": self.proposer.num_active, "kv_tokens_in_use": self.proposer.kv_tokens_in_use,
-                "calls": self.num_calls, "known": len(self._known), "swept": self.num_swept}
+        return {
+            "active": self.proposer.num_active,
+            "kv_tokens_in_use": self.proposer.kv_tokens_in_use,
+            "calls": self.num_calls,
+            "known": len(self._known),
+            "swept": self.num_swept,
+        }

@@ -5,7 +5,6 @@ before it reaches an engine; what only the engine can judge (e.g. a proposer tha
 configured) comes back as an error chunk and is answered the same way.
 """
 
-
 import asyncio
 import hmac
 import json
@@ -17,10 +16,10 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.config import DRAFT_WORKER_PROPOSERS, AppConfig
 from cluster.telemetry import render_prometheus, spec_decode_summary
@@ -43,14 +42,23 @@ async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSON
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
-                 code: Any = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type_: str = "invalid_request_error",
+        code: Any = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
         self.headers = headers
 
     def response(self) -> JSONResponse:
-        return JSONResponse(P.error_body(self.message, self.type, self.param, self.code), self.status, headers=self.headers)
+        return JSONResponse(
+            P.error_body(self.message, self.type, self.param, self.code), self.status, headers=self.headers
+        )
 
 
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
@@ -64,8 +72,13 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, app_config: dict, target: DeploymentHandle, router: DeploymentHandle,
-                 draft: DeploymentHandle | None = None) -> None:
+    def __init__(
+        self,
+        app_config: dict,
+        target: DeploymentHandle,
+        router: DeploymentHandle,
+        draft: DeploymentHandle | None = None,
+    ) -> None:
         from transformers import AutoTokenizer
 
         from workers.model_loader import resolve_model_path
@@ -79,11 +92,18 @@ class Ingress:
         self.draft = draft
         ctx = serve.get_replica_context()
         self.telemetry = IngressTelemetry(self.cfg, ctx.replica_id.unique_id if ctx is not None else "ingress")
-        self.router_client = RouterClient(router, target, self.cfg.router.route_timeout_s,
-                                          self.cfg.engine.num_speculative_tokens, self.telemetry.on_route_fallback)
+        self.router_client = RouterClient(
+            router,
+            target,
+            self.cfg.router.route_timeout_s,
+            self.cfg.engine.num_speculative_tokens,
+            self.telemetry.on_route_fallback,
+        )
         self.api_key = self.cfg.ingress.api_key or os.environ.get("SPECSERVE_API_KEY") or None
         self.started = int(time.time())  # /v1/models "created": when this server started serving the model
-        self.proposers = [p.name for p in self.cfg.engine.proposers if p.name not in DRAFT_WORKER_PROPOSERS or self.cfg.draft.enabled]
+        self.proposers = [
+            p.name for p in self.cfg.engine.proposers if p.name not in DRAFT_WORKER_PROPOSERS or self.cfg.draft.enabled
+        ]
 
     # ------------------------------------------------------------------ plumbing
 
@@ -117,8 +137,12 @@ class Ingress:
             msg, param = _validation_message(e)
             raise HTTPError(400, msg, param) from None
         if req.model != self.model_name:
-            raise HTTPError(400, f"model '{req.model}' does not exist; available: ['{self.model_name}']", "model",
-                            code="model_not_found")
+            raise HTTPError(
+                400,
+                f"model '{req.model}' does not exist; available: ['{self.model_name}']",
+                "model",
+                code="model_not_found",
+            )
         ing = self.cfg.ingress
         if len(req.stop) > ing.max_stop_strings:
             raise HTTPError(400, f"at most {ing.max_stop_strings} stop strings are allowed", "stop")
@@ -152,8 +176,12 @@ class Ingress:
             lark = T.tool_call_lark(req.tools, req.tool_choice, req.parallel_tool_calls, ing.tool_prompt)
             if lark is not None:  # "required" or a named function: the answer is forced to be call blocks
                 if structured is not None:
-                    raise HTTPError(400, "tool_choice 'required' or a named function forces tool calls; it cannot "
-                                    "be combined with response_format or structured_outputs", "tool_choice")
+                    raise HTTPError(
+                        400,
+                        "tool_choice 'required' or a named function forces tool calls; it cannot "
+                        "be combined with response_format or structured_outputs",
+                        "tool_choice",
+                    )
                 structured = {"kind": "lark", "value": lark, "param": "tools"}
         return {
             "structured": structured,
@@ -174,22 +202,35 @@ class Ingress:
     def _check_len(self, prompt_ids: list[int], params: dict[str, Any], explicit: bool) -> None:
         ctx = self.cfg.engine.max_model_len
         if len(prompt_ids) >= ctx:
-            raise HTTPError(400, f"prompt has {len(prompt_ids)} tokens; this model's context is {ctx} tokens",
-                            "messages", code="context_length_exceeded")
+            raise HTTPError(
+                400,
+                f"prompt has {len(prompt_ids)} tokens; this model's context is {ctx} tokens",
+                "messages",
+                code="context_length_exceeded",
+            )
         if len(prompt_ids) + params["max_tokens"] > ctx:
             if explicit:
-                raise HTTPError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params['max_tokens']}) "
-                                f"exceeds the context of {ctx} tokens", "max_tokens", code="context_length_exceeded")
+                raise HTTPError(
+                    400,
+                    f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params['max_tokens']}) "
+                    f"exceeds the context of {ctx} tokens",
+                    "max_tokens",
+                    code="context_length_exceeded",
+                )
             params["max_tokens"] = ctx - len(prompt_ids)  # default max_tokens: fill the context
 
-    async def _start(self, req: Any, prompt_ids: list[int], params: dict[str, Any], rid: str,
-                     rt: RequestTelemetry):
+    async def _start(self, req: Any, prompt_ids: list[int], params: dict[str, Any], rid: str, rt: RequestTelemetry):
         """Route, submit, and read the first chunk (so errors become a 4xx before any SSE byte)."""
         t_route = time.time_ns()
         route = await self.router_client.route(req.speculation, req.proposer)
         rt.on_route(route, t_route)
-        payload = {"request_id": rid, "prompt_ids": prompt_ids, "params": params,
-                   "proposer": req.proposer, "speculation": req.speculation}
+        payload = {
+            "request_id": rid,
+            "prompt_ids": prompt_ids,
+            "params": params,
+            "proposer": req.proposer,
+            "speculation": req.speculation,
+        }
         if route.get("policy_version") is not None:
             payload["policy_version"] = route["policy_version"]  # the target runs it under at least this policy
         carrier = rt.carrier()
@@ -210,13 +251,19 @@ class Ingress:
             stream.cancel()
             raise
         except BackPressureError:
-            raise HTTPError(503, "the service is at capacity; retry later", type_="overloaded_error",
-                            code="overloaded", headers={"Retry-After": "1"}) from None
+            raise HTTPError(
+                503,
+                "the service is at capacity; retry later",
+                type_="overloaded_error",
+                code="overloaded",
+                headers={"Retry-After": "1"},
+            ) from None
         except StopAsyncIteration:
             raise HTTPError(500, "the engine returned no output", type_="server_error") from None
         except Exception as e:  # target replicas kept failing
-            raise HTTPError(503, f"target worker failed: {type(e).__name__}", type_="server_error",
-                            headers={"Retry-After": "1"}) from None
+            raise HTTPError(
+                503, f"target worker failed: {type(e).__name__}", type_="server_error", headers={"Retry-After": "1"}
+            ) from None
         if "error" in first:
             raise HTTPError(400, first["error"]["message"], first["error"].get("param"))
         return stream, first
@@ -228,8 +275,11 @@ class Ingress:
             return [self.tokenizer.encode(text, add_special_tokens=False)]
         out = []
         if len(req.prompts()) > self.cfg.ingress.max_prompts:
-            raise HTTPError(400, f"{len(req.prompts())} prompts in one request; the limit is "
-                            f"{self.cfg.ingress.max_prompts}", "prompt")
+            raise HTTPError(
+                400,
+                f"{len(req.prompts())} prompts in one request; the limit is {self.cfg.ingress.max_prompts}",
+                "prompt",
+            )
         for p in req.prompts():
             if isinstance(p, str):
                 out.append(self.tokenizer.encode(p, add_special_tokens=False))
@@ -250,10 +300,22 @@ class Ingress:
         rid = P.new_id("chatcmpl" if is_chat else "cmpl")
         deadline = time.monotonic() + self.cfg.ingress.request_timeout_s
         choices = [C.Choice(index=pi * req.n + i, prompt_index=pi) for pi in range(len(prompts)) for i in range(req.n)]
-        started = await asyncio.wait_for(asyncio.gather(*[
-            self._start(req, prompts[c.prompt_index], C.seeded(params, c.index % req.n),
-                        rid if len(choices) == 1 else f"{rid}-{c.index}", rt) for c in choices],
-            return_exceptions=True), self.cfg.ingress.request_timeout_s)
+        started = await asyncio.wait_for(
+            asyncio.gather(
+                *[
+                    self._start(
+                        req,
+                        prompts[c.prompt_index],
+                        C.seeded(params, c.index % req.n),
+                        rid if len(choices) == 1 else f"{rid}-{c.index}",
+                        rt,
+                    )
+                    for c in choices
+                ],
+                return_exceptions=True,
+            ),
+            self.cfg.ingress.request_timeout_s,
+        )
         failed = [x for x in started if isinstance(x, BaseException)]
         if failed:  # one choice refused: the request is refused, and the choices that started are cancelled
             for x in started:
@@ -268,9 +330,22 @@ class Ingress:
         tool_names = self._tool_names(req) if is_chat else None
         if req.stream:
             so = req.stream_options
-            return StreamingResponse(self._sse(gens, choices, rid, is_chat, deadline, rt, params["logprobs"] is not None,
-                                               bool(so and so.include_usage), bool(so and so.continuous_usage_stats),
-                                               echo, tool_names), media_type="text/event-stream")
+            return StreamingResponse(
+                self._sse(
+                    gens,
+                    choices,
+                    rid,
+                    is_chat,
+                    deadline,
+                    rt,
+                    params["logprobs"] is not None,
+                    bool(so and so.include_usage),
+                    bool(so and so.continuous_usage_stats),
+                    echo,
+                    tool_names,
+                ),
+                media_type="text/event-stream",
+            )
         try:
             await asyncio.gather(*[self._drain(g, c, deadline, rt) for g, c in zip(gens, choices)])
         except BaseException:
@@ -278,8 +353,10 @@ class Ingress:
                 g.cancel()
             raise
         body = (P.chat_response if is_chat else P.completion_response)(rid, self.model_name, "", None, choices[0].last)
-        body["choices"] = [self._choice_body(c, is_chat, params["logprobs"] is not None, echo[c.prompt_index],
-                                             tool_names) for c in choices]
+        body["choices"] = [
+            self._choice_body(c, is_chat, params["logprobs"] is not None, echo[c.prompt_index], tool_names)
+            for c in choices
+        ]
         body["usage"] = C.usage(choices)
         body["system_fingerprint"] = choices[0].last.get("system_fingerprint")
         return JSONResponse(body)
@@ -296,8 +373,9 @@ class Ingress:
             return None
         return [t.function.name for t in req.tools or ()]
 
-    def _choice_body(self, c: C.Choice, is_chat: bool, want_logprobs: bool, echo: str,
-                     tool_names: list[str] | None = None) -> dict[str, Any]:
+    def _choice_body(
+        self, c: C.Choice, is_chat: bool, want_logprobs: bool, echo: str, tool_names: list[str] | None = None
+    ) -> dict[str, Any]:
         assert c.last is not None
         if is_chat:
             message: dict[str, Any] = {"role": "assistant", "content": c.text}
@@ -314,8 +392,9 @@ class Ingress:
             return out
         out = {"index": c.index, "text": echo + c.text, "finish_reason": c.last["finish_reason"], "logprobs": None}
         if want_logprobs:  # with echo: the prompt's tokens first, from offset 0
-            out["logprobs"] = P.completion_logprobs((c.prompt_logprobs or []) + c.logprobs, self.tokenizer,
-                                                    0 if c.prompt_logprobs else len(echo))
+            out["logprobs"] = P.completion_logprobs(
+                (c.prompt_logprobs or []) + c.logprobs, self.tokenizer, 0 if c.prompt_logprobs else len(echo)
+            )
         return out
 
     async def _drain(self, gen, c: C.Choice, deadline: float, rt: RequestTelemetry) -> None:
@@ -325,21 +404,40 @@ class Ingress:
                 chunk = await asyncio.wait_for(gen.__anext__(), max(0.0, deadline - time.monotonic()))
                 rt.on_chunk(chunk)
                 c.add(chunk)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             gen.cancel()
-            raise HTTPError(408, f"request exceeded the {self.cfg.ingress.request_timeout_s}s timeout",
-                            type_="timeout_error", code="timeout") from None
+            raise HTTPError(
+                408,
+                f"request exceeded the {self.cfg.ingress.request_timeout_s}s timeout",
+                type_="timeout_error",
+                code="timeout",
+            ) from None
         except StopAsyncIteration:
             raise HTTPError(500, "the engine stream ended early", type_="server_error") from None
         except HTTPError:
             raise
         except Exception as e:  # the target replica died mid-request (ActorDiedError, ...)
-            raise HTTPError(503, f"target worker failed mid-request: {type(e).__name__}", type_="server_error",
-                            headers={"Retry-After": "1"}) from None
+            raise HTTPError(
+                503,
+                f"target worker failed mid-request: {type(e).__name__}",
+                type_="server_error",
+                headers={"Retry-After": "1"},
+            ) from None
 
-    async def _sse(self, gens: list, choices: list[C.Choice], rid: str, is_chat: bool, deadline: float,
-                   rt: RequestTelemetry, want_logprobs: bool, include_usage: bool, continuous_usage: bool,
-                   echo: list[str], tool_names: list[str] | None = None) -> AsyncIterator[bytes]:
+    async def _sse(
+        self,
+        gens: list,
+        choices: list[C.Choice],
+        rid: str,
+        is_chat: bool,
+        deadline: float,
+        rt: RequestTelemetry,
+        want_logprobs: bool,
+        include_usage: bool,
+        continuous_usage: bool,
+        echo: list[str],
+        tool_names: list[str] | None = None,
+    ) -> AsyncIterator[bytes]:
         """One SSE stream for every choice: chunks carry ``index``; choices interleave as they come."""
         created = int(time.time())
         # where the next token's text starts in the returned text: after the echoed prompt, or at 0 when the
@@ -351,8 +449,10 @@ class Ingress:
             return f"data: {json.dumps(obj)}\n\n".encode()
 
         # per choice: reads call blocks out of the text as it streams (OpenAI's tool-call deltas)
-        streamers = [None if tool_names is None else T.ToolCallStreamer(self.cfg.ingress.tool_prompt, tool_names)
-                     for _ in choices]
+        streamers = [
+            None if tool_names is None else T.ToolCallStreamer(self.cfg.ingress.tool_prompt, tool_names)
+            for _ in choices
+        ]
 
         def chunk(j: int, text: str, finish: str | None, role: bool, lps: list) -> bytes:
             c = choices[j]
@@ -364,8 +464,9 @@ class Ingress:
                 if want_logprobs:
                     obj["choices"][0]["logprobs"] = P.chat_logprobs(lps, self.tokenizer)
             else:
-                obj = P.completion_chunk(rid, self.model_name, (echo[c.prompt_index] if role else "") + text, finish,
-                                         created)
+                obj = P.completion_chunk(
+                    rid, self.model_name, (echo[c.prompt_index] if role else "") + text, finish, created
+                )
                 if want_logprobs:
                     obj["choices"][0]["logprobs"] = P.completion_logprobs(lps, self.tokenizer, offsets[j])
             obj["choices"][0]["index"] = c.index
@@ -423,8 +524,9 @@ class Ingress:
         try:
             for j, item in firsts:  # first chunks were read by _start
                 if item["text"] or role[j] or item["finished"] or (want_logprobs and pending[j]):
-                    event = chunk(j, item["text"], item["finish_reason"] if item["finished"] else None, role[j],
-                                  pending[j])
+                    event = chunk(
+                        j, item["text"], item["finish_reason"] if item["finished"] else None, role[j], pending[j]
+                    )
                     if event:  # text a tool-call reader holds back (a possible tag) makes no event yet
                         yield event
                         role[j], pending[j] = False, []
@@ -437,17 +539,26 @@ class Ingress:
                 choices[j].add(item)
                 pending[j].extend(item.get("logprobs") or [])
                 if item["text"] or item["finished"] or (want_logprobs and pending[j]):
-                    event = chunk(j, item["text"], item["finish_reason"] if item["finished"] else None, role[j],
-                                  pending[j])
+                    event = chunk(
+                        j, item["text"], item["finish_reason"] if item["finished"] else None, role[j], pending[j]
+                    )
                     if event:  # text a tool-call reader holds back (a possible tag) makes no event yet
                         yield event
                         role[j], pending[j] = False, []
                 open_choices -= bool(item["finished"])
             if include_usage:
-                yield ev({"id": rid, "object": "chat.completion.chunk" if is_chat else "text_completion",
-                          "created": created, "model": self.model_name, "system_fingerprint": fingerprint,
-                          "choices": [], "usage": C.usage(choices)})
-        except asyncio.TimeoutError:
+                yield ev(
+                    {
+                        "id": rid,
+                        "object": "chat.completion.chunk" if is_chat else "text_completion",
+                        "created": created,
+                        "model": self.model_name,
+                        "system_fingerprint": fingerprint,
+                        "choices": [],
+                        "usage": C.usage(choices),
+                    }
+                )
+        except TimeoutError:
             rt.end(200, error="timeout")
             yield ev(P.error_body("request timed out", "timeout_error", code="timeout"))
         except asyncio.CancelledError:  # client went away: cancel the request end to end
@@ -468,12 +579,14 @@ class Ingress:
     # ------------------------------------------------------------------ routes
 
     async def _guard(self, request: Request, kind: str) -> Response:
-        rt = self.telemetry.request(request.headers, "POST", "/v1/chat/completions" if kind == "chat" else "/v1/completions")
+        rt = self.telemetry.request(
+            request.headers, "POST", "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        )
         try:
             resp = await self._run(request, kind, rt)
         except HTTPError as e:
             resp = e.response()
-        except asyncio.TimeoutError:
+        except TimeoutError:
             resp = HTTPError(408, "request timed out", type_="timeout_error", code="timeout").response()
         except asyncio.CancelledError:  # client went away before the response started
             rt.respond(499, streaming=False)
@@ -505,8 +618,15 @@ class Ingress:
         return self._counted("/v1/models", JSONResponse({"object": "list", "data": [self._model_card()]}))
 
     def _model_card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "specserve",
-                "root": self.cfg.engine.model, "parent": None, "max_model_len": self.cfg.engine.max_model_len}
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "specserve",
+            "root": self.cfg.engine.model,
+            "parent": None,
+            "max_model_len": self.cfg.engine.max_model_len,
+        }
 
     @app.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str, request: Request) -> Response:
@@ -515,16 +635,23 @@ class Ingress:
         except HTTPError as e:
             return self._counted("/v1/models/{id}", e.response())
         if model_id != self.model_name:
-            return self._counted("/v1/models/{id}", HTTPError(
-                404, f"model '{model_id}' does not exist; available: ['{self.model_name}']", "model",
-                code="model_not_found").response())
+            return self._counted(
+                "/v1/models/{id}",
+                HTTPError(
+                    404,
+                    f"model '{model_id}' does not exist; available: ['{self.model_name}']",
+                    "model",
+                    code="model_not_found",
+                ).response(),
+            )
         return self._counted("/v1/models/{id}", JSONResponse(self._model_card()))
 
     @app.get("/health")
     async def health(self) -> Response:
         ok = await self.router_client.healthy()
-        return self._counted("/health", JSONResponse({"status": "ok" if ok else "unavailable"},
-                                                     status_code=200 if ok else 503))
+        return self._counted(
+            "/health", JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+        )
 
     async def _cluster_samples(self) -> list[dict[str, Any]]:
         return await gather_cluster_samples(self.telemetry.tel.samples(), self.router, self.target_unary, self.draft)
@@ -551,7 +678,8 @@ class Ingress:
         stats, samples = await asyncio.gather(self.router.stats.remote(), self._cluster_samples())
         stats["proposers"] = spec_decode_summary(samples)
         stats["proposers_by_replica"] = {
-            rid: spec_decode_summary(s for s in samples if s["labels"].get("replica") == rid) for rid in stats["replicas"]
+            rid: spec_decode_summary(s for s in samples if s["labels"].get("replica") == rid)
+            for rid in stats["replicas"]
         }
         return self._counted("/v1/speculation/stats", JSONResponse(stats))
 

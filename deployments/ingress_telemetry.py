@@ -38,16 +38,23 @@ class IngressTelemetry:
     def __init__(self, cfg: AppConfig, replica_id: str) -> None:
         self.tel = Telemetry(cfg.telemetry, "ingress", replica_id)
         m = self.tel.meter
-        self.http_requests = m.create_counter("specserve_http_requests", description="HTTP requests answered, by route and status.")
+        self.http_requests = m.create_counter(
+            "specserve_http_requests", description="HTTP requests answered, by route and status."
+        )
         self.stream_resumes = m.create_counter(
-            "specserve_stream_resumes", description="Requests submitted again after their target replica failed, "
-            "with the tokens already sent, by the failure.")
+            "specserve_stream_resumes",
+            description="Requests submitted again after their target replica failed, "
+            "with the tokens already sent, by the failure.",
+        )
         self.route_fallbacks = m.create_counter(
-            "specserve_route_fallbacks", description="Requests served without the Router's answer (it failed or was "
-            "too slow), by reason.")
+            "specserve_route_fallbacks",
+            description="Requests served without the Router's answer (it failed or was too slow), by reason.",
+        )
 
         def hist(name: str, desc: str):
-            return m.create_histogram(name, unit="s", explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S, description=desc)
+            return m.create_histogram(
+                name, unit="s", explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S, description=desc
+            )
 
         self.ttft = hist("specserve_time_to_first_token_seconds", "Request arrival to its first output token.")
         self.itl = hist("specserve_inter_token_latency_seconds", "Time per output token after the first.")
@@ -63,13 +70,15 @@ class IngressTelemetry:
     def count(self, route: str, status: int) -> None:
         self.http_requests.add(1, {"route": route, "status": str(status)})
 
-    def request(self, headers: Mapping[str, str], method: str, route: str) -> "RequestTelemetry":
+    def request(self, headers: Mapping[str, str], method: str, route: str) -> RequestTelemetry:
         span = None
         if self.tel.tracer is not None:
-            span = self.tel.tracer.start_span(f"{method} {route}", context=extract(headers),
-                                              kind=trace_api.SpanKind.SERVER,
-                                              attributes={"http.request.method": method, "http.route": route,
-                                                          "replica": self.tel.replica})
+            span = self.tel.tracer.start_span(
+                f"{method} {route}",
+                context=extract(headers),
+                kind=trace_api.SpanKind.SERVER,
+                attributes={"http.request.method": method, "http.route": route, "replica": self.tel.replica},
+            )
         return RequestTelemetry(self, route, span)
 
 
@@ -152,8 +161,9 @@ async def _bounded(aw: Awaitable[Any], timeout_s: float, what: str) -> Any:
         return None
 
 
-async def gather_cluster_samples(own: list[Sample], router: Any, target: Any, draft: Any | None,
-                                 timeout_s: float = 5.0) -> list[Sample]:
+async def gather_cluster_samples(
+    own: list[Sample], router: Any, target: Any, draft: Any | None, timeout_s: float = 5.0
+) -> list[Sample]:
     """Every process's samples for one scrape. A replica that does not answer in ``timeout_s``
     is left out of this scrape (Prometheus sees a gap, not a hung scrape)."""
     router_samples, ids = await asyncio.gather(

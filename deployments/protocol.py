@@ -54,7 +54,8 @@ class ChatMessage(BaseModel):
     role: Role
     name: str | None = None
     tool_calls: list[ToolCall] | None = Field(
-        None, description="Calls an assistant message made (its content may then be null).")
+        None, description="Calls an assistant message made (its content may then be null)."
+    )
     tool_call_id: str | None = Field(None, validate_default=True, description="The call a 'tool' message answers.")
     content: Any = Field(None, validate_default=True, description="A string, or a list of text parts.")
 
@@ -97,8 +98,7 @@ class ChatMessage(BaseModel):
         for i, part in enumerate(v):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind in NON_TEXT_PARTS:
-                raise ValueError(f"content part {i} is of type '{kind}', which this model does not support "
-                                 f"(text only)")
+                raise ValueError(f"content part {i} is of type '{kind}', which this model does not support (text only)")
             if kind != "text" or not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
                 raise ValueError(f"content part {i} must be {{'type': 'text', 'text': <string>}}")
             parts.append(TextPart(type="text", text=part["text"]))
@@ -124,8 +124,16 @@ class StreamOptions(BaseModel):
 
 # Real OpenAI fields this server does not implement, looked for before validation so that the 400 can say
 # "not supported" (a feature gap) instead of "unknown field" (a typo): see ``strip_unsupported``.
-UNSUPPORTED_CHAT = ("functions", "function_call",
-                    "logit_bias", "audio", "modalities", "prediction", "web_search_options", "reasoning_effort")
+UNSUPPORTED_CHAT = (
+    "functions",
+    "function_call",
+    "logit_bias",
+    "audio",
+    "modalities",
+    "prediction",
+    "web_search_options",
+    "reasoning_effort",
+)
 UNSUPPORTED_COMPLETION = ("suffix", "best_of", "logit_bias")
 
 
@@ -171,7 +179,8 @@ class FunctionDefinition(BaseModel):
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="A JSON schema of type 'object'; absent: no arguments.")
     strict: bool | None = Field(
-        None, description="OpenAI's structured-outputs flag (required and named choices are enforced anyway).")
+        None, description="OpenAI's structured-outputs flag (required and named choices are enforced anyway)."
+    )
 
     @field_validator("parameters")
     @classmethod
@@ -212,11 +221,14 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = Field(False, description="Return each output token's log probability.")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="Most likely alternatives per token (needs logprobs).")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=20, description="Most likely alternatives per token (needs logprobs)."
+    )
     # tools before tool_choice: tool_choice's validator reads the validated tools
     tools: list[Tool] | None = Field(None, min_length=1, max_length=128, description="Functions the model may call.")
     tool_choice: ToolChoice | None = Field(
-        None, description="'none', 'auto' (the default with tools), 'required', or one named function.")
+        None, description="'none', 'auto' (the default with tools), 'required', or one named function."
+    )
     parallel_tool_calls: bool = Field(True, description="Allow more than one call in an answer.")
 
     @field_validator("messages")
@@ -227,8 +239,10 @@ class ChatCompletionRequest(_Common):
         for i, m in enumerate(v):
             if m.role == "tool":
                 if m.tool_call_id not in open_ids:
-                    raise ValueError(f"messages.{i} is a 'tool' message whose tool_call_id {m.tool_call_id!r} "
-                                     f"answers no tool call of the assistant message before it")
+                    raise ValueError(
+                        f"messages.{i} is a 'tool' message whose tool_call_id {m.tool_call_id!r} "
+                        f"answers no tool call of the assistant message before it"
+                    )
                 continue
             open_ids = {c.id for c in m.tool_calls or ()}
         return v
@@ -251,10 +265,17 @@ class ChatCompletionRequest(_Common):
         if v is None or v in ("none", "auto", "required"):
             return v
         fn = v.get("function") if isinstance(v, dict) else None
-        if (not isinstance(v, dict) or set(v) != {"type", "function"} or v["type"] != "function"
-                or not isinstance(fn, dict) or set(fn) != {"name"} or not isinstance(fn["name"], str)):
-            raise ValueError("must be 'none', 'auto', 'required' or "
-                             "{'type': 'function', 'function': {'name': <string>}}")
+        if (
+            not isinstance(v, dict)
+            or set(v) != {"type", "function"}
+            or v["type"] != "function"
+            or not isinstance(fn, dict)
+            or set(fn) != {"name"}
+            or not isinstance(fn["name"], str)
+        ):
+            raise ValueError(
+                "must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': <string>}}"
+            )
         return v
 
     @field_validator("tool_choice")
@@ -273,7 +294,9 @@ class ChatCompletionRequest(_Common):
 class CompletionRequest(_Common):
     prompt: Any = Field(description="Text, token ids, or a list of either (one choice set per prompt).")
     echo: bool = Field(False, description="Return the prompt before the completion.")
-    logprobs: int | None = Field(None, ge=0, le=20, description="Log probability of each token and this many alternatives.")
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="Log probability of each token and this many alternatives."
+    )
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -282,8 +305,11 @@ class CompletionRequest(_Common):
         def ids(x: Any) -> bool:
             return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
-        ok = isinstance(v, str) or ids(v) or (isinstance(v, list) and (all(isinstance(p, str) for p in v)
-                                                                        or all(ids(p) for p in v)))
+        ok = (
+            isinstance(v, str)
+            or ids(v)
+            or (isinstance(v, list) and (all(isinstance(p, str) for p in v) or all(ids(p) for p in v)))
+        )
         if not ok:
             raise ValueError("must be a string, a list of token ids, or a list of strings or of token-id lists")
         if len(v) == 0 or (isinstance(v, list) and any(isinstance(p, (str, list)) and len(p) == 0 for p in v)):
@@ -388,7 +414,12 @@ def chat_response(rid: str, model: str, text: str, finish_reason: str | None, fi
         "created": int(time.time()),
         "model": model,
         "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason, "logprobs": None}
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason,
+                "logprobs": None,
+            }
         ],
         "usage": usage(final),
     }

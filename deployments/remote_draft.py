@@ -36,8 +36,13 @@ log = logging.getLogger("ray.serve")
 class RemoteDraftProposer(Proposer):
     name = "draft_model"
 
-    def __init__(self, handle: Any, timeout_s: float = 2.0, retry_after_s: float = 1.0,
-                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(
+        self,
+        handle: Any,
+        timeout_s: float = 2.0,
+        retry_after_s: float = 1.0,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
         self.handle = handle
         self.loop = loop  # where handle calls are made (see the module docstring); None: the calling thread
         self.timeout_s = timeout_s

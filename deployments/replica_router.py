@@ -9,7 +9,7 @@ that has capacity), so a stale hint never fails a request.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Sequence
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
@@ -20,9 +20,9 @@ class HintedReplicaRouter(FIFOMixin, RequestRouter):
 
     async def choose_replicas(
         self,
-        candidate_replicas: List[RunningReplica],
-        pending_request: Optional[PendingRequest] = None,
-    ) -> Sequence[List[RunningReplica]]:
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> Sequence[list[RunningReplica]]:
         if not candidate_replicas:
             return []
         hint = pending_request.kwargs.get("replica_id") if pending_request is not None else None

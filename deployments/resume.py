@@ -28,8 +28,13 @@ class ResumableStream:
     (on a resubmission, to a replica other than ``failed``, the one that wrote the last chunk, if it
     can) and returns the response generator."""
 
-    def __init__(self, submit: Callable[[dict[str, Any], bool, str | None], Awaitable[Any]], payload: dict[str, Any],
-                 max_resumes: int, on_resume: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        submit: Callable[[dict[str, Any], bool, str | None], Awaitable[Any]],
+        payload: dict[str, Any],
+        max_resumes: int,
+        on_resume: Callable[[str], None] | None = None,
+    ) -> None:
         self.submit = submit
         self.payload = payload
         self.max_resumes = max_resumes
@@ -44,7 +49,7 @@ class ResumableStream:
     async def start(self) -> None:
         self.gen = await self.submit(self.payload, False, None)
 
-    def __aiter__(self) -> "ResumableStream":
+    def __aiter__(self) -> ResumableStream:
         return self
 
     async def __anext__(self) -> dict[str, Any]:
@@ -71,8 +76,14 @@ class ResumableStream:
     async def _resubmit(self, err: BaseException) -> None:
         self.resumes += 1
         dead = self.replica_id
-        log.warning("target replica %s failed (%s); resubmitting with %d tokens sent (resume %d of %d)",
-                    dead, type(err).__name__, len(self.token_ids), self.resumes, self.max_resumes)
+        log.warning(
+            "target replica %s failed (%s); resubmitting with %d tokens sent (resume %d of %d)",
+            dead,
+            type(err).__name__,
+            len(self.token_ids),
+            self.resumes,
+            self.max_resumes,
+        )
         if self.on_resume is not None:
             self.on_resume(type(err).__name__)
         await asyncio.sleep(BACKOFF_S[min(self.resumes, len(BACKOFF_S)) - 1])
@@ -80,8 +91,12 @@ class ResumableStream:
         if self.seed is not None:
             params["seed"] = self.seed
         # a new engine request id: should the failed call's request still live somewhere, the two never collide
-        payload = {**self.payload, "request_id": f"{self.payload['request_id']}-r{self.resumes}", "params": params,
-                   "resume_output_ids": list(self.token_ids)}
+        payload = {
+            **self.payload,
+            "request_id": f"{self.payload['request_id']}-r{self.resumes}",
+            "params": params,
+            "resume_output_ids": list(self.token_ids),
+        }
         self.gen = await self.submit(payload, True, dead)
 
     def cancel(self) -> None:

@@ -24,9 +24,8 @@ import random
 import time
 from typing import Any
 
-from ray import serve
-
 from opentelemetry.metrics import Observation
+from ray import serve
 
 from cluster.config import AppConfig, RouterUserConfig
 from cluster.telemetry import Telemetry
@@ -51,10 +50,13 @@ class Router:
         self.telemetry = Telemetry(self.cfg.telemetry, "router", ctx.replica_id.unique_id if ctx else "router")
         # per-request decisions, cumulative across policy swaps (the policy's own count starts over)
         self.route_decisions = self.telemetry.meter.create_counter(
-            "specserve_route_decisions", description="Per-request routing decisions, by path and K.")
+            "specserve_route_decisions", description="Per-request routing decisions, by path and K."
+        )
         self.telemetry.meter.create_observable_gauge(
-            "specserve_policy_version", callbacks=[lambda _o: [Observation(self.version, {"policy": self.policy.name})]],
-            description="Live policy version (bumped by every reconfigure), labelled with the policy name.")
+            "specserve_policy_version",
+            callbacks=[lambda _o: [Observation(self.version, {"policy": self.policy.name})]],
+            description="Live policy version (bumped by every reconfigure), labelled with the policy name.",
+        )
 
     def reconfigure(self, user_config: dict) -> None:
         """Live policy change from ``serve deploy`` (validated; unknown keys fail the deploy)."""
@@ -78,7 +80,13 @@ class Router:
         """The replica for a new request (never ``exclude``: one that just failed it) and its expected path."""
         fresh = {r: v for r, v in self._fresh().items() if r != exclude}
         if not fresh:
-            return {"replica_id": None, "path": "unknown", "k": None, "load_age_s": None, "policy_version": self.version}
+            return {
+                "replica_id": None,
+                "path": "unknown",
+                "k": None,
+                "load_age_s": None,
+                "policy_version": self.version,
+            }
         rid = self.pick(fresh)
         at, snap = fresh[rid]
         self.assigned[rid] = self.assigned.get(rid, 0) + 1
@@ -86,8 +94,13 @@ class Router:
         s.decoding += self.assigned[rid]  # as if this request and the others sent since the report were running
         k = self.policy.decide(s, [SpecCandidate("route", proposer or "default", speculation, k_max)])[0]
         self.route_decisions.add(1, {"path": "spec" if k > 0 else "plain", "k": str(k)})
-        return {"replica_id": rid, "path": "spec" if k > 0 else "plain", "k": k, "load_age_s": time.time() - at,
-                "policy_version": self.version}
+        return {
+            "replica_id": rid,
+            "path": "spec" if k > 0 else "plain",
+            "k": k,
+            "load_age_s": time.time() - at,
+            "policy_version": self.version,
+        }
 
     def policy(self) -> dict[str, Any]:
         """The live policy and its version: a target handed a request routed under a newer version than

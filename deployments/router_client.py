@@ -19,8 +19,14 @@ TARGET_HEALTH_TIMEOUT_S = 2.0  # a target replica's own answer, when the Router 
 
 
 class RouterClient:
-    def __init__(self, router: DeploymentHandle, target: DeploymentHandle, timeout_s: float, k_max: int,
-                 on_fallback: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        router: DeploymentHandle,
+        target: DeploymentHandle,
+        timeout_s: float,
+        k_max: int,
+        on_fallback: Callable[[str], None],
+    ) -> None:
         self.router = router
         self.target = target  # unary handle
         self.timeout_s = timeout_s

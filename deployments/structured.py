@@ -63,8 +63,9 @@ class StructuredOutputs(BaseModel):
         return self
 
 
-def structured_params(response_format: ResponseFormat | None,
-                      structured_outputs: StructuredOutputs | None) -> dict[str, Any] | None:
+def structured_params(
+    response_format: ResponseFormat | None, structured_outputs: StructuredOutputs | None
+) -> dict[str, Any] | None:
     """The ``structured`` entry of the engine's sampling params, or None (unconstrained). Raises
     ``ValueError`` naming the field when both fields constrain the same request."""
     fmt = response_format if response_format is not None and response_format.type != "text" else None

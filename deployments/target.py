@@ -49,10 +49,13 @@ def output_dict(o: RequestOutput, fingerprint: str | None = None, replica_id: st
         "num_cached_tokens": o.num_cached_tokens,
         "proposer": o.proposer,
         "spec": o.spec.as_dict(),
-        "logprobs": None if o.logprobs is None else [[e.token_id, e.logprob, [list(t) for t in e.top]] for e in o.logprobs],
+        "logprobs": None
+        if o.logprobs is None
+        else [[e.token_id, e.logprob, [list(t) for t in e.top]] for e in o.logprobs],
         # the first prompt token has nothing before it: its entry is None
-        "prompt_logprobs": None if o.prompt_logprobs is None else [
-            None if e is None else [e.token_id, e.logprob, [list(t) for t in e.top]] for e in o.prompt_logprobs],
+        "prompt_logprobs": None
+        if o.prompt_logprobs is None
+        else [None if e is None else [e.token_id, e.logprob, [list(t) for t in e.top]] for e in o.prompt_logprobs],
     }
 
 
@@ -75,7 +78,9 @@ class TargetWorker:
                 if draft is not None:
                     remote = RemoteEagleProposer if p.name == "eagle" else RemoteDraftProposer
                     proposers[p.name] = remote(  # handle calls on this replica's loop (deployments/remote_draft.py)
-                        draft, timeout_s=cfg.draft.call_timeout_s, retry_after_s=cfg.draft.retry_after_s,
+                        draft,
+                        timeout_s=cfg.draft.call_timeout_s,
+                        retry_after_s=cfg.draft.retry_after_s,
                         loop=asyncio.get_running_loop(),
                     )
             else:
@@ -99,10 +104,18 @@ class TargetWorker:
         )
         if isinstance(draft_proxy, RemoteDraftProposer):
             draft_proxy.on_call = self.telemetry.on_draft_call
-        self.engine = AsyncEngine(lambda: LLMEngine(  # built in the engine thread: see AsyncEngine
-            cfg.engine, load_model(cfg.engine.model), proposers=proposers, decide=self._decide,
-            on_step=self._on_step, on_verify=self.telemetry.on_verify, cost_model=self.step_costs,
-        ), claim_cpu=cfg.engine.cpu_priority == "engine_first")
+        self.engine = AsyncEngine(
+            lambda: LLMEngine(  # built in the engine thread: see AsyncEngine
+                cfg.engine,
+                load_model(cfg.engine.model),
+                proposers=proposers,
+                decide=self._decide,
+                on_step=self._on_step,
+                on_verify=self.telemetry.on_verify,
+                cost_model=self.step_costs,
+            ),
+            claim_cpu=cfg.engine.cpu_priority == "engine_first",
+        )
         self.router = router
         self._reporter = asyncio.get_event_loop().create_task(self._report_loop())
 
@@ -123,8 +136,15 @@ class TargetWorker:
     def _on_step(self, tokens: int, seconds: float, requests: int | None = None) -> None:  # engine thread
         self.policy.observe_step(tokens, seconds, requests)
         self.telemetry.on_step(tokens, seconds)
-        self._trace.append({"ks": self._pending_ks, "tokens": tokens, "seconds": seconds, "requests": requests,
-                            "why": self._pending_why})
+        self._trace.append(
+            {
+                "ks": self._pending_ks,
+                "tokens": tokens,
+                "seconds": seconds,
+                "requests": requests,
+                "why": self._pending_why,
+            }
+        )
         self._pending_ks, self._pending_why = [], {}
 
     async def _report_loop(self) -> None:
@@ -199,11 +219,20 @@ class TargetWorker:
                 if o.finished:
                     finish_reason = o.finish_reason or "stop"
                     if parent is not None:
-                        self.telemetry.emit_request_spans(parent, start_ns, time.time_ns(), o.events, {
-                            "request_id": o.request_id, "proposer": o.proposer or "", "finish_reason": finish_reason,
-                            "num_output_tokens": o.num_output_tokens, "num_draft_tokens": o.spec.num_draft_tokens,
-                            "num_accepted_tokens": o.spec.num_accepted_tokens,
-                        })
+                        self.telemetry.emit_request_spans(
+                            parent,
+                            start_ns,
+                            time.time_ns(),
+                            o.events,
+                            {
+                                "request_id": o.request_id,
+                                "proposer": o.proposer or "",
+                                "finish_reason": finish_reason,
+                                "num_output_tokens": o.num_output_tokens,
+                                "num_draft_tokens": o.spec.num_draft_tokens,
+                                "num_accepted_tokens": o.spec.num_accepted_tokens,
+                            },
+                        )
                 yield output_dict(o, self._fingerprint(), self.replica_id)
         except InvalidRequestError as e:
             finish_reason = "invalid"
@@ -225,9 +254,13 @@ class TargetWorker:
 
             snap = self.engine.snapshot()
             e = self.cfg.engine
-            kind = torch.cuda.get_device_name() if torch.cuda.is_available() else torch.backends.cpu.get_cpu_capability()
-            key = (f"{e.model}|{e.served_model_name}|{snap.dtype}|{snap.batch_invariant}|{snap.attention_kernel}|"
-                   f"{e.verification}|{torch.__version__}|{kind}")
+            kind = (
+                torch.cuda.get_device_name() if torch.cuda.is_available() else torch.backends.cpu.get_cpu_capability()
+            )
+            key = (
+                f"{e.model}|{e.served_model_name}|{snap.dtype}|{snap.batch_invariant}|{snap.attention_kernel}|"
+                f"{e.verification}|{torch.__version__}|{kind}"
+            )
             self._fp = "fp_" + hashlib.sha256(key.encode()).hexdigest()[:12]
         return self._fp
 
@@ -239,8 +272,13 @@ class TargetWorker:
         ``replica_id`` only steers the call to that replica (deployments/replica_router.py)."""
         import ray
 
-        return {"replica_id": self.replica_id, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
-                "engine_thread": self.engine.thread_id, "engine_cpu_priority": self.engine.cpu_priority}
+        return {
+            "replica_id": self.replica_id,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            "engine_thread": self.engine.thread_id,
+            "engine_cpu_priority": self.engine.cpu_priority,
+        }
 
     async def stats(self) -> dict[str, Any]:
         def collect(e: LLMEngine) -> dict[str, Any]:
@@ -253,9 +291,14 @@ class TargetWorker:
         engine steps: the K asked of each decoding request (``ks``, empty on a step with none),
         the tokens fed, the seconds taken, the decoding requests of a prefill-free step, and the
         policy's reasons (``why``: :meth:`Policy.step_detail`, e.g. goodput's prediction per K)."""
+
         def collect(e: LLMEngine) -> dict[str, Any]:  # in the engine thread, which owns both
-            return {"policy": self.policy.state(), "policy_name": self.policy.name,
-                    "policy_version": self.policy_version, "steps": list(self._trace)}
+            return {
+                "policy": self.policy.state(),
+                "policy_name": self.policy.name,
+                "policy_version": self.policy_version,
+                "steps": list(self._trace),
+            }
 
         return {"replica_id": self.replica_id, **await self.engine.call(collect)}
 

@@ -55,17 +55,37 @@ class TargetTelemetry:
         def counter(name: str, fn: Callable[[], list[Observation]], description: str) -> None:
             m.create_observable_counter(name, callbacks=[lambda _o: fn()], description=description)
 
-        counter("spec_decode_num_drafts", lambda: self._spec("num_drafts"), "Speculative verifies (one per request per spec step).")
-        counter("spec_decode_num_draft_tokens", lambda: self._spec("num_draft_tokens"), "Draft tokens proposed and verified.")
-        counter("spec_decode_num_accepted_tokens", lambda: self._spec("num_accepted_tokens"),
-                "Draft tokens accepted (the recovered / bonus token not counted).")
+        counter(
+            "spec_decode_num_drafts",
+            lambda: self._spec("num_drafts"),
+            "Speculative verifies (one per request per spec step).",
+        )
+        counter(
+            "spec_decode_num_draft_tokens",
+            lambda: self._spec("num_draft_tokens"),
+            "Draft tokens proposed and verified.",
+        )
+        counter(
+            "spec_decode_num_accepted_tokens",
+            lambda: self._spec("num_accepted_tokens"),
+            "Draft tokens accepted (the recovered / bonus token not counted).",
+        )
         counter("spec_decode_num_accepted_tokens_per_pos", self._per_pos, "Accepted draft tokens by draft position.")
-        counter("specserve_step_decisions", self._decisions,
-                "Per-step policy decisions for decoding requests, by path and K.")
-        counter("specserve_prefix_cache_queries", lambda: [Observation(self._view.get("prefix", (0, 0))[0])],
-                "Prompt tokens admitted with prefix caching on (vLLM: prefix_cache_queries).")
-        counter("specserve_prefix_cache_hits", lambda: [Observation(self._view.get("prefix", (0, 0))[1])],
-                "Of those, tokens whose KV was reused instead of prefilled (vLLM: prefix_cache_hits).")
+        counter(
+            "specserve_step_decisions",
+            self._decisions,
+            "Per-step policy decisions for decoding requests, by path and K.",
+        )
+        counter(
+            "specserve_prefix_cache_queries",
+            lambda: [Observation(self._view.get("prefix", (0, 0))[0])],
+            "Prompt tokens admitted with prefix caching on (vLLM: prefix_cache_queries).",
+        )
+        counter(
+            "specserve_prefix_cache_hits",
+            lambda: [Observation(self._view.get("prefix", (0, 0))[1])],
+            "Of those, tokens whose KV was reused instead of prefilled (vLLM: prefix_cache_hits).",
+        )
         self.requests = m.create_counter("specserve_requests", description="Requests finished, by finish reason.")
         for name, attr, desc in (
             ("specserve_num_requests_running", "running", "Requests holding a KV slot."),
@@ -76,22 +96,31 @@ class TargetTelemetry:
             m.create_observable_gauge(name, callbacks=[self._gauge(attr)], description=desc)
         if draft_proxy is not None:
             m.create_observable_gauge(
-                "specserve_draft_worker_up", callbacks=[lambda _o: [Observation(1 if self._draft.up else 0)]],
+                "specserve_draft_worker_up",
+                callbacks=[lambda _o: [Observation(1 if self._draft.up else 0)]],
                 description="1 while the last draft worker call succeeded, 0 while backing off after a failure.",
             )
-            counter("specserve_draft_call_failures", lambda: [Observation(self._draft.num_failures)],
-                    "Draft worker calls that failed or timed out (those steps ran plain).")
+            counter(
+                "specserve_draft_call_failures",
+                lambda: [Observation(self._draft.num_failures)],
+                "Draft worker calls that failed or timed out (those steps ran plain).",
+            )
         self.step_seconds = m.create_histogram(
-            "specserve_target_step_seconds", unit="s", explicit_bucket_boundaries_advisory=STEP_BUCKETS_S,
+            "specserve_target_step_seconds",
+            unit="s",
+            explicit_bucket_boundaries_advisory=STEP_BUCKETS_S,
             description="Target engine step wall time, by tokens fed in the step.",
         )
         self.draft_call_seconds = m.create_histogram(
-            "specserve_draft_call_seconds", unit="s", explicit_bucket_boundaries_advisory=STEP_BUCKETS_S,
+            "specserve_draft_call_seconds",
+            unit="s",
+            explicit_bucket_boundaries_advisory=STEP_BUCKETS_S,
             description="Wall time of one batched draft worker call.",
         )
         k_max = max(1, cfg.engine.num_speculative_tokens)
         self.acceptance_length = m.create_histogram(
-            "spec_decode_acceptance_length", explicit_bucket_boundaries_advisory=[float(i) for i in range(1, k_max + 2)],
+            "spec_decode_acceptance_length",
+            explicit_bucket_boundaries_advisory=[float(i) for i in range(1, k_max + 2)],
             description="Tokens committed by one speculative verify (accepted drafts + 1).",
         )
         self._bucket_attrs = {b: {"tokens_per_step": b} for b in map(tokens_bucket, (1, 2, 5, 9, 17, 33, 65, 129, 257))}
@@ -116,8 +145,10 @@ class TargetTelemetry:
     def engine_view(self, engine: Any) -> dict[str, Any]:
         """Run on the engine thread (between steps): a consistent copy of what the counters read."""
         return {
-            "stats": {name: (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.accepted_per_pos))
-                      for name, s in engine.stats.items()},
+            "stats": {
+                name: (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.accepted_per_pos))
+                for name, s in engine.stats.items()
+            },
             "decisions": dict(self.decisions),
             "prefix": (engine.prefix_cache_queries, engine.prefix_cache_hits),
         }
@@ -140,12 +171,17 @@ class TargetTelemetry:
         return [Observation(stats[p][idx] if p in stats else 0, {"proposer": p}) for p in names]
 
     def _per_pos(self) -> list[Observation]:
-        return [Observation(n, {"proposer": p, "position": str(i)})
-                for p, st in self._view["stats"].items() for i, n in enumerate(st[3])]
+        return [
+            Observation(n, {"proposer": p, "position": str(i)})
+            for p, st in self._view["stats"].items()
+            for i, n in enumerate(st[3])
+        ]
 
     def _decisions(self) -> list[Observation]:
-        return [Observation(n, {"path": "spec" if k > 0 else "plain", "k": str(k)})
-                for k, n in sorted(self._view["decisions"].items())]
+        return [
+            Observation(n, {"path": "spec" if k > 0 else "plain", "k": str(k)})
+            for k, n in sorted(self._view["decisions"].items())
+        ]
 
     def _gauge(self, attr: str) -> Callable[[CallbackOptions], list[Observation]]:
         return lambda _o: [Observation(getattr(self._snapshot(), attr))]
@@ -160,13 +196,19 @@ class TargetTelemetry:
         sc = trace_api.get_current_span(ctx).get_span_context()
         return ctx if sc.is_valid and sc.trace_flags.sampled else None
 
-    def emit_request_spans(self, parent: Any, start_ns: int, end_ns: int, events: Sequence[StepEvent] | None,
-                           attributes: dict[str, Any]) -> None:
+    def emit_request_spans(
+        self, parent: Any, start_ns: int, end_ns: int, events: Sequence[StepEvent] | None, attributes: dict[str, Any]
+    ) -> None:
         tracer = self.tel.tracer
         if tracer is None:
             return
-        root = tracer.start_span("TargetWorker.generate", context=parent, kind=trace_api.SpanKind.SERVER,
-                                 start_time=start_ns, attributes={"replica": self.tel.replica, **attributes})
+        root = tracer.start_span(
+            "TargetWorker.generate",
+            context=parent,
+            kind=trace_api.SpanKind.SERVER,
+            start_time=start_ns,
+            attributes={"replica": self.tel.replica, **attributes},
+        )
         ctx = trace_api.set_span_in_context(root)
         proposer = attributes.get("proposer") or ""
         ev = list(events or [])
@@ -174,10 +216,18 @@ class TargetTelemetry:
         while i < len(ev):
             e = ev[i]
             if e.kind == "spec":
-                s = tracer.start_span("spec_step", context=ctx, start_time=e.t_start_ns, attributes={
-                    "num_draft_tokens": e.num_draft, "num_accepted_tokens": e.num_accepted, "proposer": proposer,
-                    "draft_s": (e.t_proposed_ns - e.t_start_ns) / 1e9, "verify_s": (e.t_end_ns - e.t_proposed_ns) / 1e9,
-                })
+                s = tracer.start_span(
+                    "spec_step",
+                    context=ctx,
+                    start_time=e.t_start_ns,
+                    attributes={
+                        "num_draft_tokens": e.num_draft,
+                        "num_accepted_tokens": e.num_accepted,
+                        "proposer": proposer,
+                        "draft_s": (e.t_proposed_ns - e.t_start_ns) / 1e9,
+                        "verify_s": (e.t_end_ns - e.t_proposed_ns) / 1e9,
+                    },
+                )
                 s.end(end_time=e.t_end_ns)
                 i += 1
                 continue

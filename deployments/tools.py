@@ -49,13 +49,15 @@ class ToolPromptFormat(BaseModel):
         DEFAULT_SYSTEM_TEMPLATE,
         description="The system prompt that offers the tools; '{tools}' becomes the tools as JSON, one per line "
         "(replaced as text, not str.format, so JSON braces need no escaping). It is appended to the request's "
-        "own system message, or is the system message when there is none.")
+        "own system message, or is the system message when there is none.",
+    )
     call_open: str = Field("<tool_call>", description="Opens a call block in the model's answer.")
     call_close: str = Field("</tool_call>", description="Closes a call block.")
     response_open: str = Field("<tool_response>", description="Opens a tool result block in the prompt.")
     response_close: str = Field("</tool_response>", description="Closes a tool result block.")
     tool_role: Literal["user", "system", "tool"] = Field(
-        "user", description="The role tool results are rendered as: 'user' for chat templates without a tool role.")
+        "user", description="The role tool results are rendered as: 'user' for chat templates without a tool role."
+    )
 
     @field_validator("system_template")
     @classmethod
@@ -85,6 +87,7 @@ def effective_tool_choice(tools: Sequence[Tool] | None, tool_choice: ToolChoice 
 
 # ---- prompt ----------------------------------------------------------------------------------------------
 
+
 def _system_prompt(tools: Sequence[Tool], fmt: ToolPromptFormat) -> str:
     listed = "\n".join(json.dumps(t.model_dump(exclude_none=True), ensure_ascii=False) for t in tools)
     return fmt.system_template.replace("{tools}", listed)
@@ -112,8 +115,9 @@ def _response_block(m: ChatMessage, name: str | None, fmt: ToolPromptFormat) -> 
     return f"{fmt.response_open}\n{json.dumps(body, ensure_ascii=False)}\n{fmt.response_close}"
 
 
-def render_messages(messages: Sequence[ChatMessage], tools: Sequence[Tool] | None, tool_choice: ToolChoice | None,
-                    fmt: ToolPromptFormat) -> list[dict[str, str]]:
+def render_messages(
+    messages: Sequence[ChatMessage], tools: Sequence[Tool] | None, tool_choice: ToolChoice | None, fmt: ToolPromptFormat
+) -> list[dict[str, str]]:
     """The ``{"role", "content"}`` list the chat template gets: assistant ``tool_calls`` become call blocks in
     the assistant's text, each run of ``tool`` messages one ``fmt.tool_role`` message of result blocks, and,
     unless the choice is "none", the tool prompt joins the system message (or becomes the first message)."""
@@ -157,8 +161,9 @@ def _lark_str(s: str) -> str:
     return json.dumps(s, ensure_ascii=False)  # a Lark string literal: JSON's escapes are Lark's
 
 
-def tool_call_lark(tools: Sequence[Tool] | None, tool_choice: ToolChoice | None, parallel_tool_calls: bool,
-                   fmt: ToolPromptFormat) -> str | None:
+def tool_call_lark(
+    tools: Sequence[Tool] | None, tool_choice: ToolChoice | None, parallel_tool_calls: bool, fmt: ToolPromptFormat
+) -> str | None:
     """The Lark text of ``tool_call_grammar`` (None for "auto" and "none"): one call block, or blocks
     separated by newlines when ``parallel_tool_calls`` with "required" (a named function is called once, as
     OpenAI does); in each the envelope is literal text, so "name" comes
@@ -173,8 +178,7 @@ def tool_call_lark(tools: Sequence[Tool] | None, tool_choice: ToolChoice | None,
     fns = " | ".join(f"fn_{i}" for i in range(len(allowed)))
     nl, call_open, call_close = _lark_str("\n"), _lark_str(fmt.call_open + "\n"), _lark_str("\n" + fmt.call_close)
     several = parallel_tool_calls and not isinstance(choice, NamedToolChoice)  # a named function: one call, as OpenAI
-    lines = [f"start: call ({nl} call)*" if several else "start: call",
-             f"call: {call_open} ({fns}) {call_close}"]
+    lines = [f"start: call ({nl} call)*" if several else "start: call", f"call: {call_open} ({fns}) {call_close}"]
     for i, t in enumerate(allowed):
         schema = close_objects(dict(t.function.parameters or _NO_PARAMETERS))  # no invented arguments
         own = schema.get("x-guidance")
@@ -185,8 +189,9 @@ def tool_call_lark(tools: Sequence[Tool] | None, tool_choice: ToolChoice | None,
     return "\n".join(lines) + "\n"
 
 
-def tool_call_grammar(tools: Sequence[Tool] | None, tool_choice: ToolChoice | None, parallel_tool_calls: bool,
-                      fmt: ToolPromptFormat) -> str | None:
+def tool_call_grammar(
+    tools: Sequence[Tool] | None, tool_choice: ToolChoice | None, parallel_tool_calls: bool, fmt: ToolPromptFormat
+) -> str | None:
     """For "required" and a named function: the llguidance grammar that forces the answer to be call blocks
     (``LLMatcher(tokenizer, grammar)``); None for "auto" and "none", which decode unconstrained. A schema
     llguidance cannot compile shows in ``LLMatcher.validate_grammar``, not here."""
@@ -198,8 +203,10 @@ def tool_call_grammar(tools: Sequence[Tool] | None, tool_choice: ToolChoice | No
 
 _WS = " \t\n\r"  # JSON's whitespace: what the parser drops around call blocks and arguments
 # The head of a call block, up to where the arguments begin: {"name": "<name>", "arguments":
-_HEAD = re.compile(r'[ \t\n\r]*\{[ \t\n\r]*"name"[ \t\n\r]*:[ \t\n\r]*"([a-zA-Z0-9_-]{1,64})"'
-                   r'[ \t\n\r]*,[ \t\n\r]*"arguments"[ \t\n\r]*:')
+_HEAD = re.compile(
+    r'[ \t\n\r]*\{[ \t\n\r]*"name"[ \t\n\r]*:[ \t\n\r]*"([a-zA-Z0-9_-]{1,64})"'
+    r'[ \t\n\r]*,[ \t\n\r]*"arguments"[ \t\n\r]*:'
+)
 
 
 def _call_id() -> str:
@@ -273,8 +280,9 @@ def _head(inner: str, tool_names: Collection[str]) -> re.Match[str] | None:
     return m if m is not None and m.group(1) in tool_names else None
 
 
-def parse_tool_calls(text: str, fmt: ToolPromptFormat,
-                     tool_names: Collection[str]) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(
+    text: str, fmt: ToolPromptFormat, tool_names: Collection[str]
+) -> tuple[str | None, list[ToolCall]]:
     """The content outside call blocks (None if empty) and the calls, from a whole answer.
 
     A block (``call_open`` to the next ``call_close``, or to the end of the answer) is a call when it starts
@@ -293,7 +301,7 @@ def parse_tool_calls(text: str, fmt: ToolPromptFormat,
         stop = len(text) if end < 0 else end + len(fmt.call_close)
         seg = text[pos:start].lstrip(_WS) if after_call else text[pos:start]
         if (m := _head(inner, tool_names)) is not None:
-            call: tuple[str, str] | None = (m.group(1), _arguments(inner[m.end():]))
+            call: tuple[str, str] | None = (m.group(1), _arguments(inner[m.end() :]))
         else:
             call = _whole_block(inner, tool_names) if end >= 0 else None
         if call is None:  # not a call: plain text
@@ -344,8 +352,18 @@ class ToolCallStreamer:
             self.deltas.append({"content": text})
 
     def _start_call(self, name: str) -> None:
-        self.deltas.append({"tool_calls": [{"index": self.num_calls, "id": _call_id(), "type": "function",
-                                            "function": {"name": name, "arguments": ""}}]})
+        self.deltas.append(
+            {
+                "tool_calls": [
+                    {
+                        "index": self.num_calls,
+                        "id": _call_id(),
+                        "type": "function",
+                        "function": {"name": name, "arguments": ""},
+                    }
+                ]
+            }
+        )
         self.num_calls += 1
 
     def _args(self, text: str) -> None:
@@ -378,8 +396,8 @@ class ToolCallStreamer:
                 seg = self.buf[:i]
                 kept = seg.rstrip(_WS)
                 self._content(kept)
-                self.ws_before = seg[len(kept):]
-                self.state, self.buf = "block", self.buf[i + len(fmt.call_open):]
+                self.ws_before = seg[len(kept) :]
+                self.state, self.buf = "block", self.buf[i + len(fmt.call_open) :]
                 return True
             held = len(self.buf) - _partial_tag(self.buf, fmt.call_open)
             held = len(self.buf[:held].rstrip(_WS))
@@ -391,12 +409,12 @@ class ToolCallStreamer:
             inner = self.buf if i < 0 else self.buf[:i]
             if (m := _head(inner, self.tool_names)) is not None:
                 self._start_call(m.group(1))
-                self.state, self.buf = "args", self.buf[m.end():]
+                self.state, self.buf = "args", self.buf[m.end() :]
                 self.args_started, self.value_end = False, _ValueEnd()
                 return True
             if i < 0:
                 return False  # wait for the close: only the whole block can tell
-            rest = self.buf[i + len(fmt.call_close):]
+            rest = self.buf[i + len(fmt.call_close) :]
             call = _whole_block(inner, self.tool_names)
             if call is None:
                 self._content(self.ws_before + fmt.call_open + inner + fmt.call_close)
@@ -415,7 +433,7 @@ class ToolCallStreamer:
                 chunk = self.buf[:i]
             else:
                 held = len(self.buf) - _partial_tag(self.buf, fmt.call_close)
-                chunk = self.buf[:len(self.buf[:held].rstrip(_WS))]
+                chunk = self.buf[: len(self.buf[:held].rstrip(_WS))]
             end = self.value_end.feed(chunk)
             if end is not None:
                 self._args(chunk[:end])
@@ -423,17 +441,17 @@ class ToolCallStreamer:
                 return True
             if i >= 0:
                 self._args(chunk.rstrip(_WS))
-                self._end_call(self.buf[i + len(fmt.call_close):])
+                self._end_call(self.buf[i + len(fmt.call_close) :])
                 return True
             self._args(chunk)
-            self.buf = self.buf[len(chunk):]
+            self.buf = self.buf[len(chunk) :]
             return False
         # after_args: the value is complete; skip to the close
         i = self.buf.find(fmt.call_close)
         if i >= 0:
-            self._end_call(self.buf[i + len(fmt.call_close):])
+            self._end_call(self.buf[i + len(fmt.call_close) :])
             return True
-        self.buf = self.buf[len(self.buf) - _partial_tag(self.buf, fmt.call_close):]
+        self.buf = self.buf[len(self.buf) - _partial_tag(self.buf, fmt.call_close) :]
         return False
 
     def feed(self, text: str) -> list[dict[str, Any]]:
@@ -457,6 +475,6 @@ class ToolCallStreamer:
 
 
 def finish_reason(engine_reason: str | None, num_tool_calls: int) -> str | None:
-    """"tool_calls" when the answer made calls and ended by itself; otherwise the engine's reason (a
+    """ "tool_calls" when the answer made calls and ended by itself; otherwise the engine's reason (a
     "length" cut stays "length": its last call may be incomplete)."""
     return "tool_calls" if num_tool_calls and engine_reason == "stop" else engine_reason

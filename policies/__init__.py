@@ -1,7 +1,6 @@
 """Routing policies: given a load snapshot, K per decoding request (0 = plain). No Ray here."""
 
 from policies.base import Policy, PolicyConfigBase
-from workers.cost_model import StepCostModel
 from policies.registry import (
     DEFAULT_POLICY,
     PolicyConfig,
@@ -10,6 +9,7 @@ from policies.registry import (
     make_policy,
     parse_policy_config,
 )
+from workers.cost_model import StepCostModel
 
 __all__ = [
     "DEFAULT_POLICY",

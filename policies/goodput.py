@@ -65,8 +65,8 @@ request drafts k_max, which refreshes the positions past K.
 
 from __future__ import annotations
 
-import time
 import math
+import time
 from typing import Any, Literal, NamedTuple, Sequence
 
 from pydantic import Field
@@ -75,7 +75,6 @@ from policies.base import Clock, Policy, PolicyConfigBase, batch_size
 from workers.cost_model import StepCostModel
 from workers.decision import SpecCandidate
 from workers.stats import LoadSnapshot
-
 
 BASELINE_TRIES = 4  # plain steps a batch size may spend measuring its own cost before the line is trusted
 BASELINE_MARGIN = 1.5  # ... spent only when the line's best K is predicted to beat plain by less than this
@@ -89,7 +88,10 @@ class GoodputConfig(PolicyConfigBase):
         0.5, ge=0.0, le=1.0, description="Acceptance rate assumed for a proposer with no acceptance EMA yet."
     )
     min_acceptance: float = Field(
-        0.05, ge=0.0, le=1.0, description="A proposer whose first draft position accepts less often than this never speculates."
+        0.05,
+        ge=0.0,
+        le=1.0,
+        description="A proposer whose first draft position accepts less often than this never speculates.",
     )
     switch_margin: float = Field(
         0.02,
@@ -201,6 +203,7 @@ class GoodputPolicy(Policy[GoodputConfig]):
     ) -> float:
         """Expected committed tokens per second when ``batch`` requests are asked for ``k`` drafts
         and each drafts them with probability ``proposal_rate`` (else runs a plain step)."""
+
         def predict(tokens: float) -> float:  # a decode step of this batch: its own measurements
             return self.cost_model.predict(tokens, requests=batch)
 
@@ -213,8 +216,10 @@ class GoodputPolicy(Policy[GoodputConfig]):
         elif batch > BINOMIAL_MAX_BATCH:
             cost = predict(batch + rho * batch * k)
         else:  # j of the batch draft, j ~ Binomial(batch, rho)
-            cost = sum(math.comb(batch, j) * rho**j * (1.0 - rho) ** (batch - j) * predict(batch + j * k)
-                       for j in range(batch + 1))
+            cost = sum(
+                math.comb(batch, j) * rho**j * (1.0 - rho) ** (batch - j) * predict(batch + j * k)
+                for j in range(batch + 1)
+            )
         return tokens / cost
 
     def acceptance(self, snapshot: LoadSnapshot, proposer: str) -> float:
@@ -229,8 +234,13 @@ class GoodputPolicy(Policy[GoodputConfig]):
 
     def _choose(self, proposer: str, acceptance: _Acceptance, batch: int, k_hi: int) -> int:
         cm, cfg = self.cost_model, self.config
-        if k_hi > 0 and cm.fitted and cm.bucket_min_samples and cm.measured(batch, requests=batch) is None and self._close_call(
-                acceptance, batch, k_hi):
+        if (
+            k_hi > 0
+            and cm.fitted
+            and cm.bucket_min_samples
+            and cm.measured(batch, requests=batch) is None
+            and self._close_call(acceptance, batch, k_hi)
+        ):
             # The plain step's cost at this batch size is the baseline every K is compared with;
             # while it is unmeasured, spend a plain step measuring it rather than trusting the line.
             # A step that also carries a prefill chunk measures a larger token count instead, so
@@ -273,11 +283,20 @@ class GoodputPolicy(Policy[GoodputConfig]):
         k = best if g[best] > g[held] * (1.0 + cfg.switch_margin) else held
         if cur is None or k != held:
             self.current[proposer] = k  # otherwise keep cur, uncapped, for the next step
-        self._last[proposer] = {"k": k, "acceptance": acc.rate, "proposal_rate": acc.proposal_rate,
-                                "expected_tokens": expected_tokens(k, acc.rate, acc.positions), "goodput": g[k]}
-        self._detail[proposer] = {"batch": batch, "k": k, "goodput": [round(x, 3) for x in g],
-                                  "positions": [round(x, 3) for x in acc.positions],
-                                  "proposal_rate": round(acc.proposal_rate, 3)}
+        self._last[proposer] = {
+            "k": k,
+            "acceptance": acc.rate,
+            "proposal_rate": acc.proposal_rate,
+            "expected_tokens": expected_tokens(k, acc.rate, acc.positions),
+            "goodput": g[k],
+        }
+        self._detail[proposer] = {
+            "batch": batch,
+            "k": k,
+            "goodput": [round(x, 3) for x in g],
+            "positions": [round(x, 3) for x in acc.positions],
+            "proposal_rate": round(acc.proposal_rate, 3),
+        }
         return k
 
     def choose_k(self, snapshot: LoadSnapshot, candidates: Sequence[SpecCandidate]) -> list[int]:
@@ -291,8 +310,10 @@ class GoodputPolicy(Policy[GoodputConfig]):
         chosen = {p: self._choose(p, self._acceptance(snapshot, p), batch, hi) for p, hi in k_hi.items()}
         ks = [chosen[c.proposer] if c.proposer is not None else 0 for c in candidates]
         for p, k_probe in self._probing.items():  # a probe is one request's drafts: the first that can draft
-            probe = next((i for i, c in enumerate(candidates)
-                          if c.proposer == p and c.k_max > 0 and c.speculation != "off"), None)
+            probe = next(
+                (i for i, c in enumerate(candidates) if c.proposer == p and c.k_max > 0 and c.speculation != "off"),
+                None,
+            )
             if probe is not None:
                 ks[probe] = k_probe
         return ks

@@ -11,7 +11,7 @@ embed :data:`PolicyConfig` directly and a misspelled key is a ValidationError na
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Union
+from typing import Annotated, Any
 
 from pydantic import Field, TypeAdapter
 
@@ -22,7 +22,7 @@ from policies.simple import AlwaysConfig, AlwaysPolicy, NeverConfig, NeverPolicy
 from policies.threshold import ThresholdConfig, ThresholdPolicy
 
 PolicyConfig = Annotated[
-    Union[NeverConfig, AlwaysConfig, ThresholdConfig, KTableConfig, GoodputConfig],
+    NeverConfig | AlwaysConfig | ThresholdConfig | KTableConfig | GoodputConfig,
     Field(discriminator="name"),
 ]
 

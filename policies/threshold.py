@@ -43,12 +43,10 @@ class ThresholdConfig(PolicyConfigBase):
     min_dwell_s: float = Field(
         1.0, ge=0.0, description="Seconds a path is held before it may change again (0 disables the dwell)."
     )
-    num_speculative_tokens: int = Field(
-        4, ge=1, le=MAX_SPECULATIVE_TOKENS, description="K used while speculating."
-    )
+    num_speculative_tokens: int = Field(4, ge=1, le=MAX_SPECULATIVE_TOKENS, description="K used while speculating.")
 
     @model_validator(mode="after")
-    def _band(self) -> "ThresholdConfig":
+    def _band(self) -> ThresholdConfig:
         if self.t is not None:
             # t_low / t_high equal to t are allowed, so a dumped config validates again
             both = sorted(f for f in ("t_low", "t_high") if f in self.model_fields_set and getattr(self, f) != self.t)

@@ -28,23 +28,53 @@ HOSTILE: list[tuple[str, str, Any, str | None, int | None]] = [
     ("message missing content", CHAT, {"messages": [{"role": "user"}]}, "messages.0.content", None),
     ("temperature a string", CHAT, {"temperature": "hot"}, "temperature", None),
     ("temperature above 2", CHAT, {"temperature": 7}, "temperature", None),
-    ("temperature NaN", CHAT, b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}'
-     % MODEL.encode(), "temperature", None),
+    (
+        "temperature NaN",
+        CHAT,
+        b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}' % MODEL.encode(),
+        "temperature",
+        None,
+    ),
     ("stream wrong type", CHAT, {"stream": {"on": True}}, "stream", None),
     ("stream a string", CHAT, {"stream": "yes"}, "stream", None),
     ("max_tokens a numeric string", CHAT, {"max_tokens": "5"}, "max_tokens", None),
-    ("stream_options nested garbage", CHAT, {"stream": True, "stream_options": {"include_usage": {"a": [1]}}},
-     "stream_options.include_usage", None),
-    ("null model", CHAT, {"model": None, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
-                          "_keep_null": True}, "model", None),
+    (
+        "stream_options nested garbage",
+        CHAT,
+        {"stream": True, "stream_options": {"include_usage": {"a": [1]}}},
+        "stream_options.include_usage",
+        None,
+    ),
+    (
+        "null model",
+        CHAT,
+        {"model": None, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "_keep_null": True},
+        "model",
+        None,
+    ),
     ("null temperature", CHAT, {"temperature": None, "_keep_null": True}, "temperature", None),
-    ("nested garbage content", CHAT, {"messages": [{"role": "user", "content": {"a": [1, {"b": None}]}}]},
-     "messages.0.content", None),
-    ("unknown field in a message", CHAT, {"messages": [{"role": "user", "content": "x", "evil": {"a": 1}}]},
-     "messages.0.evil", None),
+    (
+        "nested garbage content",
+        CHAT,
+        {"messages": [{"role": "user", "content": {"a": [1, {"b": None}]}}]},
+        "messages.0.content",
+        None,
+    ),
+    (
+        "unknown field in a message",
+        CHAT,
+        {"messages": [{"role": "user", "content": "x", "evil": {"a": 1}}]},
+        "messages.0.evil",
+        None,
+    ),
     ("JSON nested 100k deep", CHAT, b'{"model": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, None),
-    ("lone surrogate", CHAT, b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}'
-     % MODEL.encode(), None, None),
+    (
+        "lone surrogate",
+        CHAT,
+        b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}' % MODEL.encode(),
+        None,
+        None,
+    ),
     ("empty body", CHAT, b"", None, None),
     ("form-encoded body", CHAT, b"model=x&messages=y", None, None),
     ("max_tokens fractional", CHAT, {"max_tokens": 1.5}, "max_tokens", None),
@@ -80,8 +110,11 @@ def send(url: str, route: str, payload: Any) -> httpx.Response:
         return httpx.get(url + route[4:], timeout=60)
     if isinstance(payload, bytes):
         return httpx.post(url + route, content=payload, headers={"content-type": "application/json"}, timeout=60)
-    base = ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4} if route == CHAT
-            else {"model": MODEL, "prompt": "hi", "max_tokens": 4})
+    base = (
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        if route == CHAT
+        else {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+    )
     keep_null = payload.pop("_keep_null", False) if isinstance(payload, dict) else False
     merged = {**base, **payload}
     if not keep_null:

@@ -38,8 +38,9 @@ def test_probe_finds_the_row_counts_a_kernel_agrees_on():
     assert got.min_rows == 2 and got.block == 24
     x = torch.randn(1, 48)
     assert torch.equal(bi.blocked(gemv_switch, x, got), gemv_switch(torch.cat([x, torch.zeros(1, 48)]))[:1])
-    plain = bi.probe_row_blocking(lambda x: (x[:, None, :] * w[None]).sum(-1), 48, torch.float32,
-                                  torch.device("cpu"), max_block=24)
+    plain = bi.probe_row_blocking(
+        lambda x: (x[:, None, :] * w[None]).sum(-1), 48, torch.float32, torch.device("cpu"), max_block=24
+    )
     assert plain == bi.RowBlocking(1, 24)
 
 
@@ -139,16 +140,26 @@ def check_forward_invariance(model, dtype: torch.dtype, length: int, seed: int, 
 
     # the whole prompt in one step, its KV scattered over the pool
     whole = scattered()
-    expect(r.forward(StepBatch([0], [0], [ids], [list(range(length))], block_tables=[whole])).logits, 0,
-           "whole prefill, scattered blocks")
+    expect(
+        r.forward(StepBatch([0], [0], [ids], [list(range(length))], block_tables=[whole])).logits,
+        0,
+        "whole prefill, scattered blocks",
+    )
     # chunked prefill (every chunk size 1..8 plus a long one) with neighbours of random sizes, in slots
     for chunk in (2, 3, 5, 7, 8, 17):
         pos, table = 0, scattered()
         while pos < length:
             part = ids[pos : pos + chunk]
             ns, nst, ntok, nrow = _neighbours(rng, rng.randrange(0, max_neighbours + 1), 8, vocab)
-            out = r.forward(StepBatch([-1] + ns, [pos] + nst, [part] + ntok, [list(range(len(part)))] + nrow,
-                                      block_tables=[table] + [r.slot_block_table(x) for x in ns])).logits
+            out = r.forward(
+                StepBatch(
+                    [-1] + ns,
+                    [pos] + nst,
+                    [part] + ntok,
+                    [list(range(len(part)))] + nrow,
+                    block_tables=[table] + [r.slot_block_table(x) for x in ns],
+                )
+            ).logits
             expect(out[: len(part)], pos, f"chunk {chunk} with {len(ns)} neighbours")
             pos += len(part)
     # verify-shaped steps: a decoding request feeding K + 1 rows at a random point, neighbours around it
@@ -156,8 +167,13 @@ def check_forward_invariance(model, dtype: torch.dtype, length: int, seed: int, 
         at = rng.randrange(1, length - k)
         ns, nst, ntok, nrow = _neighbours(rng, max_neighbours, 8, vocab)
         tables = [r.slot_block_table(x) for x in ns]
-        batch = StepBatch(ns[:3] + [-1] + ns[3:], nst[:3] + [at] + nst[3:], ntok[:3] + [ids[at : at + k + 1]] + ntok[3:],
-                          nrow[:3] + [list(range(k + 1))] + nrow[3:], block_tables=tables[:3] + [whole] + tables[3:])
+        batch = StepBatch(
+            ns[:3] + [-1] + ns[3:],
+            nst[:3] + [at] + nst[3:],
+            ntok[:3] + [ids[at : at + k + 1]] + ntok[3:],
+            nrow[:3] + [list(range(k + 1))] + nrow[3:],
+            block_tables=tables[:3] + [whole] + tables[3:],
+        )
         out = r.forward(batch).logits
         first = sum(len(x) for x in nrow[:3])
         expect(out[first : first + k + 1], at, f"verify K={k}")
@@ -166,8 +182,11 @@ def check_forward_invariance(model, dtype: torch.dtype, length: int, seed: int, 
     hit = (length // 2) // bs * bs
     assert hit > 0
     table = whole[: hit // bs] + [b for b in scattered() if b not in whole][: r.blocks_per_seq - hit // bs]
-    expect(r.forward(StepBatch([-1], [hit], [ids[hit:]], [list(range(length - hit))], block_tables=[table])).logits,
-           hit, "prefix hit, shared blocks")
+    expect(
+        r.forward(StepBatch([-1], [hit], [ids[hit:]], [list(range(length - hit))], block_tables=[table])).logits,
+        hit,
+        "prefix hit, shared blocks",
+    )
     return compared
 
 

@@ -52,6 +52,8 @@ def test_app_build_router_and_ingress_never_import_torch() -> None:
     """`serve deploy` imports the builder to build the graph, and the Router and the Ingress only route
     and speak HTTP: importing torch and transformers there would cost each seconds and hundreds of MB
     for nothing. Only the target and draft replicas load them, when they start."""
-    code = ("import sys, deployments.builder, deployments.router, deployments.ingress; "
-            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad")
+    code = (
+        "import sys, deployments.builder, deployments.router, deployments.ingress; "
+        "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=ROOT)

@@ -205,7 +205,7 @@ def test_local_worker_start_commands_pick_the_role_by_ip(tmp_path, ip, expected)
     else:
         assert all(rc == 0 for rc in rcs)
         prefix = "--resources="
-        got = [json.loads(a[len(prefix):]) for argv in started for a in argv if a.startswith(prefix)]
+        got = [json.loads(a[len(prefix) :]) for argv in started for a in argv if a.startswith(prefix)]
         assert got == expected
         assert all("--address=10.0.0.1:6379" in argv for argv in started)
         assert all("--dashboard-host=127.0.0.1" in argv for argv in started)
@@ -246,6 +246,7 @@ def _run_answers(answers: list[tuple[int, str]], calls: list[tuple[str, ...]]):
         calls.append(cmd)
         rc, err = answers.pop(0)
         return subprocess.CompletedProcess(cmd, rc, "", err)
+
     return run
 
 
@@ -263,7 +264,8 @@ def test_local_deploy_waits_for_the_dashboard_and_names_any_other_failure(tmp_pa
     c.deploy({"name": "goodput"})
     assert len(calls) == 3 and all(cmd[1:3] == ("deploy", "-a") for cmd in calls)
     assert yaml.safe_load(Path(calls[-1][-1]).read_text())["applications"][0]["deployments"][0]["user_config"] == {
-        "policy": {"name": "goodput"}}
+        "policy": {"name": "goodput"}
+    }
 
     calls.clear()
     monkeypatch.setattr(LocalCluster, "_run", _run_answers([(1, "ValidationError: unknown field 'enigne'")], calls))

@@ -23,8 +23,10 @@ def test_committed_page_is_current():
     fresh = ref.render()
     if committed != fresh:
         diff = difflib.unified_diff(committed.splitlines(), fresh.splitlines(), "committed", "generated", lineterm="")
-        pytest.fail(f"docs/configuration.md is stale: run `{ref.COMMAND}` and commit the page.\n"
-                    + "\n".join(list(diff)[:40]), pytrace=False)
+        pytest.fail(
+            f"docs/configuration.md is stale: run `{ref.COMMAND}` and commit the page.\n" + "\n".join(list(diff)[:40]),
+            pytrace=False,
+        )
 
 
 def _reachable(model: type[BaseModel], seen: set[type[BaseModel]]) -> set[type[BaseModel]]:
@@ -54,8 +56,10 @@ def test_every_nested_model_has_a_section():
 def test_every_proposer_with_options_is_documented():
     names = typing.get_args(ProposerConfig.model_fields["name"].annotation)
     undocumented = [n for n in names if n not in ref.PROPOSER_OPTIONS and n not in DRAFT_WORKER_PROPOSERS]
-    assert not undocumented, (f"proposers {undocumented} take options the page does not describe: add their config "
-                              "model to PROPOSER_OPTIONS in cluster/config_reference.py")
+    assert not undocumented, (
+        f"proposers {undocumented} take options the page does not describe: add their config "
+        "model to PROPOSER_OPTIONS in cluster/config_reference.py"
+    )
 
 
 def test_every_key_has_a_row_with_its_default():

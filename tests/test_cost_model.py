@@ -9,7 +9,6 @@ from workers.decision import SpecCandidate
 from workers.stats import LoadSnapshot
 
 
-
 def test_cost_model_priors_then_fit() -> None:
     m = StepCostModel(prior_base_s=0.05, prior_per_token_s=0.003, min_samples=4, decay=1.0)
     assert m.predict(10) == pytest.approx(0.08)
@@ -87,8 +86,9 @@ def test_cost_model_prices_equal_token_counts_per_batch_size() -> None:
 
     p = make_policy({"name": "goodput", "probe_interval_steps": 0})
     p.use_cost_model(m)
-    s = LoadSnapshot(running=7, decoding=7, acceptance_ema={"ngram": 0.99},
-                     acceptance_pos_ema={"ngram": [1.0, 1.0, 0.99, 0.99]})
+    s = LoadSnapshot(
+        running=7, decoding=7, acceptance_ema={"ngram": 0.99}, acceptance_pos_ema={"ngram": [1.0, 1.0, 0.99, 0.99]}
+    )
     batch = [SpecCandidate(f"r{i}", "ngram", "auto", 4) for i in range(7)]
     assert p.decide(s, batch) == [4] * 7  # by the token-keyed table it would be 3 (0.104 s vs 0.2 s)
     assert 7 * 4.9 / 0.124 > 7 * 3.94 / 0.104 > 7 * 4.9 / 0.2  # why: K=4 wins only at its own batch size's cost
@@ -132,8 +132,13 @@ def test_goodput_does_not_price_unmeasured_verifies_below_the_batchs_plain_step(
             m.observe(t, s, requests=8)
     p = make_policy({"name": "goodput", "probe_interval_steps": 0})
     p.use_cost_model(m)
-    s = LoadSnapshot(running=8, decoding=8, acceptance_ema={"ngram": 0.325}, proposal_rate_ema={"ngram": 0.32},
-                     acceptance_pos_ema={"ngram": [0.325, 0.6, 0.8, 0.8]})
+    s = LoadSnapshot(
+        running=8,
+        decoding=8,
+        acceptance_ema={"ngram": 0.325},
+        proposal_rate_ema={"ngram": 0.32},
+        acceptance_pos_ema={"ngram": [0.325, 0.6, 0.8, 0.8]},
+    )
     batch = [SpecCandidate(f"r{i}", "ngram", "auto", 4) for i in range(8)]
     assert p.decide(s, batch) == [0] * 8  # by the line for 14+ tokens it was [4] * 8
     c0, c1 = m.coefficients()
@@ -176,8 +181,13 @@ def test_a_slow_spell_seen_on_plain_steps_rescales_the_verify_steps() -> None:
         m.observe(200, 0.3)  # a prefill chunk
     p = make_policy({"name": "goodput", "probe_interval_steps": 0, "switch_margin": 0.0})
     p.use_cost_model(m)
-    s = LoadSnapshot(running=4, decoding=4, acceptance_ema={"ngram": 0.1}, proposal_rate_ema={"ngram": 0.37},
-                     acceptance_pos_ema={"ngram": [0.15, 0.6, 0.7, 0.8]})
+    s = LoadSnapshot(
+        running=4,
+        decoding=4,
+        acceptance_ema={"ngram": 0.1},
+        proposal_rate_ema={"ngram": 0.37},
+        acceptance_pos_ema={"ngram": [0.15, 0.6, 0.7, 0.8]},
+    )
     batch = [SpecCandidate(f"r{i}", "ngram", "auto", 4) for i in range(4)]
     assert p.decide(s, batch) == [0] * 4  # K = 1: 5.5% more tokens for 9% more time: plain
     for _ in range(30):

@@ -43,9 +43,15 @@ print(json.dumps([ae.cpu_priority, thread_priority(ae.thread_id), sorted(thread_
 @linux_only
 @pytest.mark.parametrize("claim", [True, False])
 def test_the_engine_thread_and_its_openmp_pool_claim_the_cpu(tiny_model_dir, claim):
-    out = subprocess.run([sys.executable, "-c", CHILD, tiny_model_dir, "claim" if claim else "inherit"], cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, preexec_fn=cpu_priority.start_batch,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, tiny_model_dir, "claim" if claim else "inherit"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        preexec_fn=cpu_priority.start_batch,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     reported, loop, busy = json.loads(out.stdout.strip().splitlines()[-1])
     main_nice = os.getpriority(os.PRIO_PROCESS, 0)
@@ -64,18 +70,30 @@ def test_the_launcher_demotes_only_rays_background_daemons():
     value, one named like the dashboard to SCHED_IDLE; one named like a Serve replica (the proxy,
     the ingress, the engine) or the raylet is left as it was."""
     script = "import time, sys; time.sleep(60)"
-    names = ("gcs_server", "ServeController", "dashboard/dashboard.py", "ServeReplica:specserve:Ingress",
-             "raylet --raylet_socket_name=x --dashboard_agent_command=dashboard/agent.py")  # the raylet names the agent
+    names = (
+        "gcs_server",
+        "ServeController",
+        "dashboard/dashboard.py",
+        "ServeReplica:specserve:Ingress",
+        "raylet --raylet_socket_name=x --dashboard_agent_command=dashboard/agent.py",
+    )  # the raylet names the agent
     procs = {name: subprocess.Popen([sys.executable, "-c", script, *name.split()]) for name in names}
     try:
         changed = cpu_priority.demote_background([psutil.Process(p.pid) for p in procs.values()])
         assert changed >= 3
-        got = {name.split()[0]: (os.sched_getscheduler(p.pid), os.getpriority(os.PRIO_PROCESS, p.pid))
-               for name, p in procs.items()}
+        got = {
+            name.split()[0]: (os.sched_getscheduler(p.pid), os.getpriority(os.PRIO_PROCESS, p.pid))
+            for name, p in procs.items()
+        }
         mine = os.getpriority(os.PRIO_PROCESS, 0)
         daemon = (os.SCHED_BATCH, max(cpu_priority.DAEMON_NICE, mine))
-        assert got == {"gcs_server": daemon, "ServeController": daemon, "dashboard/dashboard.py": (os.SCHED_IDLE, mine),
-                       "ServeReplica:specserve:Ingress": (os.SCHED_OTHER, mine), "raylet": (os.SCHED_OTHER, mine)}
+        assert got == {
+            "gcs_server": daemon,
+            "ServeController": daemon,
+            "dashboard/dashboard.py": (os.SCHED_IDLE, mine),
+            "ServeReplica:specserve:Ingress": (os.SCHED_OTHER, mine),
+            "raylet": (os.SCHED_OTHER, mine),
+        }
     finally:
         for p in procs.values():
             p.kill()
@@ -85,6 +103,8 @@ def test_engine_first_follows_the_app_config():
     assert cpu_priority.enabled({"engine": {"model": "smollm2"}})
     assert not cpu_priority.enabled({"engine": {"cpu_priority": "inherit"}})
     assert cpu_priority.ray_start_env({"A": "1"}) == {"A": "1", "RAY_worker_niceness": "0"}
-    assert cpu_priority.ray_start_kwargs({"A": "1"}, True) == {"env": {"A": "1", "RAY_worker_niceness": "0"},
-                                                               "preexec_fn": cpu_priority.start_batch}
+    assert cpu_priority.ray_start_kwargs({"A": "1"}, True) == {
+        "env": {"A": "1", "RAY_worker_niceness": "0"},
+        "preexec_fn": cpu_priority.start_batch,
+    }
     assert cpu_priority.ray_start_kwargs({"A": "1"}, False) == {"env": {"A": "1"}}

@@ -171,9 +171,7 @@ def test_sampled_draft_probs(model: LlamaForCausalLM) -> None:
         assert bool((q[torch.arange(len(d)), torch.tensor(d)] > 0).all())  # each draft was drawn from its q
 
     # q_0 is the request's temperature applied to the draft's logits after the prompt.
-    expected = process_logits(
-        hf_logits(model, p)[None], torch.tensor([0.8]), torch.tensor([0]), torch.tensor([1.0])
-    )[0]
+    expected = process_logits(hf_logits(model, p)[None], torch.tensor([0.8]), torch.tensor([0]), torch.tensor([1.0]))[0]
     assert torch.allclose(out.draft_probs[0][0], expected, atol=1e-5)
 
     # Seeded: the same calls on a fresh proposer give the same drafts and q.
@@ -265,7 +263,8 @@ def test_draft_vocabulary_restricts_drafts_and_q(model: LlamaForCausalLM) -> Non
 
     sp = SamplingParams(temperature=0.8, seed=1)
     out = DraftModelProposer(model, num_slots=2, max_model_len=MAX_LEN, device="cpu", vocab_ids=ids).propose(
-        [req(p, 3, sampling=sp)])
+        [req(p, 3, sampling=sp)]
+    )
     q = out.draft_probs[0]  # [3, V]
     assert q.shape == (3, VOCAB)
     mask = torch.ones(VOCAB, dtype=torch.bool)

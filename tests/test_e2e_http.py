@@ -93,17 +93,21 @@ def test_greedy_speculation_on_equals_off(client, proposer):
         # target replica (one in this cluster) has computed before
         assert 0 < on.usage.prompt_tokens_details.cached_tokens < on.usage.prompt_tokens
     if proposer != "suffix":  # n-gram on a verbatim repeat, and the target as its own draft, must draft
-        assert chat(client, COPY, speculation="on", proposer=proposer).usage.model_extra["speculation"]["draft_tokens"] > 0
+        assert (
+            chat(client, COPY, speculation="on", proposer=proposer).usage.model_extra["speculation"]["draft_tokens"] > 0
+        )
 
 
 def _neighbour_load(client, stop: threading.Event, n: int = 15) -> list[threading.Thread]:
     """``n`` clients sending assorted requests back to back until ``stop`` is set."""
+
     def loop(i: int) -> None:
         while not stop.is_set():
             try:
                 chat(client, f"Tell me fact number {i} about the sea.", speculation=["on", "off", "auto"][i % 3])
             except openai.APIError:
                 pass
+
     threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
         t.start()
@@ -112,18 +116,29 @@ def _neighbour_load(client, stop: threading.Event, n: int = 15) -> list[threadin
 
 def _answer(client, content: str, sampled: bool, stream: bool, **extra) -> tuple[str, list]:
     kw = dict(temperature=0.8, top_p=0.95, seed=11) if sampled else dict(temperature=0)
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=16,
-                                       logprobs=True, top_logprobs=3, stream=stream, extra_body=extra, **kw)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=16,
+        logprobs=True,
+        top_logprobs=3,
+        stream=stream,
+        extra_body=extra,
+        **kw,
+    )
     if not stream:
-        return r.choices[0].message.content, [(e.token, e.logprob, [(a.token, a.logprob) for a in e.top_logprobs])
-                                              for e in r.choices[0].logprobs.content]
+        return r.choices[0].message.content, [
+            (e.token, e.logprob, [(a.token, a.logprob) for a in e.top_logprobs]) for e in r.choices[0].logprobs.content
+        ]
     text, lps = "", []
     for ch in r:
         if ch.choices:
             text += ch.choices[0].delta.content or ""
             if ch.choices[0].logprobs and ch.choices[0].logprobs.content:
-                lps += [(e.token, e.logprob, [(a.token, a.logprob) for a in e.top_logprobs])
-                        for e in ch.choices[0].logprobs.content]
+                lps += [
+                    (e.token, e.logprob, [(a.token, a.logprob) for a in e.top_logprobs])
+                    for e in ch.choices[0].logprobs.content
+                ]
     return text, lps
 
 
@@ -140,10 +155,12 @@ def test_output_and_logprobs_are_a_function_of_the_request_under_load(client):
     stop = threading.Event()
     threads = _neighbour_load(client, stop)
     try:
-        for stream, extra in ((False, {"speculation": "on", "proposer": "ngram"}),
-                              (True, {"speculation": "on", "proposer": "ngram"}),
-                              (False, {"speculation": "on", "proposer": "draft_model"}),
-                              (True, {"speculation": "auto"})):
+        for stream, extra in (
+            (False, {"speculation": "on", "proposer": "ngram"}),
+            (True, {"speculation": "on", "proposer": "ngram"}),
+            (False, {"speculation": "on", "proposer": "draft_model"}),
+            (True, {"speculation": "auto"}),
+        ):
             for (p, s), want in ref.items():
                 assert _answer(client, p, s, stream, **extra) == want, (extra, p, s, stream)
     finally:
@@ -155,8 +172,13 @@ def test_output_and_logprobs_are_a_function_of_the_request_under_load(client):
 def test_streaming_matches_non_streaming_with_usage(client):
     full = chat(client, COPY, speculation="on")
     stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": COPY}], max_tokens=24, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"speculation": "on"},
+        model=MODEL,
+        messages=[{"role": "user", "content": COPY}],
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"speculation": "on"},
     )
     text, usage, finish = "", None, None
     for ch in stream:
@@ -174,8 +196,9 @@ def test_streaming_matches_non_streaming_with_usage(client):
 def test_completions_text_and_token_prompt(client):
     a = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0)
     assert a.choices[0].text and a.usage.completion_tokens <= 12
-    b = client.completions.create(model=MODEL, prompt=[1, 2, 3, 4], max_tokens=4, temperature=0,
-                                  extra_body={"speculation": "off"})
+    b = client.completions.create(
+        model=MODEL, prompt=[1, 2, 3, 4], max_tokens=4, temperature=0, extra_body={"speculation": "off"}
+    )
     assert b.usage.prompt_tokens == 4
 
 
@@ -200,8 +223,11 @@ BAD = [
     ("unknown field", {"frobnicate": True}, "frobnicate"),
     ("too many stop strings", {"stop": [str(i) for i in range(50)]}, "stop"),
     ("prompt longer than context", {"messages": [{"role": "user", "content": "word " * 800}]}, "messages"),
-    ("prompt + max_tokens over context", {"messages": [{"role": "user", "content": "word " * 400}],
-                                          "max_tokens": 400}, "max_tokens"),
+    (
+        "prompt + max_tokens over context",
+        {"messages": [{"role": "user", "content": "word " * 400}], "max_tokens": 400},
+        "max_tokens",
+    ),
 ]
 
 
@@ -209,13 +235,19 @@ def test_bad_input_is_4xx_naming_the_problem_and_service_survives(cluster, clien
     # a good request runs while the bad ones arrive; its output must be unchanged
     ref = chat(client, COPY, speculation="off").choices[0].message.content
     got: dict[str, str] = {}
-    t = threading.Thread(target=lambda: got.setdefault("x", chat(client, COPY, speculation="on").choices[0].message.content))
+    t = threading.Thread(
+        target=lambda: got.setdefault("x", chat(client, COPY, speculation="on").choices[0].message.content)
+    )
     t.start()
     base = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     for name, body, param in BAD:
         if isinstance(body, bytes):
-            r = httpx.post(f"{cluster.base_url}/v1/chat/completions", content=body,
-                           headers={"content-type": "application/json"}, timeout=30)
+            r = httpx.post(
+                f"{cluster.base_url}/v1/chat/completions",
+                content=body,
+                headers={"content-type": "application/json"},
+                timeout=30,
+            )
         else:
             merged = {k: v for k, v in {**base, **body}.items() if v is not None}  # None = leave the field out
             r = httpx.post(f"{cluster.base_url}/v1/chat/completions", json=merged, timeout=30)
@@ -262,8 +294,10 @@ def _wait_policy(cluster, name: str, timeout_s: float = 60) -> None:
 
     t0 = time.time()
     while time.time() - t0 < timeout_s:
-        if (cluster.stats()["policy"]["name"] == name
-                and cluster.call("TargetWorker", "policy_trace")["policy_name"] == name):
+        if (
+            cluster.stats()["policy"]["name"] == name
+            and cluster.call("TargetWorker", "policy_trace")["policy_name"] == name
+        ):
             return
         time.sleep(0.1)
     raise TimeoutError(f"policy {name} not applied")
@@ -274,11 +308,24 @@ def _wait_policy(cluster, name: str, timeout_s: float = 60) -> None:
 
 def test_chat_content_parts_developer_role_and_fingerprint(client):
     """Content as a list of text parts, the developer role (= system), system_fingerprint."""
-    base = client.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=[
-        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a fruit."}])
-    parts = client.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=[
-        {"role": "developer", "content": [{"type": "text", "text": "You are "}, {"type": "text", "text": "terse."}]},
-        {"role": "user", "content": [{"type": "text", "text": "Name a fruit."}], "name": "ada"}])
+    base = client.chat.completions.create(
+        model=MODEL,
+        max_tokens=12,
+        temperature=0,
+        messages=[{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a fruit."}],
+    )
+    parts = client.chat.completions.create(
+        model=MODEL,
+        max_tokens=12,
+        temperature=0,
+        messages=[
+            {
+                "role": "developer",
+                "content": [{"type": "text", "text": "You are "}, {"type": "text", "text": "terse."}],
+            },
+            {"role": "user", "content": [{"type": "text", "text": "Name a fruit."}], "name": "ada"},
+        ],
+    )
     assert parts.choices[0].message.content == base.choices[0].message.content
     assert base.system_fingerprint and base.system_fingerprint == parts.system_fingerprint
 
@@ -288,26 +335,38 @@ def test_n_choices_and_batched_prompts(client):
     seed + i; streamed choices carry their index; batched completions prompts index as prompt * n + i."""
     msgs = [{"role": "user", "content": "Write one word."}]
     eos = {"ignore_eos": True}
-    many = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=1.0, seed=5, n=3,
-                                          extra_body=eos)
+    many = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=8, temperature=1.0, seed=5, n=3, extra_body=eos
+    )
     assert [c.index for c in many.choices] == [0, 1, 2]
     assert len({c.message.content for c in many.choices}) > 1  # different seeds, different samples
     for c in many.choices:
-        one = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=1.0,
-                                             seed=5 + c.index, extra_body=eos)
+        one = client.chat.completions.create(
+            model=MODEL, messages=msgs, max_tokens=8, temperature=1.0, seed=5 + c.index, extra_body=eos
+        )
         assert c.message.content == one.choices[0].message.content
     assert many.usage.completion_tokens == 3 * 8  # summed over the choices
     texts: dict[int, str] = {}
     usage = None
-    for ch in client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=1.0, seed=5, n=3,
-                                             stream=True, stream_options={"include_usage": True}, extra_body=eos):
+    for ch in client.chat.completions.create(
+        model=MODEL,
+        messages=msgs,
+        max_tokens=8,
+        temperature=1.0,
+        seed=5,
+        n=3,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=eos,
+    ):
         for c in ch.choices:
             texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
         usage = ch.usage or usage
     assert texts == {c.index: c.message.content for c in many.choices}
     assert usage.completion_tokens == many.usage.completion_tokens
-    batch = client.completions.create(model=MODEL, prompt=["Once upon a time", "The sky is"], max_tokens=6,
-                                      temperature=0, n=2)
+    batch = client.completions.create(
+        model=MODEL, prompt=["Once upon a time", "The sky is"], max_tokens=6, temperature=0, n=2
+    )
     assert [c.index for c in batch.choices] == [0, 1, 2, 3]
     assert batch.choices[0].text == batch.choices[1].text  # greedy: both choices of a prompt agree
     alone = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=6, temperature=0)
@@ -319,18 +378,35 @@ def test_echo_penalties_continuous_usage_and_models(cluster, client):
     plain = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0)
     assert echo.choices[0].text == "Once upon a time" + plain.choices[0].text
     penalties = {"frequency_penalty": 2.0, "presence_penalty": 1.0}
-    pen = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": COPY}], max_tokens=24,
-                                         temperature=0, **penalties, extra_body={"repetition_penalty": 1.5})
+    pen = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": COPY}],
+        max_tokens=24,
+        temperature=0,
+        **penalties,
+        extra_body={"repetition_penalty": 1.5},
+    )
     nopen = chat(client, COPY)
     assert pen.choices[0].message.content != nopen.choices[0].message.content
-    again = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": COPY}], max_tokens=24,
-                                           temperature=0, **penalties,
-                                           extra_body={"repetition_penalty": 1.5, "speculation": "on",
-                                                       "proposer": "ngram"})
+    again = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": COPY}],
+        max_tokens=24,
+        temperature=0,
+        **penalties,
+        extra_body={"repetition_penalty": 1.5, "speculation": "on", "proposer": "ngram"},
+    )
     assert again.choices[0].message.content == pen.choices[0].message.content
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0, stream=True,
-        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
     with_choices = [c for c in chunks if c.choices]
     assert with_choices and all(c.usage is not None for c in with_choices)
     assert with_choices[-1].usage.completion_tokens == chunks[-1].usage.completion_tokens
@@ -342,17 +418,38 @@ def test_echo_penalties_continuous_usage_and_models(cluster, client):
 
 
 UNSUPPORTED = [
-    ("image part", CHAT_ROUTE := "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
-     "messages.0.content", "does not support"),
-    ("unknown part type", CHAT_ROUTE, {"messages": [{"role": "user", "content": [{"type": "hologram"}]}]},
-     "messages.0.content", "must be"),
-    ("tool_choice naming no tool", CHAT_ROUTE, {"tools": [{"type": "function", "function": {"name": "f"}}],
-                                                 "tool_choice": {"type": "function", "function": {"name": "g"}}},
-     "tool_choice", "g"),
+    (
+        "image part",
+        CHAT_ROUTE := "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+        "messages.0.content",
+        "does not support",
+    ),
+    (
+        "unknown part type",
+        CHAT_ROUTE,
+        {"messages": [{"role": "user", "content": [{"type": "hologram"}]}]},
+        "messages.0.content",
+        "must be",
+    ),
+    (
+        "tool_choice naming no tool",
+        CHAT_ROUTE,
+        {
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        "tool_choice",
+        "g",
+    ),
     ("functions (deprecated)", CHAT_ROUTE, {"functions": [{"name": "f"}]}, "functions", "not supported"),
-    ("response_format of an unknown type", CHAT_ROUTE, {"response_format": {"type": "yaml"}}, "response_format.type",
-     "'text', 'json_object' or 'json_schema'"),
+    (
+        "response_format of an unknown type",
+        CHAT_ROUTE,
+        {"response_format": {"type": "yaml"}},
+        "response_format.type",
+        "'text', 'json_object' or 'json_schema'",
+    ),
     ("n above max_n", CHAT_ROUTE, {"n": 9}, "n", "limit"),
     ("presence_penalty above 2", CHAT_ROUTE, {"presence_penalty": 2.5}, "presence_penalty", ""),
     ("echo with chat", CHAT_ROUTE, {"echo": True}, "echo", "unknown"),
@@ -363,8 +460,11 @@ UNSUPPORTED = [
 
 @pytest.mark.parametrize("name,route,body,param,words", UNSUPPORTED, ids=[u[0] for u in UNSUPPORTED])
 def test_unsupported_and_bad_shapes_are_named(cluster, name, route, body, param, words):
-    base = ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-            if route.endswith("chat/completions") else {"model": MODEL, "prompt": "hi", "max_tokens": 4})
+    base = (
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        if route.endswith("chat/completions")
+        else {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+    )
     r = httpx.post(cluster.base_url + route, json={**base, **body}, timeout=60)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
@@ -376,8 +476,14 @@ def test_completions_scoring_as_eval_harnesses_send_it(cluster):
     max_tokens 0. Every prompt token but the first gets its logprob (the first: null), identical
     for the same tokens whatever else is in the batch, and matching the greedy continuation."""
     tok_prompt = [1, 504, 3458, 282, 4217, 314, 1345]
-    body = {"model": MODEL, "prompt": [tok_prompt, tok_prompt[:4]], "echo": True, "logprobs": 1, "max_tokens": 0,
-            "temperature": 0}
+    body = {
+        "model": MODEL,
+        "prompt": [tok_prompt, tok_prompt[:4]],
+        "echo": True,
+        "logprobs": 1,
+        "max_tokens": 0,
+        "temperature": 0,
+    }
     r = httpx.post(f"{cluster.base_url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     full, short = r.json()["choices"]
@@ -389,8 +495,12 @@ def test_completions_scoring_as_eval_harnesses_send_it(cluster):
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
     # streamed, with one generated token after the prompt: the prompt's entries come first
     streamed = []
-    with httpx.stream("POST", f"{cluster.base_url}/v1/completions", timeout=60,
-                      json={**body, "prompt": tok_prompt, "max_tokens": 1, "stream": True}) as s:
+    with httpx.stream(
+        "POST",
+        f"{cluster.base_url}/v1/completions",
+        timeout=60,
+        json={**body, "prompt": tok_prompt, "max_tokens": 1, "stream": True},
+    ) as s:
         for line in s.iter_lines():
             if line.startswith("data: {"):
                 ch = json.loads(line[6:])
@@ -408,23 +518,38 @@ def test_langchain_openai_invoke_stream_logprobs_and_n(cluster):
     from langchain_core.messages import HumanMessage
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(model=MODEL, base_url=f"{cluster.base_url}/v1", api_key="unused", temperature=0, max_tokens=16,
-                     max_retries=0)
+    llm = ChatOpenAI(
+        model=MODEL, base_url=f"{cluster.base_url}/v1", api_key="unused", temperature=0, max_tokens=16, max_retries=0
+    )
     msg = llm.invoke([("system", "You are terse."), ("human", "Name a fruit.")])
     streamed = "".join(c.content for c in llm.stream([("system", "You are terse."), ("human", "Name a fruit.")]))
     assert msg.content and streamed == msg.content
     lp = llm.bind(logprobs=True, top_logprobs=2).invoke("Say hi.").response_metadata["logprobs"]["content"]
     assert lp and all(len(e["top_logprobs"]) == 2 for e in lp)
-    gen = ChatOpenAI(model=MODEL, base_url=f"{cluster.base_url}/v1", api_key="unused", temperature=1.0, n=2, seed=3,
-                     max_tokens=8, max_retries=0).generate([[HumanMessage("One word, please.")]])
+    gen = ChatOpenAI(
+        model=MODEL,
+        base_url=f"{cluster.base_url}/v1",
+        api_key="unused",
+        temperature=1.0,
+        n=2,
+        seed=3,
+        max_tokens=8,
+        max_retries=0,
+    ).generate([[HumanMessage("One word, please.")]])
     assert len(gen.generations[0]) == 2
 
 
 def test_litellm_completion_stream_and_penalties(cluster):
     import litellm
 
-    kw = dict(model=f"openai/{MODEL}", api_base=f"{cluster.base_url}/v1", api_key="unused", max_tokens=16,
-              temperature=0, messages=[{"role": "user", "content": [{"type": "text", "text": COPY}]}])
+    kw = dict(
+        model=f"openai/{MODEL}",
+        api_base=f"{cluster.base_url}/v1",
+        api_key="unused",
+        max_tokens=16,
+        temperature=0,
+        messages=[{"role": "user", "content": [{"type": "text", "text": COPY}]}],
+    )
     r = litellm.completion(**kw)
     text = r.choices[0].message.content
     assert text
@@ -442,28 +567,52 @@ def test_lm_eval_harness_scores_through_completions(cluster, tmp_path):
 
     from workers.model_loader import resolve_model_path
 
-    rows = [{"question": "The capital of France is", "choices": [" Paris", " a banana"], "label": 0},
-            {"question": "Two plus two equals", "choices": [" four", " purple"], "label": 0}]
+    rows = [
+        {"question": "The capital of France is", "choices": [" Paris", " a banana"], "label": 0},
+        {"question": "Two plus two equals", "choices": [" four", " purple"], "label": 0},
+    ]
     (tmp_path / "mc.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    (tmp_path / "gen.jsonl").write_text("\n".join(json.dumps({"question": r["question"], "answer": r["choices"][0]})
-                                                  for r in rows))
+    (tmp_path / "gen.jsonl").write_text(
+        "\n".join(json.dumps({"question": r["question"], "answer": r["choices"][0]}) for r in rows)
+    )
     common = "test_split: test\ndataset_path: json\n"
     (tmp_path / "tiny_mc.yaml").write_text(
         f"task: tiny_mc\n{common}dataset_kwargs:\n  data_files:\n    test: {tmp_path / 'mc.jsonl'}\n"
         "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\n"
-        "doc_to_target: '{{label}}'\nmetric_list:\n  - metric: acc\n")
+        "doc_to_target: '{{label}}'\nmetric_list:\n  - metric: acc\n"
+    )
     (tmp_path / "tiny_gen.yaml").write_text(
         f"task: tiny_gen\n{common}dataset_kwargs:\n  data_files:\n    test: {tmp_path / 'gen.jsonl'}\n"
         "output_type: generate_until\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{answer}}'\n"
         "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 6\n  do_sample: false\n"
-        "metric_list:\n  - metric: exact_match\n")
-    model_args = (f"model={MODEL},base_url={cluster.base_url}/v1/completions,num_concurrent=1,max_retries=1,"
-                  f"tokenized_requests=True,tokenizer={resolve_model_path('smollm2')},tokenizer_backend=huggingface")
+        "metric_list:\n  - metric: exact_match\n"
+    )
+    model_args = (
+        f"model={MODEL},base_url={cluster.base_url}/v1/completions,num_concurrent=1,max_retries=1,"
+        f"tokenized_requests=True,tokenizer={resolve_model_path('smollm2')},tokenizer_backend=huggingface"
+    )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OPENAI_API_KEY": "unused"}
-    out = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args,
-                          "--tasks", "tiny_mc,tiny_gen", "--include_path", str(tmp_path),
-                          "--output_path", str(tmp_path / "out")], env=env, capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lm_eval",
+            "--model",
+            "local-completions",
+            "--model_args",
+            model_args,
+            "--tasks",
+            "tiny_mc,tiny_gen",
+            "--include_path",
+            str(tmp_path),
+            "--output_path",
+            str(tmp_path / "out"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     results = list((tmp_path / "out").rglob("results_*.json"))
     assert results, out.stdout[-2000:]

@@ -42,8 +42,14 @@ def tiny_head(target, seed: int = 0, draft_vocab: int | None = None) -> EagleHea
 
 
 def make_engine(loaded, head: EagleHead | None, k: int, max_num_seqs: int = 8, budget: int = 64) -> LLMEngine:
-    cfg = EngineConfig(dtype="float32", model="x", max_num_seqs=max_num_seqs, max_model_len=256, max_num_batched_tokens=budget,
-                       num_speculative_tokens=k)
+    cfg = EngineConfig(
+        dtype="float32",
+        model="x",
+        max_num_seqs=max_num_seqs,
+        max_model_len=256,
+        max_num_batched_tokens=budget,
+        num_speculative_tokens=k,
+    )
     props = {}
     if head is not None:
         props["eagle"] = EagleProposer(head, loaded.model, num_slots=max_num_seqs, max_model_len=256, device="cpu")
@@ -75,7 +81,14 @@ def test_engine_passes_hidden_of_committed_positions(tiny_loaded) -> None:
             return super().propose(requests)
 
     head = tiny_head(tiny_loaded.model)
-    cfg = EngineConfig(dtype="float32", model="x", max_num_seqs=2, max_model_len=128, max_num_batched_tokens=16, num_speculative_tokens=3)
+    cfg = EngineConfig(
+        dtype="float32",
+        model="x",
+        max_num_seqs=2,
+        max_model_len=128,
+        max_num_batched_tokens=16,
+        num_speculative_tokens=3,
+    )
     eng = LLMEngine(cfg, tiny_loaded, proposers={"eagle": Spy(head, tiny_loaded.model, 2, 128, device="cpu")})
     eng.generate([PROMPTS[0], PROMPTS[3]], {"max_tokens": 12, "ignore_eos": True})  # chunked prefill (budget 16)
     ref = ModelRunner(tiny_loaded.model, num_slots=1, max_model_len=128, device="cpu")
@@ -116,9 +129,12 @@ def test_sampled_goes_through_rejection_sampler_with_q(tiny_loaded) -> None:
     for t, row in zip(out.draft_token_ids[0], q):
         assert row[t] > 0
     # end to end: seeded sampling is reproducible and runs speculative steps
-    a = eng.generate([PROMPTS[1]], {"max_tokens": 16, "temperature": 0.7, "seed": 3, "ignore_eos": True}, proposer="eagle")
+    a = eng.generate(
+        [PROMPTS[1]], {"max_tokens": 16, "temperature": 0.7, "seed": 3, "ignore_eos": True}, proposer="eagle"
+    )
     b = make_engine(tiny_loaded, tiny_head(tiny_loaded.model, draft_vocab=4096), 3).generate(
-        [PROMPTS[1]], {"max_tokens": 16, "temperature": 0.7, "seed": 3, "ignore_eos": True}, proposer="eagle")
+        [PROMPTS[1]], {"max_tokens": 16, "temperature": 0.7, "seed": 3, "ignore_eos": True}, proposer="eagle"
+    )
     assert a == b and len(a[0]) == 16
 
 
@@ -151,8 +167,9 @@ class _WorkerHandle:
 
 
 @pytest.mark.parametrize("lose_state", [False, True])
-def test_remote_eagle_through_draft_worker_identical_to_plain(tiny_loaded, tiny_model_dir, tmp_path, monkeypatch,
-                                                              lose_state: bool) -> None:
+def test_remote_eagle_through_draft_worker_identical_to_plain(
+    tiny_loaded, tiny_model_dir, tmp_path, monkeypatch, lose_state: bool
+) -> None:
     """Target engine -> RemoteEagleProposer (sends fp16 hidden rows) -> DraftWorker's EagleProposer.
 
     ``lose_state``: the draft forgets everything mid-generation (a restart): it answers resync, the
@@ -163,8 +180,10 @@ def test_remote_eagle_through_draft_worker_identical_to_plain(tiny_loaded, tiny_
 
     monkeypatch.setattr("ray.serve.get_replica_context", lambda: None)
     save_head(tiny_head(tiny_loaded.model, draft_vocab=4096), tmp_path / "eagle", dtype=torch.float32)
-    cfg = {"engine": {"model": tiny_model_dir, "max_model_len": 256},
-           "draft": {"model": "target", "eagle": str(tmp_path / "eagle"), "max_num_seqs": 8}}
+    cfg = {
+        "engine": {"model": tiny_model_dir, "max_model_len": 256},
+        "draft": {"model": "target", "eagle": str(tmp_path / "eagle"), "max_num_seqs": 8},
+    }
     worker = DraftWorker.func_or_class(cfg)
     remote = RemoteEagleProposer(_WorkerHandle(worker), timeout_s=5.0, retry_after_s=0.0)
     if lose_state:
@@ -180,8 +199,14 @@ def test_remote_eagle_through_draft_worker_identical_to_plain(tiny_loaded, tiny_
 
         worker.propose = flaky
         remote.handle.propose = type(remote.handle.propose)(flaky)
-    eng_cfg = EngineConfig(dtype="float32", model="x", max_num_seqs=8, max_model_len=256, max_num_batched_tokens=64,
-                           num_speculative_tokens=3)
+    eng_cfg = EngineConfig(
+        dtype="float32",
+        model="x",
+        max_num_seqs=8,
+        max_model_len=256,
+        max_num_batched_tokens=64,
+        num_speculative_tokens=3,
+    )
     eng = LLMEngine(eng_cfg, tiny_loaded, proposers={"eagle": remote})
     params = {"max_tokens": 20, "ignore_eos": True}
     spec = eng.generate(PROMPTS[:4], params, proposer="eagle")
@@ -247,9 +272,15 @@ def test_scaling_heldout_acceptance_counts_what_the_proposer_would_have_accepted
         from workers.sampling_params import SamplingParams
 
         prop = EagleProposer(head, target, num_slots=1, max_model_len=64, device="cpu")
-        req = ProposalRequest(request_id="r", token_ids=toks[: j + 2].tolist(), num_prompt_tokens=P, k=K,
-                              eos_token_ids=frozenset(), sampling=SamplingParams(**greedy),
-                              hidden_states=feats[: j + 1].float())
+        req = ProposalRequest(
+            request_id="r",
+            token_ids=toks[: j + 2].tolist(),
+            num_prompt_tokens=P,
+            k=K,
+            eos_token_ids=frozenset(),
+            sampling=SamplingParams(**greedy),
+            hidden_states=feats[: j + 1].float(),
+        )
         return prop.propose([req]).draft_token_ids[0]
 
     for j0, keep in ((P - 1, K), (P + 5, 2), (P + 12, K)):  # plant hits; each anchor reads only earlier tokens

@@ -74,8 +74,11 @@ def test_bf16_runner_tracks_fp32_in_one_and_many_row_steps(tiny_loaded):
     wide = bf.forward_tokens(0, 0, ids)  # one 24-row step
     narrow = torch.cat([bf.forward_tokens(1, i, [t]) for i, t in enumerate(ids)])  # 24 one-row steps
     scale = f32.abs().max().item()
-    errs = [(wide - f32).abs().max().item() / scale, (narrow - f32).abs().max().item() / scale,
-            (wide - narrow).abs().max().item() / scale]
+    errs = [
+        (wide - f32).abs().max().item() / scale,
+        (narrow - f32).abs().max().item() / scale,
+        (wide - narrow).abs().max().item() / scale,
+    ]
     assert max(errs) < BF16_REL_TOL, errs
 
 
@@ -127,7 +130,9 @@ def test_smollm2_greedy_identical_to_hf_generate(smollm2_loaded):
 @pytest.mark.parametrize("batch", [1, 4, 16])
 def test_tiny_continuous_batching_matches_hf(tiny_loaded, batch):
     """Requests join mid-flight and finish at different times; each output equals HF greedy alone."""
-    eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=batch, max_model_len=256, max_num_batched_tokens=32), tiny_loaded)
+    eng = LLMEngine(
+        EngineConfig(dtype="float32", max_num_seqs=batch, max_model_len=256, max_num_batched_tokens=32), tiny_loaded
+    )
     prompts = rand_prompts(batch + 3, seed=batch)
     lens = [5 + (i * 7) % 19 for i in range(len(prompts))]
     outs: dict[str, list[int]] = {}
@@ -146,7 +151,9 @@ def test_tiny_continuous_batching_matches_hf(tiny_loaded, batch):
 
 
 def test_chunked_prefill_does_not_stall_running_requests(tiny_loaded):
-    eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512, max_num_batched_tokens=32), tiny_loaded)
+    eng = LLMEngine(
+        EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512, max_num_batched_tokens=32), tiny_loaded
+    )
     eng.add_request("short", rand_prompts(1, 1, 5, 5)[0], {"max_tokens": 20, "ignore_eos": True})
     eng.step()  # prefill + first token
     eng.add_request("long", rand_prompts(1, 2, 300, 300)[0], {"max_tokens": 2, "ignore_eos": True})
@@ -159,7 +166,9 @@ def test_chunked_prefill_does_not_stall_running_requests(tiny_loaded):
 def test_seeded_sampling_reproducible_across_batch_compositions(tiny_loaded):
     params = {"max_tokens": 24, "temperature": 0.9, "top_p": 0.9, "top_k": 50, "seed": 1234, "ignore_eos": True}
     prompt = rand_prompts(1, 3)[0]
-    alone = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=8, max_model_len=256), tiny_loaded).generate([prompt], params)[0]
+    alone = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=8, max_model_len=256), tiny_loaded).generate(
+        [prompt], params
+    )[0]
     eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=8, max_model_len=256), tiny_loaded)
     others = rand_prompts(5, 4)
     crowd = eng.generate(others[:2] + [prompt] + others[2:], [params] and params)[2]
@@ -280,10 +289,12 @@ def test_slow_stream_consumer_gets_the_backlog_as_one_chunk(tiny_loaded):
     want = eng.generate([[5, 6, 7]], {"max_tokens": 24, "temperature": 0, "ignore_eos": True})[0]
     ae = AsyncEngine(LLMEngine(EngineConfig(dtype="float32", max_num_seqs=2, max_model_len=128), tiny_loaded))
     try:
+
         async def consume() -> list:
             chunks = []
-            async for o in ae.generate("slow", [5, 6, 7], params={"max_tokens": 24, "temperature": 0,
-                                                                   "ignore_eos": True}):
+            async for o in ae.generate(
+                "slow", [5, 6, 7], params={"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+            ):
                 chunks.append(o)
                 await asyncio.sleep(0.05)  # slower than the tiny model's steps
             return chunks
@@ -306,9 +317,16 @@ def test_stream_interval_sends_fewer_chunks_with_the_same_tokens_text_and_logpro
     params = {"max_tokens": 23, "temperature": 0, "ignore_eos": True, "logprobs": 2}
 
     def run(interval: int) -> list:
-        ae = AsyncEngine(LLMEngine(EngineConfig(dtype="float32", max_num_seqs=2, max_model_len=128, proposers=[],
-                                                stream_interval=interval), tiny_loaded))
+        ae = AsyncEngine(
+            LLMEngine(
+                EngineConfig(
+                    dtype="float32", max_num_seqs=2, max_model_len=128, proposers=[], stream_interval=interval
+                ),
+                tiny_loaded,
+            )
+        )
         try:
+
             async def consume() -> list:
                 return [o async for o in ae.generate("s", [5, 6, 7], params=params)]
 
@@ -341,8 +359,11 @@ def test_async_engine_builds_from_a_factory_in_its_loop_thread(tiny_loaded):
         prompt = rand_prompts(1, 5)[0]
 
         async def run() -> list[int]:
-            return [t async for o in ae.generate("f", prompt, params={"max_tokens": 6, "ignore_eos": True})
-                    for t in o.token_ids]
+            return [
+                t
+                async for o in ae.generate("f", prompt, params={"max_tokens": 6, "ignore_eos": True})
+                for t in o.token_ids
+            ]
 
         assert asyncio.run(run()) == hf_greedy(tiny_loaded.model, prompt, 6)
         assert built_in == ["engine-loop"] and ae.snapshot().running == 0

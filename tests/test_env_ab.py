@@ -23,13 +23,19 @@ def _profile(tok_s: dict[int, float], cpu: dict[str, float] | None = None) -> di
 
 
 def test_paired_ratios_are_b_over_a_within_each_round():
-    rounds = [{"a": _profile({1: 50.0, 16: 200.0}), "b": _profile({1: 60.0, 16: 180.0})},
-              {"a": _profile({1: 40.0, 16: 100.0}), "b": _profile({1: 44.0, 16: 150.0})},
-              {"a": _profile({1: 50.0, 16: 300.0}), "b": _profile({1: 45.0, 16: 330.0})}]
+    rounds = [
+        {"a": _profile({1: 50.0, 16: 200.0}), "b": _profile({1: 60.0, 16: 180.0})},
+        {"a": _profile({1: 40.0, 16: 100.0}), "b": _profile({1: 44.0, 16: 150.0})},
+        {"a": _profile({1: 50.0, 16: 300.0}), "b": _profile({1: 45.0, 16: 330.0})},
+    ]
     s1 = paired(rounds, 1)
     assert s1["ratios"] == pytest.approx([1.2, 1.1, 0.9])
-    assert (s1["median"], s1["min"], s1["max"], s1["b_faster"]) == (pytest.approx(1.1), pytest.approx(0.9),
-                                                                  pytest.approx(1.2), 2)
+    assert (s1["median"], s1["min"], s1["max"], s1["b_faster"]) == (
+        pytest.approx(1.1),
+        pytest.approx(0.9),
+        pytest.approx(1.2),
+        2,
+    )
     assert paired(rounds, 16)["ratios"] == pytest.approx([0.9, 1.5, 1.1])
 
 

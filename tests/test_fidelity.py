@@ -10,7 +10,6 @@ and coupled verification, which must sample exactly the target's distribution (c
 from __future__ import annotations
 
 import random
-from typing import Any
 
 import pytest
 import torch
@@ -45,8 +44,15 @@ def alone(loaded, dtype: str, prompts: list[list[int]], params: dict) -> list[li
 def neighbours(n: int, seed: int) -> tuple[list[list[int]], list[dict]]:
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(2, 30))] for _ in range(n)]
-    params = [{"max_tokens": rng.randint(4, 30), "ignore_eos": True, "temperature": rng.choice([0.0, 0.7, 1.3]),
-               "seed": rng.randrange(1 << 30)} for _ in range(n)]
+    params = [
+        {
+            "max_tokens": rng.randint(4, 30),
+            "ignore_eos": True,
+            "temperature": rng.choice([0.0, 0.7, 1.3]),
+            "seed": rng.randrange(1 << 30),
+        }
+        for _ in range(n)
+    ]
     return prompts, params
 
 
@@ -62,8 +68,18 @@ def test_every_path_writes_the_alone_plain_tokens(tiny_loaded, draft_loaded, dty
     for kind in KINDS:
         name, prop = make_proposer(kind, tiny_loaded, draft_loaded, num_slots=16)
         sw = Switcher()
-        eng = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=16, max_model_len=MAX_LEN, num_speculative_tokens=8,
-                                     proposers=[{"name": name}]), tiny_loaded, proposers={name: prop}, decide=sw)
+        eng = LLMEngine(
+            EngineConfig(
+                dtype=dtype,
+                max_num_seqs=16,
+                max_model_len=MAX_LEN,
+                num_speculative_tokens=8,
+                proposers=[{"name": name}],
+            ),
+            tiny_loaded,
+            proposers={name: prop},
+            decide=sw,
+        )
         for j, (p, sp) in enumerate(zip(extra, extra_params)):  # neighbours first: ours join a busy batch
             eng.add_request(f"n{j}", p, sp, speculation="on", proposer=name)
         for i, p in enumerate(prompts):
@@ -93,8 +109,9 @@ def test_rejection_verification_still_selectable(tiny_loaded):
     """``verification: rejection``: greedy stays plain's, a seeded request reproduces at a fixed K."""
     prompts = copy_prompts(4, seed=12)
     ref = alone(tiny_loaded, "float32", prompts, GREEDY)
-    cfg = dict(dtype="float32", max_num_seqs=4, max_model_len=MAX_LEN, num_speculative_tokens=4,
-               verification="rejection")
+    cfg = dict(
+        dtype="float32", max_num_seqs=4, max_model_len=MAX_LEN, num_speculative_tokens=4, verification="rejection"
+    )
     from workers.proposers.ngram import NgramProposer
 
     eng = LLMEngine(EngineConfig(**cfg), tiny_loaded, proposers={"ngram": NgramProposer()})
@@ -210,27 +227,57 @@ def test_smollm2_every_proposer_writes_the_alone_plain_tokens(smollm2_loaded, dt
     draft = load_model("models/smollm2-draft")
     n = 12
     proposers = {
-        "ngram": NgramProposer(), "suffix": SuffixProposer(),
-        "draft_model": DraftModelProposer(draft.model, num_slots=n, max_model_len=512,
-                                          target_vocab_size=target.config.vocab_size, vocab_ids=draft.draft_vocab),
+        "ngram": NgramProposer(),
+        "suffix": SuffixProposer(),
+        "draft_model": DraftModelProposer(
+            draft.model,
+            num_slots=n,
+            max_model_len=512,
+            target_vocab_size=target.config.vocab_size,
+            vocab_ids=draft.draft_vocab,
+        ),
         "eagle": EagleProposer("models/smollm2-eagle", target, num_slots=n, max_model_len=512),
     }
     sw = Switcher()
-    eng = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=n, max_model_len=512, num_speculative_tokens=8,
-                                 proposers=[{"name": k} for k in proposers]), smollm2_loaded,
-                    proposers=proposers, decide=sw)
+    eng = LLMEngine(
+        EngineConfig(
+            dtype=dtype,
+            max_num_seqs=n,
+            max_model_len=512,
+            num_speculative_tokens=8,
+            proposers=[{"name": k} for k in proposers],
+        ),
+        smollm2_loaded,
+        proposers=proposers,
+        decide=sw,
+    )
     chat = lambda m: eng.tokenize_chat([{"role": "user", "content": m}])  # noqa: E731
     ours = [chat("Repeat exactly: the quick brown fox jumps over the lazy dog, twice."), chat("Name three rivers.")]
-    others = [chat(m) for m in ("What is 7 times 8?", "Write a haiku about snow.", "Say hello in French.",
-                                "List the planets.", "What is a prime number?", "Spell 'banana' backwards.",
-                                "Give me a color.", "Count to five.")]
+    others = [
+        chat(m)
+        for m in (
+            "What is 7 times 8?",
+            "Write a haiku about snow.",
+            "Say hello in French.",
+            "List the planets.",
+            "What is a prime number?",
+            "Spell 'banana' backwards.",
+            "Give me a color.",
+            "Count to five.",
+        )
+    ]
     cases = [{"max_tokens": 32}, {"max_tokens": 32, "temperature": 0.8, "top_p": 0.95, "seed": 7}]
     refs = [alone(smollm2_loaded, dtype, ours, sp) for sp in cases]
     assert refs[0] != refs[1]
     for name in proposers:
         for j, p in enumerate(others):
-            eng.add_request(f"{name}-n{j}", p, {"max_tokens": 24, "temperature": 0.7 * (j % 2), "seed": j},
-                            speculation="on", proposer=name)
+            eng.add_request(
+                f"{name}-n{j}",
+                p,
+                {"max_tokens": 24, "temperature": 0.7 * (j % 2), "seed": j},
+                speculation="on",
+                proposer=name,
+            )
         for c, sp in enumerate(cases):
             for i, p in enumerate(ours):
                 eng.add_request(f"{name}-{c}-{i}", p, sp, speculation="on", proposer=name)
@@ -255,9 +302,18 @@ def test_logprobs_identical_with_speculation_on_and_off(tiny_loaded, draft_loade
             name = None
         else:
             name, prop = make_proposer(kind, tiny_loaded, draft_loaded, num_slots=8)
-            eng = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=8, max_model_len=MAX_LEN, num_speculative_tokens=4,
-                                         proposers=[{"name": name}]), tiny_loaded, proposers={name: prop},
-                            decide=Switcher())
+            eng = LLMEngine(
+                EngineConfig(
+                    dtype=dtype,
+                    max_num_seqs=8,
+                    max_model_len=MAX_LEN,
+                    num_speculative_tokens=4,
+                    proposers=[{"name": name}],
+                ),
+                tiny_loaded,
+                proposers={name: prop},
+                decide=Switcher(),
+            )
         got: dict[str, list] = {}
         for i, p in enumerate(prompts):
             eng.add_request(f"r{i}", p, params, speculation="on" if name else "off", proposer=name)
@@ -291,13 +347,17 @@ def test_prompt_logprobs_independent_of_chunking_and_batch(tiny_loaded, dtype):
     from workers.runner import ModelRunner, StepBatch
 
     prompt = copy_prompts(1, seed=61)[0] + copy_prompts(1, seed=62)[0]
-    one = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=1, max_model_len=MAX_LEN, max_num_batched_tokens=256,
-                                 proposers=[]), tiny_loaded)
+    one = LLMEngine(
+        EngineConfig(dtype=dtype, max_num_seqs=1, max_model_len=MAX_LEN, max_num_batched_tokens=256, proposers=[]),
+        tiny_loaded,
+    )
     [o] = [x for x in _run_all(one, [("s", prompt, {"max_tokens": 0, "prompt_logprobs": 3})])]
     assert o.finish_reason == "length" and o.token_ids == [] and o.prompt_logprobs[0] is None
     assert len(o.prompt_logprobs) == len(prompt) and [e.token_id for e in o.prompt_logprobs[1:]] == prompt[1:]
-    chunked = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=8, max_model_len=MAX_LEN, max_num_batched_tokens=16,
-                                     proposers=[]), tiny_loaded)
+    chunked = LLMEngine(
+        EngineConfig(dtype=dtype, max_num_seqs=8, max_model_len=MAX_LEN, max_num_batched_tokens=16, proposers=[]),
+        tiny_loaded,
+    )
     others = [(f"n{i}", p, {"max_tokens": 12, "ignore_eos": True}) for i, p in enumerate(copy_prompts(4, seed=63))]
     outs = _run_all(chunked, others + [("s", prompt, {"max_tokens": 2, "prompt_logprobs": 3})])
     got = next(x for x in outs if x.request_id == "s" and x.prompt_logprobs is not None)
@@ -317,9 +377,16 @@ def _run_all(eng: LLMEngine, reqs: list) -> list:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("params", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 7},
-                                    {"temperature": 0.8, "top_p": 0.9}, {"temperature": 0.7, "seed": 3, "stop": []}],
-                         ids=["greedy", "seeded", "unseeded", "stop"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 0.0},
+        {"temperature": 1.0, "seed": 7},
+        {"temperature": 0.8, "top_p": 0.9},
+        {"temperature": 0.7, "seed": 3, "stop": []},
+    ],
+    ids=["greedy", "seeded", "unseeded", "stop"],
+)
 def test_a_resumed_stream_continues_bit_identically(tiny_loaded, dtype, params):
     """A stream cut after any chunk and resubmitted with the prompt, the tokens already sent and the
     request's seed (what the ingress does when a replica dies) writes exactly the rest of the
@@ -329,7 +396,9 @@ def test_a_resumed_stream_continues_bit_identically(tiny_loaded, dtype, params):
     sp = {"max_tokens": 40, "ignore_eos": True, "logprobs": 3, **params}
 
     def logprobs(outs) -> torch.Tensor:  # [tokens, 1 + top] the chosen token's logprob and the top ones
-        return torch.tensor([[e.logprob, *(v for _, v in e.top)] for o in outs for e in o.logprobs], dtype=torch.float64)
+        return torch.tensor(
+            [[e.logprob, *(v for _, v in e.top)] for o in outs for e in o.logprobs], dtype=torch.float64
+        )
 
     first = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=2, max_model_len=MAX_LEN, proposers=[]), tiny_loaded)
     if "stop" in params:  # a stop string from the stream's own text, first met past its first third
@@ -337,8 +406,11 @@ def test_a_resumed_stream_continues_bit_identically(tiny_loaded, dtype, params):
         text = ""
         while first.has_work():
             text += "".join(o.text for o in first.step())
-        stop = next(text[i : i + 3] for i in range(len(text) * 2 // 3, len(text) - 3)
-                    if text.find(text[i : i + 3]) > len(text) // 3)
+        stop = next(
+            text[i : i + 3]
+            for i in range(len(text) * 2 // 3, len(text) - 3)
+            if text.find(text[i : i + 3]) > len(text) // 3
+        )
         sp = {**sp, "stop": [stop]}
     first.add_request("r", prompt, sp)
     chunks = []
@@ -347,8 +419,12 @@ def test_a_resumed_stream_continues_bit_identically(tiny_loaded, dtype, params):
     assert len(chunks) > 5 and chunks[-1].finished
     assert chunks[-1].finish_reason == ("stop" if "stop" in params else "length")
     seed = chunks[0].seed
-    other = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=4, max_model_len=MAX_LEN, num_speculative_tokens=4,
-                                   proposers=[{"name": "ngram"}]), tiny_loaded)
+    other = LLMEngine(
+        EngineConfig(
+            dtype=dtype, max_num_seqs=4, max_model_len=MAX_LEN, num_speculative_tokens=4, proposers=[{"name": "ngram"}]
+        ),
+        tiny_loaded,
+    )
     for cut in (1, 3, len(chunks) // 2, len(chunks) - 1):
         sent = [t for o in chunks[:cut] for t in o.token_ids]
         for i, p in enumerate(copy_prompts(2, seed=72 + cut)):  # neighbours

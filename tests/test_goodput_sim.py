@@ -79,10 +79,12 @@ def simulate(policy: Policy, w: Workload, steps: int = 3000, seed: int = 0) -> t
     return tokens / seconds, asked / (steps * w.batch)
 
 
-@functools.lru_cache(maxsize=None)  # deterministic per (workload, seed); two tests read seed 0's cells
+@functools.cache  # deterministic per (workload, seed); two tests read seed 0's cells
 def peers(w: Workload, seed: int) -> dict[str, tuple[float, float]]:
-    return {name: simulate(make_policy({"name": name, **extra}), w, seed=seed)
-            for name, extra in (("never", {}), ("always", {"num_speculative_tokens": K_MAX}), ("goodput", {}))}
+    return {
+        name: simulate(make_policy({"name": name, **extra}), w, seed=seed)
+        for name, extra in (("never", {}), ("always", {"num_speculative_tokens": K_MAX}), ("goodput", {}))
+    }
 
 
 # open chat, n-gram: speculation wins at B = 1 (costs as measured: a B = 1 step ~65 ms plain, ~76 ms with 4 drafts)

@@ -59,10 +59,13 @@ class _RecordingMeter:
     sum or gauge a gauge)."""
 
     KINDS: ClassVar[dict[str, str]] = {
-        "create_counter": "counter", "create_observable_counter": "counter",
+        "create_counter": "counter",
+        "create_observable_counter": "counter",
         "create_histogram": "histogram",
-        "create_gauge": "gauge", "create_observable_gauge": "gauge",
-        "create_up_down_counter": "gauge", "create_observable_up_down_counter": "gauge",
+        "create_gauge": "gauge",
+        "create_observable_gauge": "gauge",
+        "create_up_down_counter": "gauge",
+        "create_observable_up_down_counter": "gauge",
     }
 
     def __init__(self) -> None:
@@ -129,8 +132,12 @@ def declared() -> dict[str, str]:
 
 def test_the_recording_meter_sees_every_process(declared):
     # one known metric of each process: a missed constructor would silently shrink the set
-    for name in ("specserve_http_requests", "spec_decode_num_draft_tokens", "specserve_route_decisions",
-                 "specserve_draft_calls"):
+    for name in (
+        "specserve_http_requests",
+        "spec_decode_num_draft_tokens",
+        "specserve_route_decisions",
+        "specserve_draft_calls",
+    ):
         assert name in declared, name
     assert declared["specserve_target_step_seconds"] == "histogram"
     assert declared["specserve_num_requests_running"] == "gauge"
@@ -144,8 +151,7 @@ def test_dashboard_queries_only_exported_metrics(declared):
 
 def test_dashboard_shows_every_exported_metric(declared):
     queried = dashboard_metric_names()
-    unshown = sorted(n for n, kind in declared.items()
-                     if not any(e in queried for e in exposed_names({n: kind})))
+    unshown = sorted(n for n, kind in declared.items() if not any(e in queried for e in exposed_names({n: kind})))
     assert not unshown, f"metrics with no panel in docs/grafana/specserve.json: {unshown}"
 
 

@@ -65,8 +65,14 @@ def test_window_rate_reads_the_counter_between_the_window_ends():
 def test_in_process_passes_sample_as_guidellms_requests_do():
     """guidellm names no temperature, so the API's default (1.0) samples every token; an in-process pass
     that decodes greedily would skip the sampler's work and flatter the engine."""
-    assert guidellm_sampling(64) == {"max_tokens": 64, "ignore_eos": True, "temperature": 1.0, "top_p": 1.0,
-                                     "top_k": 0, "seed": None}
+    assert guidellm_sampling(64) == {
+        "max_tokens": 64,
+        "ignore_eos": True,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "seed": None,
+    }
 
 
 def test_run_guidellm_sets_the_worker_count_and_reads_its_report(tmp_path, monkeypatch):
@@ -88,23 +94,42 @@ def test_run_guidellm_sets_the_worker_count_and_reads_its_report(tmp_path, monke
 
         def communicate(self, timeout=None):
             now = time.time()
-            report = {"benchmarks": [{"metrics": {"time_to_first_token_ms": dist(100, 300),
-                                                  "inter_token_latency_ms": dist(20, 40),
-                                                  "output_tokens_per_second": dist(0, 0, mean=55.0)},
-                                      "requests": {"successful": [{}] * 7, "errored": []},
-                                      "start_time": now - 5.0, "end_time": now}]}
+            report = {
+                "benchmarks": [
+                    {
+                        "metrics": {
+                            "time_to_first_token_ms": dist(100, 300),
+                            "inter_token_latency_ms": dist(20, 40),
+                            "output_tokens_per_second": dist(0, 0, mean=55.0),
+                        },
+                        "requests": {"successful": [{}] * 7, "errored": []},
+                        "start_time": now - 5.0,
+                        "end_time": now,
+                    }
+                ]
+            }
             (tmp_path / "out.json").write_text(json.dumps(report))
             return "", ""
 
     monkeypatch.setattr(guidellm_load.subprocess, "Popen", FakePopen)
-    res = guidellm_load.run_guidellm("http://127.0.0.1:1", "m", "/tok", 16, 5.0, 128, 64, tmp_path / "out.json",
-                                     0.2, workers=1)
+    res = guidellm_load.run_guidellm(
+        "http://127.0.0.1:1", "m", "/tok", 16, 5.0, 128, 64, tmp_path / "out.json", 0.2, workers=1
+    )
     assert seen["workers"] == "1"
     assert "kind=concurrent,streams=16,warmup=0.2" in seen["cmd"]
     assert "kind=huggingface_auto,model=/tok" in seen["cmd"]
-    assert {k: res[k] for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tok_s", "num_requests",
-                                "num_errors")} == {"ttft_p50_ms": 100, "ttft_p99_ms": 300, "itl_p50_ms": 20,
-                                                   "itl_p99_ms": 40, "tok_s": 55.0, "num_requests": 7, "num_errors": 0}
+    assert {
+        k: res[k]
+        for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tok_s", "num_requests", "num_errors")
+    } == {
+        "ttft_p50_ms": 100,
+        "ttft_p99_ms": 300,
+        "itl_p50_ms": 20,
+        "itl_p99_ms": 40,
+        "tok_s": 55.0,
+        "num_requests": 7,
+        "num_errors": 0,
+    }
     assert res["client_cpu_cores"] == 0.0  # the stand-in exits at once: no samples inside its window
     assert res["client_cpu_cores_whole_run"] >= 0
 
@@ -177,17 +202,33 @@ def test_steady_state_keeps_the_requests_sent_after_the_warmup_window():
     wave (all streams at once) stays in its TTFT; the steady state keeps those *sent* after it."""
     from benchmarks.guidellm_report import steady_state, steady_view
 
-    first_wave = [{"request_start_time": 100.0 + i / 100, "time_to_first_token_ms": 1000.0 + 500 * i,
-                   "inter_token_latency_ms": 150.0} for i in range(4)]
-    later = [{"request_start_time": 111.0 + i, "time_to_first_token_ms": 700.0 + 10 * i, "inter_token_latency_ms": 140.0}
-             for i in range(4)]
+    first_wave = [
+        {
+            "request_start_time": 100.0 + i / 100,
+            "time_to_first_token_ms": 1000.0 + 500 * i,
+            "inter_token_latency_ms": 150.0,
+        }
+        for i in range(4)
+    ]
+    later = [
+        {"request_start_time": 111.0 + i, "time_to_first_token_ms": 700.0 + 10 * i, "inter_token_latency_ms": 140.0}
+        for i in range(4)
+    ]
     bench = {"start_time": 105.0, "requests": {"successful": first_wave + later}}
     s = steady_state(bench)
     assert s["steady_num_requests"] == 4
     assert s["steady_ttft_p50_ms"] == pytest.approx(715.0) and s["steady_ttft_p99_ms"] == pytest.approx(729.7)
     assert s["steady_itl_p50_ms"] == 140.0
     assert steady_state({"start_time": 200.0, "requests": {"successful": later}}) == {"steady_num_requests": 0}
-    http = {32: {"ttft_p50_ms": 2000.0, "ttft_p99_ms": 2500.0, "itl_p50_ms": 145.0, "itl_p99_ms": 150.0,
-                 "tok_s": 180.0, **s}}
+    http = {
+        32: {
+            "ttft_p50_ms": 2000.0,
+            "ttft_p99_ms": 2500.0,
+            "itl_p50_ms": 145.0,
+            "itl_p99_ms": 150.0,
+            "tok_s": 180.0,
+            **s,
+        }
+    }
     v = steady_view(http)[32]
     assert v["ttft_p99_ms"] == s["steady_ttft_p99_ms"] and v["tok_s"] == 180.0

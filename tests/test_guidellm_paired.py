@@ -23,8 +23,13 @@ def test_pass_order_alternates_and_bound_follows_http():
 
 
 def _round(http_itl_1: float, alone_itl_1: float) -> dict:
-    steady = {"steady_num_requests": 5, "steady_ttft_p50_ms": 100, "steady_ttft_p99_ms": 1000,
-              "steady_itl_p50_ms": 2 * http_itl_1, "steady_itl_p99_ms": 99}
+    steady = {
+        "steady_num_requests": 5,
+        "steady_ttft_p50_ms": 100,
+        "steady_ttft_p99_ms": 1000,
+        "steady_itl_p50_ms": 2 * http_itl_1,
+        "steady_itl_p99_ms": 99,
+    }
     return {
         "http": {1: _lvl(200, http_itl_1, 30, **steady), 16: _lvl(3000, 90, 120, **steady)},
         "alone": {1: _lvl(100, alone_itl_1, 50), 16: _lvl(800, 55, 250)},
@@ -44,9 +49,11 @@ def test_each_round_divides_by_its_own_alone_pass():
     assert g["beside"]["tpot_1_http/engine<=1.1"] == {"value": 1.2, "met": False}
     assert "bound" not in g  # not run
     # the engine's own scaling, without the ratios to itself
-    assert g["alone"] == {"ttft_p99_16_s<=1.5": {"value": 0.8, "met": True},
-                          "itl_p50_16/itl_p50_1<=2.5": {"value": 2.75, "met": False},
-                          "tok_s_16/tok_s_1>=4.5": {"value": 5.0, "met": True}}
+    assert g["alone"] == {
+        "ttft_p99_16_s<=1.5": {"value": 0.8, "met": True},
+        "itl_p50_16/itl_p50_1<=2.5": {"value": 2.75, "met": False},
+        "tok_s_16/tok_s_1>=4.5": {"value": 5.0, "met": True},
+    }
 
 
 def test_summary_is_the_median_and_range_over_rounds():
@@ -57,8 +64,13 @@ def test_summary_is_the_median_and_range_over_rounds():
     assert (s["met_rounds"], s["rounds"]) == (2, 3)
 
 
-@pytest.mark.parametrize("served,alone,want", [({"decode_only_step_ms_p50": 30.0}, {"decode_only_step_ms_p50": 20.0}, 1.5),
-                                                ({}, {"decode_only_step_ms_p50": 20.0}, None),
-                                                ({"decode_only_step_ms_p50": 30.0}, {"decode_only_step_ms_p50": None}, None)])
+@pytest.mark.parametrize(
+    "served,alone,want",
+    [
+        ({"decode_only_step_ms_p50": 30.0}, {"decode_only_step_ms_p50": 20.0}, 1.5),
+        ({}, {"decode_only_step_ms_p50": 20.0}, None),
+        ({"decode_only_step_ms_p50": 30.0}, {"decode_only_step_ms_p50": None}, None),
+    ],
+)
 def test_step_ratio(served, alone, want):
     assert step_ratio(served, alone) == want

@@ -8,12 +8,15 @@ import torch
 from workers import hardware
 
 
-@pytest.mark.parametrize("flags,expected", [
-    ({"avx2", "fma"}, torch.float32),  # AVX2 only: bf16 GEMMs are emulated
-    ({"avx512f", "avx512_bf16"}, torch.bfloat16),
-    ({"avx512f", "amx_tile", "amx_bf16"}, torch.bfloat16),
-    (set(), torch.float32),  # flags unreadable
-])
+@pytest.mark.parametrize(
+    "flags,expected",
+    [
+        ({"avx2", "fma"}, torch.float32),  # AVX2 only: bf16 GEMMs are emulated
+        ({"avx512f", "avx512_bf16"}, torch.bfloat16),
+        ({"avx512f", "amx_tile", "amx_bf16"}, torch.bfloat16),
+        (set(), torch.float32),  # flags unreadable
+    ],
+)
 def test_auto_dtype_follows_the_cpu_flags(monkeypatch, flags, expected):
     monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset(flags))
     assert hardware.resolve_dtype("auto", torch.device("cpu")) == expected

@@ -10,10 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from tests.test_batch_invariance import check_forward_invariance
 from workers import native_attention
 from workers.runner import ModelRunner
-
-from tests.test_batch_invariance import check_forward_invariance
 
 
 @pytest.fixture(scope="module")
@@ -149,13 +148,19 @@ def test_threads_calling_the_kernel_at_once_get_their_own_results(kernel):
     """One kernel object serves every runner in a process; engines stepping in two threads at once must
     not share its scratch."""
     gen = torch.Generator().manual_seed(5)
-    kt, v, tables = to_pool(torch.randn(4, 3, 512, 64, generator=gen), torch.randn(4, 3, 512, 64, generator=gen), 16,
-                            gen)
-    calls = [(torch.randn(6, 9, 64, generator=gen), torch.tensor([i % 4] * 6),
-              torch.randint(300, 513, (6,), generator=gen)) for i in range(8)]
+    kt, v, tables = to_pool(
+        torch.randn(4, 3, 512, 64, generator=gen), torch.randn(4, 3, 512, 64, generator=gen), 16, gen
+    )
+    calls = [
+        (torch.randn(6, 9, 64, generator=gen), torch.tensor([i % 4] * 6), torch.randint(300, 513, (6,), generator=gen))
+        for i in range(8)
+    ]
     alone = [kernel(q, kt, v, tables, s, n, int(n.max()), 0.125) for q, s, n in calls]
     with ThreadPoolExecutor(4) as pool:
-        together = list(pool.map(
-            lambda c: [kernel(c[0], kt, v, tables, c[1], c[2], int(c[2].max()), 0.125) for _ in range(20)], calls))
+        together = list(
+            pool.map(
+                lambda c: [kernel(c[0], kt, v, tables, c[1], c[2], int(c[2].max()), 0.125) for _ in range(20)], calls
+            )
+        )
     for a, outs in zip(alone, together):
         assert all(torch.equal(a, o) for o in outs)

@@ -27,8 +27,12 @@ PARENT_SPAN = "00f067aa0ba902b7"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = LocalCluster(tmp_path_factory.mktemp("obs"), policy={"name": "goodput"}, nodes=1,
-                     args_patch={"telemetry": {"tracing": "memory"}, "target": {"num_replicas": 2, "num_cpus": 0.5}})
+    c = LocalCluster(
+        tmp_path_factory.mktemp("obs"),
+        policy={"name": "goodput"},
+        nodes=1,
+        args_patch={"telemetry": {"tracing": "memory"}, "target": {"num_replicas": 2, "num_cpus": 0.5}},
+    )
     try:
         c.start()
         _wait_replicas(c, 2)
@@ -86,8 +90,9 @@ def run_requests(client) -> list:
     def one(i: int, extra: dict) -> None:
         extra = dict(extra)
         stream = extra.pop("stream", False)
-        kw = dict(model=MODEL, messages=[{"role": "user", "content": COPY}], max_tokens=24, temperature=0,
-                  extra_body=extra)
+        kw = dict(
+            model=MODEL, messages=[{"role": "user", "content": COPY}], max_tokens=24, temperature=0, extra_body=extra
+        )
         if not stream:
             results[i] = client.chat.completions.create(**kw).usage.model_extra["speculation"]
             return
@@ -124,12 +129,16 @@ def test_metrics_move_by_exactly_the_usage_reported(cluster, client):
     assert by_proposer["ngram"][0] > 0  # a verbatim repeat: n-gram must have drafted
     for p, (draft, acc) in by_proposer.items():
         d_draft = total(after, "spec_decode_num_draft_tokens_total", proposer=p) - total(
-            before, "spec_decode_num_draft_tokens_total", proposer=p)
+            before, "spec_decode_num_draft_tokens_total", proposer=p
+        )
         d_acc = total(after, "spec_decode_num_accepted_tokens_total", proposer=p) - total(
-            before, "spec_decode_num_accepted_tokens_total", proposer=p)
+            before, "spec_decode_num_accepted_tokens_total", proposer=p
+        )
         assert (d_draft, d_acc) == (draft, acc), p
-    d_all = sum(total(after, n) - total(before, n)
-                for n in ("spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total"))
+    d_all = sum(
+        total(after, n) - total(before, n)
+        for n in ("spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total")
+    )
     assert d_all == sum(u["draft_tokens"] + u["accepted_tokens"] for u in usages)
     # accepted <= draft for every series; accepted per position sums to accepted
     for labels, draft in after["spec_decode_num_draft_tokens_total"]:
@@ -140,16 +149,23 @@ def test_metrics_move_by_exactly_the_usage_reported(cluster, client):
     targets = replicas_of(after, "specserve_num_requests_running")
     assert len(targets) == 2
     assert replicas_of(after, "spec_decode_num_draft_tokens_total") == targets
-    served = {labels["replica"] for labels, v in after["specserve_requests_total"]
-              if v > total(before, "specserve_requests_total", **labels)}
+    served = {
+        labels["replica"]
+        for labels, v in after["specserve_requests_total"]
+        if v > total(before, "specserve_requests_total", **labels)
+    }
     assert served == targets, "the Router should have spread staggered requests over both replicas"
     # the ingress, the Router and the draft worker are in it too
     assert total(after, "specserve_http_requests_total", route="/v1/chat/completions", status="200") - total(
-        before, "specserve_http_requests_total", route="/v1/chat/completions", status="200") == len(usages)
+        before, "specserve_http_requests_total", route="/v1/chat/completions", status="200"
+    ) == len(usages)
     assert total(after, "specserve_e2e_request_latency_seconds_count") - total(
-        before, "specserve_e2e_request_latency_seconds_count") == len(usages)
+        before, "specserve_e2e_request_latency_seconds_count"
+    ) == len(usages)
     assert total(after, "specserve_time_to_first_token_seconds_count") > 0
-    assert total(after, "specserve_route_decisions_total") - total(before, "specserve_route_decisions_total") == len(usages)
+    assert total(after, "specserve_route_decisions_total") - total(before, "specserve_route_decisions_total") == len(
+        usages
+    )
     assert total(after, "specserve_draft_calls_total") > 0
     assert replicas_of(after, "specserve_draft_worker_up") == targets  # one gauge per target replica
     assert all(v in (0, 1) for _, v in after["specserve_draft_worker_up"])
@@ -184,15 +200,19 @@ def _driver_spans(cluster: LocalCluster, replica_ids: list[str]) -> dict[str, li
         "    out[rid] = t.debug_spans.remote(replica_id=rid).result()\n"
         "print(json.dumps(out))\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=cluster.driver_env, text=True, capture_output=True,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=cluster.driver_env, text=True, capture_output=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def test_trace_carries_the_incoming_trace_id(cluster, client):
     r = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": COPY}], max_tokens=16, temperature=0,
+        model=MODEL,
+        messages=[{"role": "user", "content": COPY}],
+        max_tokens=16,
+        temperature=0,
         extra_body={"speculation": "on", "proposer": "ngram"},
         extra_headers={"traceparent": f"00-{TRACE_ID}-{PARENT_SPAN}-01"},
     )
@@ -214,7 +234,10 @@ def test_trace_carries_the_incoming_trace_id(cluster, client):
     assert names[0] == "prefill" and "spec_step" in names
     steps = [s for s in kids if s["name"] == "spec_step"]
     assert sum(s["attributes"]["num_draft_tokens"] for s in steps) == r.usage.model_extra["speculation"]["draft_tokens"]
-    assert sum(s["attributes"]["num_accepted_tokens"] for s in steps) == r.usage.model_extra["speculation"]["accepted_tokens"]
+    assert (
+        sum(s["attributes"]["num_accepted_tokens"] for s in steps)
+        == r.usage.model_extra["speculation"]["accepted_tokens"]
+    )
     assert all(s["attributes"]["proposer"] == "ngram" for s in steps)
     assert all(root["start_ns"] <= s["start_ns"] <= s["end_ns"] <= root["end_ns"] for s in kids)
 
@@ -226,8 +249,13 @@ def test_grafana_dashboard_queries_only_scraped_metrics(cluster, client):
     from tests.test_grafana_dashboard import EVENT_ONLY, dashboard_metric_names
 
     for proposer in ("ngram", "draft_model"):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": COPY}], max_tokens=16,
-                                       temperature=0, extra_body={"speculation": "on", "proposer": proposer})
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": COPY}],
+            max_tokens=16,
+            temperature=0,
+            extra_body={"speculation": "on", "proposer": proposer},
+        )
     r = httpx.get(f"{cluster.base_url}/metrics", timeout=60)
     assert r.status_code == 200
     scraped = {s.name for fam in text_string_to_metric_families(r.text) for s in fam.samples}

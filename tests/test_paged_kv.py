@@ -17,8 +17,16 @@ TINY_TOKEN_BYTES = 512
 
 
 def _req(rid: str, ids: list[int]) -> Request:
-    return Request(request_id=rid, prompt_ids=list(ids), params=SamplingParams(max_tokens=8), proposer=None,
-                   speculation="auto", detok=None, generator=None, eos_token_ids=frozenset())
+    return Request(
+        request_id=rid,
+        prompt_ids=list(ids),
+        params=SamplingParams(max_tokens=8),
+        proposer=None,
+        speculation="auto",
+        detok=None,
+        generator=None,
+        eos_token_ids=frozenset(),
+    )
 
 
 def test_blocks_are_shared_by_hash_refcounted_and_evicted_least_recently_freed_first():
@@ -62,8 +70,9 @@ def test_a_request_the_pool_cannot_hold_now_waits_and_takes_nothing():
 
 def _engine(loaded, kv_tokens: int | None, **kw) -> LLMEngine:
     gb = 4.0 if kv_tokens is None else kv_tokens * TINY_TOKEN_BYTES / 2**30
-    cfg = EngineConfig(dtype="float32", max_num_seqs=8, max_model_len=128, max_num_batched_tokens=64,
-                       kv_cache_memory_gb=gb, **kw)
+    cfg = EngineConfig(
+        dtype="float32", max_num_seqs=8, max_model_len=128, max_num_batched_tokens=64, kv_cache_memory_gb=gb, **kw
+    )
     return LLMEngine(cfg, loaded)
 
 
@@ -81,10 +90,14 @@ def test_pool_size_follows_kv_cache_memory_gb_and_too_little_names_the_key(tiny_
         _engine(tiny_loaded, kv_tokens=100, proposers=[])  # under one request of max_model_len (128)
 
 
-@pytest.mark.parametrize("params", [
-    {"max_tokens": 40, "ignore_eos": True},
-    {"max_tokens": 40, "ignore_eos": True, "temperature": 0.9, "top_p": 0.95, "seed": 7},
-], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"max_tokens": 40, "ignore_eos": True},
+        {"max_tokens": 40, "ignore_eos": True, "temperature": 0.9, "top_p": 0.95, "seed": 7},
+    ],
+    ids=["greedy", "seeded"],
+)
 @pytest.mark.parametrize("spec", [False, True], ids=["plain", "ngram"])
 def test_preempted_requests_are_recomputed_with_identical_output(tiny_loaded, one_thread, params, spec):
     """Six requests that need ~4 blocks each in a pool of 10: the youngest are preempted and recomputed
@@ -121,8 +134,13 @@ def test_a_preempted_stream_sends_each_token_and_its_text_once(tiny_loaded, one_
 
 def test_memory_follows_the_pool_not_max_num_seqs_times_max_model_len(tiny_loaded):
     """128 requests of the model's whole context (1024) cost the pool's bytes, not 128 x 1024 tokens' worth."""
-    cfg = EngineConfig(dtype="float32", max_num_seqs=128, max_model_len=1024, proposers=[],
-                       kv_cache_memory_gb=4096 * TINY_TOKEN_BYTES / 2**30)
+    cfg = EngineConfig(
+        dtype="float32",
+        max_num_seqs=128,
+        max_model_len=1024,
+        proposers=[],
+        kv_cache_memory_gb=4096 * TINY_TOKEN_BYTES / 2**30,
+    )
     eng = LLMEngine(cfg, tiny_loaded)
     assert eng.kv.num_blocks == 256 and eng.runner.kv_bytes == 4096 * TINY_TOKEN_BYTES
     out = eng.generate(rand_prompts(3, 23, 5, 10), {"max_tokens": 6, "ignore_eos": True})

@@ -37,11 +37,21 @@ def draft_loaded(tiny_draft_dir):
     return load_model(tiny_draft_dir)
 
 
-@pytest.mark.parametrize("params", [
-    {"max_tokens": 24, "ignore_eos": True, "frequency_penalty": 1.5, "presence_penalty": 0.5},
-    {"max_tokens": 24, "ignore_eos": True, "repetition_penalty": 4.0, "frequency_penalty": 2.0, "temperature": 1.2,
-     "seed": 3},
-], ids=["greedy-frequency-presence", "seeded-repetition-frequency"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"max_tokens": 24, "ignore_eos": True, "frequency_penalty": 1.5, "presence_penalty": 0.5},
+        {
+            "max_tokens": 24,
+            "ignore_eos": True,
+            "repetition_penalty": 4.0,
+            "frequency_penalty": 2.0,
+            "temperature": 1.2,
+            "seed": 3,
+        },
+    ],
+    ids=["greedy-frequency-presence", "seeded-repetition-frequency"],
+)
 def test_penalized_output_identical_with_speculation(tiny_loaded, draft_loaded, params):
     prompts = copy_prompts(4, seed=51)
     ref = alone(tiny_loaded, "float32", prompts, params)
@@ -49,9 +59,18 @@ def test_penalized_output_identical_with_speculation(tiny_loaded, draft_loaded, 
     assert ref != unpenalized  # the penalties change the text, so the comparison below can fail
     for kind in ("ngram", "draft_self"):
         name, prop = make_proposer(kind, tiny_loaded, draft_loaded, num_slots=8)
-        eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=8, max_model_len=MAX_LEN, num_speculative_tokens=4,
-                                     proposers=[{"name": name}]), tiny_loaded, proposers={name: prop},
-                        decide=Switcher())
+        eng = LLMEngine(
+            EngineConfig(
+                dtype="float32",
+                max_num_seqs=8,
+                max_model_len=MAX_LEN,
+                num_speculative_tokens=4,
+                proposers=[{"name": name}],
+            ),
+            tiny_loaded,
+            proposers={name: prop},
+            decide=Switcher(),
+        )
         assert eng.generate(prompts, params, speculation="on", proposer=name) == ref, kind
         if kind == "draft_self":
             assert eng.stats[name].num_draft_tokens > 0

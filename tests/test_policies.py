@@ -503,8 +503,12 @@ def test_every_policy_drafts_the_grammar_forced_tokens(name):
     least them, with or without a proposer and at any load, unless the request is held plain."""
     p = make_policy({"name": name})
     at_load = snap(64, {"ngram": 0.0})  # where no policy speculates on its own
-    forced = [SpecCandidate("a", "ngram", "auto", 4, forced=3), SpecCandidate("b", None, "auto", 0, forced=5),
-              SpecCandidate("c", "ngram", "off", 4, forced=3), SpecCandidate("d", "ngram", "auto", 4)]
+    forced = [
+        SpecCandidate("a", "ngram", "auto", 4, forced=3),
+        SpecCandidate("b", None, "auto", 0, forced=5),
+        SpecCandidate("c", "ngram", "off", 4, forced=3),
+        SpecCandidate("d", "ngram", "auto", 4),
+    ]
     ks = p.decide(at_load, forced)
     assert ks[0] >= 3 and ks[1] == 5 and ks[2] == 0
     assert ks[3] == p.decide(at_load, [forced[3]])[0]  # a request without forced tokens is decided as before

@@ -19,7 +19,8 @@ def test_threshold_request_switches_to_plain_when_load_rises_output_unchanged(ti
     cfg = EngineConfig(max_num_seqs=8, max_model_len=256, num_speculative_tokens=4)
     prompt = rand_prompts(1, 11)[0]
     plain = LLMEngine(cfg, tiny_loaded, proposers=self_draft(tiny_loaded)).generate(
-        [prompt], {"max_tokens": 60, "ignore_eos": True}, speculation="off")[0]
+        [prompt], {"max_tokens": 60, "ignore_eos": True}, speculation="off"
+    )[0]
 
     policy = make_policy({"name": "threshold", "t_low": 1, "t_high": 1, "min_dwell_s": 0})
     eng = LLMEngine(cfg, tiny_loaded, proposers=self_draft(tiny_loaded), decide=policy.decide)

@@ -23,8 +23,14 @@ def full(n: int) -> int:
 
 
 def engine(loaded, caching: bool = True, max_num_seqs: int = 4, **kw) -> LLMEngine:
-    cfg = EngineConfig(model="x", max_num_seqs=max_num_seqs, max_model_len=256, max_num_batched_tokens=32,
-                       enable_prefix_caching=caching, **kw)
+    cfg = EngineConfig(
+        model="x",
+        max_num_seqs=max_num_seqs,
+        max_model_len=256,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=caching,
+        **kw,
+    )
     return LLMEngine(cfg, loaded)
 
 
@@ -93,11 +99,18 @@ def test_rejected_drafts_are_never_reused(tiny_loaded, tiny_draft_dir, one_threa
     draft = load_model(tiny_draft_dir).model
 
     def spec_engine(caching: bool) -> LLMEngine:
-        cfg = EngineConfig(model="x", max_num_seqs=2, max_model_len=256, max_num_batched_tokens=32,
-                           num_speculative_tokens=4, proposers=[{"name": "draft_model"}],
-                           enable_prefix_caching=caching)
-        prop = DraftModelProposer(model=draft, num_slots=2, max_model_len=256,
-                                  target_vocab_size=tiny_loaded.model.config.vocab_size)
+        cfg = EngineConfig(
+            model="x",
+            max_num_seqs=2,
+            max_model_len=256,
+            max_num_batched_tokens=32,
+            num_speculative_tokens=4,
+            proposers=[{"name": "draft_model"}],
+            enable_prefix_caching=caching,
+        )
+        prop = DraftModelProposer(
+            model=draft, num_slots=2, max_model_len=256, target_vocab_size=tiny_loaded.model.config.vocab_size
+        )
         return LLMEngine(cfg, tiny_loaded, proposers={"draft_model": prop})
 
     results = []

@@ -31,8 +31,17 @@ def test_wrong_types_are_errors_naming_the_field(patch: dict, field: str) -> Non
 
 
 def test_what_json_clients_send_still_parses() -> None:
-    r = ChatCompletionRequest.model_validate({**CHAT, "temperature": 1, "top_p": 1, "max_tokens": 8, "stream": True,
-                                              "stop": "END", "stream_options": {"include_usage": True}})
+    r = ChatCompletionRequest.model_validate(
+        {
+            **CHAT,
+            "temperature": 1,
+            "top_p": 1,
+            "max_tokens": 8,
+            "stream": True,
+            "stop": "END",
+            "stream_options": {"include_usage": True},
+        }
+    )
     assert r.temperature == 1.0 and r.stream and r.stop == ["END"]
     c = CompletionRequest.model_validate({"model": "m", "prompt": [1, 2, 3], "presence_penalty": 0})
     assert c.prompt == [1, 2, 3]

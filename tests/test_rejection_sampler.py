@@ -134,9 +134,7 @@ def test_token_target_cannot_emit_is_never_accepted() -> None:
 
 
 # Greedy: rows' argmax are 2, 4, 1.
-GREEDY_LOGITS = torch.tensor(
-    [[0.0, 1.0, 5.0, 2.0, 0.0], [1.0, 0.0, 0.0, 2.0, 3.0], [0.0, 9.0, 1.0, 1.0, 1.0]]
-)
+GREEDY_LOGITS = torch.tensor([[0.0, 1.0, 5.0, 2.0, 0.0], [1.0, 0.0, 0.0, 2.0, 3.0], [0.0, 9.0, 1.0, 1.0, 1.0]])
 
 
 @pytest.mark.parametrize(

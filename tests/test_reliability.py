@@ -21,8 +21,8 @@ import httpx
 import openai
 import pytest
 
-from tests.bad_inputs import CHAT, HOSTILE, send
 from cluster.local_cluster import ROOT, LocalCluster
+from tests.bad_inputs import CHAT, HOSTILE, send
 from tests.e2e_helpers import in_threads, started, wait_for
 
 pytestmark = pytest.mark.slow
@@ -35,30 +35,48 @@ API_KEY = "sk-reliability-test"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with started(LocalCluster(tmp_path_factory.mktemp("serve"), policy={"name": "goodput"},
-                              args_patch={"draft": {"state_ttl_s": STATE_TTL_S}})) as c:
+    with started(
+        LocalCluster(
+            tmp_path_factory.mktemp("serve"),
+            policy={"name": "goodput"},
+            args_patch={"draft": {"state_ttl_s": STATE_TTL_S}},
+        )
+    ) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def refs(cluster) -> dict[tuple[str, int], str]:
     """Plain greedy answers (speculation off): what every speculative run must reproduce."""
-    return {(p, n): chat(cluster, p, n, speculation="off")["choices"][0]["message"]["content"]
-            for p in PROMPTS for n in (24,)}
+    return {
+        (p, n): chat(cluster, p, n, speculation="off")["choices"][0]["message"]["content"]
+        for p in PROMPTS
+        for n in (24,)
+    }
 
 
 # ----------------------------------------------------------------------------- helpers
 
 
 def body(content: str, max_tokens: int = 24, **extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0, **extra}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **extra,
+    }
 
 
-def chat(cluster, content: str, max_tokens: int = 24, headers: dict | None = None, timeout: float = 180,
-         **extra: Any) -> dict[str, Any]:
-    r = httpx.post(f"{cluster.base_url}/v1/chat/completions", json=body(content, max_tokens, **extra),
-                   headers=headers, timeout=timeout)
+def chat(
+    cluster, content: str, max_tokens: int = 24, headers: dict | None = None, timeout: float = 180, **extra: Any
+) -> dict[str, Any]:
+    r = httpx.post(
+        f"{cluster.base_url}/v1/chat/completions",
+        json=body(content, max_tokens, **extra),
+        headers=headers,
+        timeout=timeout,
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -78,16 +96,21 @@ def spec_of(resp: dict) -> dict:
 def engines_idle(probe, base_draft: dict | None = None) -> bool:
     t = probe.call("TargetWorker", "load")
     d = probe.call("DraftWorker", "stats")
-    return (t["running"] == 0 and t["waiting"] == 0 and t["kv_tokens_in_use"] == 0
-            and d["active"] == (base_draft or {}).get("active", 0)
-            and d["kv_tokens_in_use"] == (base_draft or {}).get("kv_tokens_in_use", 0))
+    return (
+        t["running"] == 0
+        and t["waiting"] == 0
+        and t["kv_tokens_in_use"] == 0
+        and d["active"] == (base_draft or {}).get("active", 0)
+        and d["kv_tokens_in_use"] == (base_draft or {}).get("kv_tokens_in_use", 0)
+    )
 
 
 def stream_collect(cluster, b: dict, headers: dict | None = None, timeout: float = 180) -> dict[str, Any]:
     """A streaming request read to its end: status, text, events, whether [DONE] came."""
     text, events, done, err = "", [], False, None
-    with httpx.stream("POST", f"{cluster.base_url}/v1/chat/completions", json={**b, "stream": True},
-                      headers=headers, timeout=timeout) as r:
+    with httpx.stream(
+        "POST", f"{cluster.base_url}/v1/chat/completions", json={**b, "stream": True}, headers=headers, timeout=timeout
+    ) as r:
         if r.status_code != 200:
             r.read()
             return {"status": r.status_code, "response": r}
@@ -109,15 +132,21 @@ def stream_collect(cluster, b: dict, headers: dict | None = None, timeout: float
 
 # ----------------------------------------------------------------------------- 1. bad input
 
+
 def test_hostile_requests_get_4xx_with_error_shape_and_inflight_output_is_unchanged(cluster, refs):
     from tests.test_e2e_http import BAD
 
     assert len(HOSTILE) + len(BAD) >= 30
     # requests in flight while the hostile ones arrive: their output must not change
-    good = [(COPY, {"speculation": "on", "proposer": "ngram"}), (PROMPTS[1], {"speculation": "on",
-            "proposer": "draft_model"}), (PROMPTS[2], {"speculation": "off"})]
-    ts, got = in_threads([lambda p=p, e=e: chat(cluster, p, 24, **e) for p, e in good]
-                         + [lambda: stream_collect(cluster, body(COPY, 24, speculation="on"))])
+    good = [
+        (COPY, {"speculation": "on", "proposer": "ngram"}),
+        (PROMPTS[1], {"speculation": "on", "proposer": "draft_model"}),
+        (PROMPTS[2], {"speculation": "off"}),
+    ]
+    ts, got = in_threads(
+        [lambda p=p, e=e: chat(cluster, p, 24, **e) for p, e in good]
+        + [lambda: stream_collect(cluster, body(COPY, 24, speculation="on"))]
+    )
     cases = [(n, r, p.copy() if isinstance(p, dict) else p, param, st) for n, r, p, param, st in HOSTILE]
     cases += [(n, CHAT, b, param, None) for n, b, param in BAD]
     with ThreadPoolExecutor(6) as ex:  # hostile requests arrive concurrently, too
@@ -151,12 +180,14 @@ def test_disconnecting_clients_free_target_and_draft_kv(cluster, probe, refs):
     wait_for(lambda: engines_idle(probe), 30, what="idle before the test")
     base_t = probe.call("TargetWorker", "load")
     base_d = probe.call("DraftWorker", "stats")
-    long = body("Write a long story about a lighthouse keeper.", 300, ignore_eos=True, speculation="on",
-                proposer="draft_model")
+    long = body(
+        "Write a long story about a lighthouse keeper.", 300, ignore_eos=True, speculation="on", proposer="draft_model"
+    )
 
     def hang_up_streaming() -> str:
-        with httpx.stream("POST", f"{cluster.base_url}/v1/chat/completions", json={**long, "stream": True},
-                          timeout=120) as r:
+        with httpx.stream(
+            "POST", f"{cluster.base_url}/v1/chat/completions", json={**long, "stream": True}, timeout=120
+        ) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -172,8 +203,12 @@ def test_disconnecting_clients_free_target_and_draft_kv(cluster, probe, refs):
 
     def normal(i: int):
         p = PROMPTS[i % len(PROMPTS)]
-        extra = [{"speculation": "on", "proposer": "draft_model"}, {"speculation": "on", "proposer": "ngram"},
-                 {"speculation": "off"}, {"speculation": "auto"}][i % 4]
+        extra = [
+            {"speculation": "on", "proposer": "draft_model"},
+            {"speculation": "on", "proposer": "ngram"},
+            {"speculation": "off"},
+            {"speculation": "auto"},
+        ][i % 4]
         if i % 2:
             s = stream_collect(cluster, body(p, 24, **extra))
             assert s["done"] and s["error"] is None
@@ -195,8 +230,11 @@ def test_disconnecting_clients_free_target_and_draft_kv(cluster, probe, refs):
         waited = wait_for(lambda: engines_idle(probe, base_d), 10, what=f"round {rnd}: KV back to baseline")
         print(f"round {rnd}: target and draft back to baseline {waited:.1f}s after the last normal client")
     t = probe.call("TargetWorker", "load")
-    assert (t["running"], t["waiting"], t["kv_tokens_in_use"]) == (base_t["running"], base_t["waiting"],
-                                                                    base_t["kv_tokens_in_use"])
+    assert (t["running"], t["waiting"], t["kv_tokens_in_use"]) == (
+        base_t["running"],
+        base_t["waiting"],
+        base_t["kv_tokens_in_use"],
+    )
 
 
 # ----------------------------------------------------------------------------- 2. draft worker failure
@@ -212,8 +250,9 @@ def _wait_draft_resumes(cluster, timeout_s: float = 60) -> float:
 def test_draft_worker_hang_keeps_output_identical(cluster, probe, refs):
     """SIGSTOP the draft process: its calls time out (draft.call_timeout_s), steps run plain."""
     pid = probe.call("DraftWorker", "placement")["pid"]
-    ts, got = in_threads([lambda p=p: chat(cluster, p, 24, speculation="on", proposer="draft_model")
-                          for p in PROMPTS[:3]])
+    ts, got = in_threads(
+        [lambda p=p: chat(cluster, p, 24, speculation="on", proposer="draft_model") for p in PROMPTS[:3]]
+    )
     time.sleep(0.5)
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -232,8 +271,7 @@ def test_draft_worker_hang_keeps_output_identical(cluster, probe, refs):
 
 def test_draft_worker_killed_requests_survive_and_speculation_resumes(cluster, probe, refs):
     before = probe.call("DraftWorker", "placement")["pid"]
-    ts, got = in_threads([lambda p=p: chat(cluster, p, 24, speculation="on", proposer="draft_model")
-                          for p in PROMPTS])
+    ts, got = in_threads([lambda p=p: chat(cluster, p, 24, speculation="on", proposer="draft_model") for p in PROMPTS])
     time.sleep(1.0)
     os.kill(before, signal.SIGKILL)
     t_kill = time.monotonic()
@@ -256,19 +294,52 @@ def test_draft_worker_killed_requests_survive_and_speculation_resumes(cluster, p
 
 def test_soak_short(cluster, probe, tmp_path):
     out = tmp_path / "soak.json"
-    cmd = [sys.executable, "-m", "benchmarks.soak", "--url", cluster.base_url, "--duration", "30", "--warmup", "10",
-           "--grace-s", "10", "--concurrency", "32", "--dashboard", f"http://127.0.0.1:{cluster.dash_port}",
-           "--json", str(out),
-           # the 20 s after a 10 s warm-up are still warm-up for the draft worker: over 35 s its RSS grew 9.6%
-           # and 10.6% in two runs (with and without the draft vocabulary), as first-touched pages of its
-           # preallocated KV cache and allocator arenas fill; a leak shows as far more than 20% here.
-           # The steady-state check is the long soak (README: +1.4% to +3.2% over 600 s at 10%).
-           "--rss-tolerance", "0.2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.soak",
+        "--url",
+        cluster.base_url,
+        "--duration",
+        "30",
+        "--warmup",
+        "10",
+        "--grace-s",
+        "10",
+        "--concurrency",
+        "32",
+        "--dashboard",
+        f"http://127.0.0.1:{cluster.dash_port}",
+        "--json",
+        str(out),
+        # the 20 s after a 10 s warm-up are still warm-up for the draft worker: over 35 s its RSS grew 9.6%
+        # and 10.6% in two runs (with and without the draft vocabulary), as first-touched pages of its
+        # preallocated KV cache and allocator arenas fill; a leak shows as far more than 20% here.
+        # The steady-state check is the long soak (README: +1.4% to +3.2% over 600 s at 10%).
+        "--rss-tolerance",
+        "0.2",
+    ]
     p = subprocess.run(cmd, cwd=ROOT, env=cluster.env, text=True, capture_output=True, timeout=300)
     assert out.exists(), p.stderr[-3000:]
     rep = json.loads(out.read_text())
-    print(json.dumps({k: rep[k] for k in ("requests", "ok", "disconnected", "cut_at_end", "errors",
-                                          "greedy_checked", "rss_mb", "rss_growth_after_warmup", "drain")}))
+    print(
+        json.dumps(
+            {
+                k: rep[k]
+                for k in (
+                    "requests",
+                    "ok",
+                    "disconnected",
+                    "cut_at_end",
+                    "errors",
+                    "greedy_checked",
+                    "rss_mb",
+                    "rss_growth_after_warmup",
+                    "drain",
+                )
+            }
+        )
+    )
     assert rep["errors"] == 0, rep["error_samples"]
     assert rep["greedy_mismatches"] == 0
     assert rep["ok"] >= 10 and rep["disconnected"] > 0  # real load went through (not a throughput check)
@@ -284,8 +355,9 @@ def test_soak_short(cluster, probe, tmp_path):
 
 def test_target_worker_killed_fails_cleanly_and_is_replaced(cluster, probe, refs):
     old = probe.call("TargetWorker", "placement")
-    long = body("Write a long story about a lighthouse keeper.", 300, ignore_eos=True, speculation="on",
-                proposer="draft_model")
+    long = body(
+        "Write a long story about a lighthouse keeper.", 300, ignore_eos=True, speculation="on", proposer="draft_model"
+    )
 
     def unary():
         return httpx.post(f"{cluster.base_url}/v1/chat/completions", json=long, timeout=180)
@@ -355,17 +427,23 @@ def limited(cluster, probe):
         return app["status"] == "RUNNING" and all(d["status"] == "HEALTHY" for d in app["deployments"].values())
 
     wait_for(updated, 180, interval_s=1.0, what="redeploy with limits")
-    wait_for(lambda: httpx.get(f"{cluster.base_url}/v1/models", timeout=5).status_code == 401, 60,
-             what="the new ingress (API key) serving")
+    wait_for(
+        lambda: httpx.get(f"{cluster.base_url}/v1/models", timeout=5).status_code == 401,
+        60,
+        what="the new ingress (API key) serving",
+    )
     cluster.wait_healthy()
     return cluster
 
 
 def test_api_key_required_everywhere_but_health(limited):
     url = limited.base_url
-    routes = [("POST", "/v1/chat/completions", body("hi", 2)), ("POST", "/v1/completions",
-              {"model": MODEL, "prompt": "hi", "max_tokens": 2}), ("GET", "/v1/models", None),
-              ("GET", "/v1/speculation/stats", None)]
+    routes = [
+        ("POST", "/v1/chat/completions", body("hi", 2)),
+        ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
+        ("GET", "/v1/models", None),
+        ("GET", "/v1/speculation/stats", None),
+    ]
     for method, path, js in routes:
         for headers in ({}, {"authorization": "Bearer wrong-key"}, {"authorization": API_KEY}):
             r = httpx.request(method, url + path, json=js, headers=headers, timeout=60)
@@ -376,8 +454,9 @@ def test_api_key_required_everywhere_but_health(limited):
     assert httpx.get(url + "/health", timeout=10).status_code == 200  # load balancers probe without a key
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
     assert [m.id for m in client.models.list().data] == [MODEL]
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                       temperature=0)
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
+    )
     assert r.choices[0].message.content
     bad = openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0, timeout=60)
     with pytest.raises(openai.AuthenticationError):

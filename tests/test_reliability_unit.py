@@ -46,7 +46,9 @@ def _target_worker_with(engine: AsyncEngine):
 
 def test_check_health_fails_while_the_engine_loop_is_wedged_and_recovers(tiny_loaded):
     wedge = WedgeProposer()
-    ae = AsyncEngine(LLMEngine(EngineConfig(max_num_seqs=2, max_model_len=128), tiny_loaded, proposers={"wedge": wedge}))
+    ae = AsyncEngine(
+        LLMEngine(EngineConfig(max_num_seqs=2, max_model_len=128), tiny_loaded, proposers={"wedge": wedge})
+    )
     tw = _target_worker_with(ae)
     try:
         time.sleep(0.1)
@@ -55,8 +57,9 @@ def test_check_health_fails_while_the_engine_loop_is_wedged_and_recovers(tiny_lo
 
         async def main():
             out = []
-            async for o in ae.generate("r", [1, 2, 3, 4], params={"max_tokens": 4, "ignore_eos": True},
-                                       speculation="on"):
+            async for o in ae.generate(
+                "r", [1, 2, 3, 4], params={"max_tokens": 4, "ignore_eos": True}, speculation="on"
+            ):
                 out += o.token_ids
             return out
 
@@ -80,10 +83,14 @@ def test_check_health_fails_while_the_engine_loop_is_wedged_and_recovers(tiny_lo
 
 
 def test_check_health_fails_when_the_engine_loop_died(tiny_loaded):
-    ae = AsyncEngine(LLMEngine(EngineConfig(max_num_seqs=2, max_model_len=128), tiny_loaded,
-                               proposers={"wedge": WedgeProposer(fail=True)}))
+    ae = AsyncEngine(
+        LLMEngine(
+            EngineConfig(max_num_seqs=2, max_model_len=128), tiny_loaded, proposers={"wedge": WedgeProposer(fail=True)}
+        )
+    )
     tw = _target_worker_with(ae)
     try:
+
         async def main():
             async for _ in ae.generate("r", [1, 2, 3], params={"max_tokens": 4}, speculation="on"):
                 pass
@@ -102,7 +109,9 @@ def test_a_dead_engine_loop_fails_pending_and_later_calls_within_a_second(tiny_l
     with EngineDeadError at once instead of awaiting a loop that will never answer."""
     wedge = WedgeProposer(fail=True)
     wedge.fail = False  # first block inside the step, then blow up
-    ae = AsyncEngine(LLMEngine(EngineConfig(max_num_seqs=2, max_model_len=128), tiny_loaded, proposers={"wedge": wedge}))
+    ae = AsyncEngine(
+        LLMEngine(EngineConfig(max_num_seqs=2, max_model_len=128), tiny_loaded, proposers={"wedge": wedge})
+    )
 
     def blow_up(requests):
         wedge.entered.set()
@@ -111,6 +120,7 @@ def test_a_dead_engine_loop_fails_pending_and_later_calls_within_a_second(tiny_l
 
     wedge.propose = blow_up
     try:
+
         async def main():
             async def stream():
                 async for _ in ae.generate("r", [1, 2, 3], params={"max_tokens": 4}, speculation="on"):
@@ -148,6 +158,7 @@ def test_a_request_cancelled_while_its_admission_is_in_flight_leaves_no_slot(tin
     an abort, so the request never holds a KV slot nobody reads."""
     ae = AsyncEngine(LLMEngine(EngineConfig(max_num_seqs=2, max_model_len=128), tiny_loaded))
     try:
+
         async def main():
             gate = threading.Event()
             blocker = asyncio.create_task(ae.call(lambda e: gate.wait(5)))  # the loop is busy with this
@@ -327,13 +338,22 @@ def test_draft_worker_sweeps_state_nobody_releases(tiny_model_dir, monkeypatch):
     from deployments.draft import DraftWorker
 
     monkeypatch.setattr("ray.serve.get_replica_context", lambda: None)  # not inside a Serve replica here
-    cfg = {"engine": {"model": tiny_model_dir, "max_model_len": 128},
-           "draft": {"model": "target", "max_num_seqs": 4, "state_ttl_s": 0.3}}
+    cfg = {
+        "engine": {"model": tiny_model_dir, "max_model_len": 128},
+        "draft": {"model": "target", "max_num_seqs": 4, "state_ttl_s": 0.3},
+    }
     w = DraftWorker.func_or_class(cfg)
 
     def msg(rid: str) -> dict:
-        return {"request_id": rid, "offset": 0, "new_tokens": [1, 2, 3, 4], "num_prompt_tokens": 4, "k": 2,
-                "eos_token_ids": [], "sampling": SamplingParams().model_dump()}
+        return {
+            "request_id": rid,
+            "offset": 0,
+            "new_tokens": [1, 2, 3, 4],
+            "num_prompt_tokens": 4,
+            "k": 2,
+            "eos_token_ids": [],
+            "sampling": SamplingParams().model_dump(),
+        }
 
     w.propose([msg("orphan"), msg("live")], [])
     assert w.stats()["active"] == 2 and w.stats()["kv_tokens_in_use"] > 0
@@ -376,8 +396,10 @@ def test_a_stream_whose_replica_dies_is_resubmitted_with_what_was_sent():
     from deployments.resume import ResumableStream
 
     calls: list[tuple[dict, bool, str | None]] = []
-    gens = [_Gen([_chunk([1], "a"), _chunk([2, 3], "a")], RuntimeError("ActorDiedError")),
-            _Gen([_chunk([4], "b"), _chunk([5], "b", finished=True)])]
+    gens = [
+        _Gen([_chunk([1], "a"), _chunk([2, 3], "a")], RuntimeError("ActorDiedError")),
+        _Gen([_chunk([4], "b"), _chunk([5], "b", finished=True)]),
+    ]
 
     async def submit(payload, resubmission, failed):
         calls.append((payload, resubmission, failed))

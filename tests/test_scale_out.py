@@ -25,31 +25,68 @@ from tests.e2e_helpers import in_threads, run_all, started, wait_for
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
-PROMPTS = ["Write one sentence about the sea.", "What is the capital of France?", "List three colours.",
-           "Describe a lighthouse in two sentences."]
-AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 1,
-               "downscale_delay_s": 3600, "metrics_interval_s": 0.5, "look_back_period_s": 2}
+PROMPTS = [
+    "Write one sentence about the sea.",
+    "What is the capital of France?",
+    "List three colours.",
+    "Describe a lighthouse in two sentences.",
+]
+AUTOSCALING = {
+    "min_replicas": 1,
+    "max_replicas": 2,
+    "target_ongoing_requests": 1,
+    "upscale_delay_s": 1,
+    "downscale_delay_s": 3600,
+    "metrics_interval_s": 0.5,
+    "look_back_period_s": 2,
+}
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with started(LocalCluster(tmp_path_factory.mktemp("scale"), policy={"name": "goodput"}, args_patch={
-        "target": {"num_cpus": 0.25, "autoscaling_config": AUTOSCALING},
-        "draft": {"enabled": False},
-        "engine": {"proposers": [{"name": "ngram"}, {"name": "suffix"}]},
-    })) as c:
+    with started(
+        LocalCluster(
+            tmp_path_factory.mktemp("scale"),
+            policy={"name": "goodput"},
+            args_patch={
+                "target": {"num_cpus": 0.25, "autoscaling_config": AUTOSCALING},
+                "draft": {"enabled": False},
+                "engine": {"proposers": [{"name": "ngram"}, {"name": "suffix"}]},
+            },
+        )
+    ) as c:
         yield c
 
 
-CONSTRAINED = {"response_format": {"type": "json_schema", "json_schema": {"name": "note", "schema": {
-    "type": "object", "properties": {"topic": {"type": "string", "maxLength": 30}, "words": {
-        "type": "array", "maxItems": 4, "items": {"type": "string", "maxLength": 12}}, "rating": {"enum": [1, 2, 3]}},
-    "required": ["topic", "words", "rating"], "additionalProperties": False}}}}
+CONSTRAINED = {
+    "response_format": {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "note",
+            "schema": {
+                "type": "object",
+                "properties": {
+                    "topic": {"type": "string", "maxLength": 30},
+                    "words": {"type": "array", "maxItems": 4, "items": {"type": "string", "maxLength": 12}},
+                    "rating": {"enum": [1, 2, 3]},
+                },
+                "required": ["topic", "words", "rating"],
+                "additionalProperties": False,
+            },
+        },
+    }
+}
 
 
 def body(content: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, **extra}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
 
 
 def stream(cluster, b: dict, stop: threading.Event | None = None) -> dict[str, Any]:
@@ -57,8 +94,7 @@ def stream(cluster, b: dict, stop: threading.Event | None = None) -> dict[str, A
     longest wait for a chunk (first included), errors."""
     text, err, done, gaps = "", None, False, []
     t = time.monotonic()
-    with httpx.stream("POST", f"{cluster.base_url}/v1/chat/completions", json={**b, "stream": True},
-                      timeout=300) as r:
+    with httpx.stream("POST", f"{cluster.base_url}/v1/chat/completions", json={**b, "stream": True}, timeout=300) as r:
         if r.status_code != 200:
             r.read()
             return {"status": r.status_code, "body": r.text}
@@ -89,8 +125,9 @@ def stream_openai(cluster, b: dict) -> dict[str, Any]:
     text, err, finish, gaps = "", None, None, []
     t = time.monotonic()
     try:
-        for ch in client.chat.completions.create(**{k: b[k] for k in std}, stream=True,
-                                                 extra_body={k: v for k, v in b.items() if k not in std}):
+        for ch in client.chat.completions.create(
+            **{k: b[k] for k in std}, stream=True, extra_body={k: v for k, v in b.items() if k not in std}
+        ):
             now = time.monotonic()
             gaps.append(now - t)
             t = now
@@ -136,8 +173,11 @@ def test_load_makes_serve_add_a_replica_and_the_router_sends_it_work(cluster, re
         print(f"scaled to 2 target replicas {took:.0f}s into the load")
         first = set(replicas(cluster))
         base = {r: v["output_tokens"] for r, v in replicas(cluster).items()}
-        wait_for(lambda: all(v["output_tokens"] > base.get(r, 0) for r, v in replicas(cluster).items()), 60,
-                 "both replicas writing tokens")
+        wait_for(
+            lambda: all(v["output_tokens"] > base.get(r, 0) for r, v in replicas(cluster).items()),
+            60,
+            "both replicas writing tokens",
+        )
         assert set(replicas(cluster)) == first
     finally:
         stop.set()
@@ -146,8 +186,11 @@ def test_load_makes_serve_add_a_replica_and_the_router_sends_it_work(cluster, re
 
 
 def test_a_burst_spreads_over_both_replicas(cluster, refs):
-    wait_for(lambda: len(replicas(cluster)) == 2 and all(v["running"] == 0 for v in replicas(cluster).values()),
-             60, "two idle replicas")
+    wait_for(
+        lambda: len(replicas(cluster)) == 2 and all(v["running"] == 0 for v in replicas(cluster).values()),
+        60,
+        "two idle replicas",
+    )
     before = {r: v["output_tokens"] for r, v in replicas(cluster).items()}
     got = run_all([lambda i=i: stream(cluster, body(PROMPTS[i % 4], 48)) for i in range(16)])
     for i in range(16):
@@ -182,8 +225,11 @@ def test_a_request_given_up_before_its_first_token_leaves_no_slot_in_use(cluster
     request's client gives up before its first token (the ingress's own timeout takes the same path:
     the call is cancelled end to end). The engine drops it at once; then every busy client hangs up
     mid-stream, and nothing is left in use afterwards."""
-    wait_for(lambda: len(replicas(cluster)) == 2 and all(v["running"] == 0 for v in replicas(cluster).values()),
-             60, "two idle replicas")
+    wait_for(
+        lambda: len(replicas(cluster)) == 2 and all(v["running"] == 0 for v in replicas(cluster).values()),
+        60,
+        "two idle replicas",
+    )
     per_replica, n = 8, 22  # max_num_seqs 8 (LocalCluster) on each of 2 replicas; the rest queue
     stop = threading.Event()
     # Plain decoding and long outputs: no busy request can finish during the few seconds checked below.
@@ -193,8 +239,11 @@ def test_a_request_given_up_before_its_first_token_leaves_no_slot_in_use(cluster
     def load() -> Any:
         """True once both replicas are full and every request arrived; else the (running, waiting) seen."""
         rs = replicas(cluster)
-        full = len(rs) == 2 and all(v["running"] == per_replica for v in rs.values()) \
+        full = (
+            len(rs) == 2
+            and all(v["running"] == per_replica for v in rs.values())
             and sum(v["running"] + v["waiting"] for v in rs.values()) == n
+        )
         return full or {r: (v["running"], v["waiting"]) for r, v in rs.items()}
 
     try:
@@ -216,45 +265,78 @@ def test_a_request_given_up_before_its_first_token_leaves_no_slot_in_use(cluster
         polling.set()
         poller.join()
         assert peak[0] == w0 + 1, f"the request never queued in an engine: {peak[0]} waiting at most, {w0} before"
-        waited = wait_for(lambda: sum(v["waiting"] for v in replicas(cluster).values()) == w0, 5,
-                          "the given-up request out of the queue", interval_s=0.1)
+        waited = wait_for(
+            lambda: sum(v["waiting"] for v in replicas(cluster).values()) == w0,
+            5,
+            "the given-up request out of the queue",
+            interval_s=0.1,
+        )
         print(f"a request given up while queued was gone from the engine {waited:.2f}s later")
     finally:
         stop.set()
         for t in ts:
             t.join(60)
-    assert all(isinstance(busy[i], dict) and busy[i]["status"] == 200 and busy[i]["error"] is None
-               for i in range(n)), busy
-    wait_for(lambda: all(v["running"] == 0 and v["waiting"] == 0 and v["kv_tokens_in_use"] == 0
-                         for v in replicas(cluster).values()), 30, "no slot in use")
+    assert all(isinstance(busy[i], dict) and busy[i]["status"] == 200 and busy[i]["error"] is None for i in range(n)), (
+        busy
+    )
+    wait_for(
+        lambda: all(
+            v["running"] == 0 and v["waiting"] == 0 and v["kv_tokens_in_use"] == 0 for v in replicas(cluster).values()
+        ),
+        30,
+        "no slot in use",
+    )
 
 
 def test_a_killed_target_replica_costs_no_stream(cluster, probe, refs):
     wait_for(lambda: len(replicas(cluster)) == 2, 120, "two target replicas")
     pids = {rid: probe.call("TargetWorker", "placement", replica_id=rid)["pid"] for rid in replicas(cluster)}
-    assert len(pids) == 2 and all(probe.call("TargetWorker", "placement", replica_id=rid)["replica_id"] == rid
-                                  for rid in pids)  # each call reached the replica it named
+    assert len(pids) == 2 and all(
+        probe.call("TargetWorker", "placement", replica_id=rid)["replica_id"] == rid for rid in pids
+    )  # each call reached the replica it named
     # half the streams are constrained: a stream resumed on the other replica continues under its grammar
     b = [body(PROMPTS[i % 4], 160, **(CONSTRAINED if i % 2 else {})) for i in range(8)]
     result: dict[int, Any] = {}
-    t = threading.Thread(target=lambda: result.update(run_all([lambda i=i: stream_openai(cluster, b[i]) for i in range(8)])),
-                         daemon=True)
+    t = threading.Thread(
+        target=lambda: result.update(run_all([lambda i=i: stream_openai(cluster, b[i]) for i in range(8)])), daemon=True
+    )
     t.start()
-    wait_for(lambda: sum(v["output_tokens"] > 0 and v["running"] for v in replicas(cluster).values()) >= 1
-             and sum(v["running"] for v in replicas(cluster).values()) >= 8, 120, "8 streams running", interval_s=0.1)
+    wait_for(
+        lambda: (
+            sum(v["output_tokens"] > 0 and v["running"] for v in replicas(cluster).values()) >= 1
+            and sum(v["running"] for v in replicas(cluster).values()) >= 8
+        ),
+        120,
+        "8 streams running",
+        interval_s=0.1,
+    )
     busiest = max(replicas(cluster).items(), key=lambda kv: kv[1]["running"])[0]
     n_on_it = replicas(cluster)[busiest]["running"]
     time.sleep(1.0)  # the streams are well into their output
     os.kill(pids[busiest], signal.SIGKILL)
     t.join(300)
-    full = {(p, c): httpx.post(f"{cluster.base_url}/v1/chat/completions", timeout=300,
-                               json=body(p, 160, speculation="off", **(CONSTRAINED if c else {})),
-                               ).json()["choices"][0]["message"]["content"] for p in PROMPTS for c in (0, 1)}
-    lost = [i for i in range(8) if isinstance(result.get(i), BaseException) or result[i]["status"] != 200
-            or result[i]["error"] is not None or not result[i]["done"]]
+    full = {
+        (p, c): httpx.post(
+            f"{cluster.base_url}/v1/chat/completions",
+            timeout=300,
+            json=body(p, 160, speculation="off", **(CONSTRAINED if c else {})),
+        ).json()["choices"][0]["message"]["content"]
+        for p in PROMPTS
+        for c in (0, 1)
+    }
+    lost = [
+        i
+        for i in range(8)
+        if isinstance(result.get(i), BaseException)
+        or result[i]["status"] != 200
+        or result[i]["error"] is not None
+        or not result[i]["done"]
+    ]
     changed = [i for i in range(8) if i not in lost and result[i]["text"] != full[PROMPTS[i % 4], i % 2]]
     assert all(json.loads(full[p, 1]) for p in PROMPTS)  # the constrained ones are whole JSON objects
     gap = max(r["max_gap_s"] for r in result.values() if isinstance(r, dict) and "max_gap_s" in r)
-    print(f"target replica killed with {n_on_it} of 8 streams on it: lost {lost}, changed {changed}; "
-          f"longest wait for a chunk {gap:.2f}s")
+    print(
+        f"target replica killed with {n_on_it} of 8 streams on it: lost {lost}, changed {changed}; "
+        f"longest wait for a chunk {gap:.2f}s"
+    )
     assert lost == [] and changed == []

@@ -70,14 +70,29 @@ def test_the_deadline_pace_accounts_for_the_slower_step_a_bigger_chunk_makes():
 
 
 def _req(rid: str, n_prompt: int, arrival: float) -> Request:
-    return Request(request_id=rid, prompt_ids=list(range(1, n_prompt + 1)), params=SamplingParams(max_tokens=8),
-                   proposer=None, speculation="auto", detok=None, generator=None, eos_token_ids=frozenset(),
-                   arrival_time=arrival)
+    return Request(
+        request_id=rid,
+        prompt_ids=list(range(1, n_prompt + 1)),
+        params=SamplingParams(max_tokens=8),
+        proposer=None,
+        speculation="auto",
+        detok=None,
+        generator=None,
+        eos_token_ids=frozenset(),
+        arrival_time=arrival,
+    )
 
 
 def _scheduler(cfg: SchedulerConfig, cost: StepCostModel, ks: int = 0, cap: int = 256) -> Scheduler:
-    return Scheduler(cfg, max_num_seqs=8, max_num_batched_tokens=cap, cost_model=cost,
-                     decide_k=lambda reqs, budget: [ks] * len(reqs), kv=KVCacheManager(1000, 16), clock=lambda: 10.0)
+    return Scheduler(
+        cfg,
+        max_num_seqs=8,
+        max_num_batched_tokens=cap,
+        cost_model=cost,
+        decide_k=lambda reqs, budget: [ks] * len(reqs),
+        kv=KVCacheManager(1000, 16),
+        clock=lambda: 10.0,
+    )
 
 
 def _decoding(s: Scheduler, n: int) -> list[Request]:
@@ -141,8 +156,19 @@ def test_scheduler_keys_are_validated_with_a_clear_error():
 def _run_simulated(tiny_loaded, sched: SchedulerConfig, cost: TableCost, long_prompt: int):
     """Three streams decode; a long prompt arrives. Time advances by each step's predicted cost.
     Returns (time to the long prompt's first token, every step's predicted seconds while streams decode)."""
-    eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=1024, max_num_batched_tokens=1024,
-                                 proposers=[], scheduler=sched), tiny_loaded, decide=fixed_k(0), cost_model=cost)
+    eng = LLMEngine(
+        EngineConfig(
+            dtype="float32",
+            max_num_seqs=4,
+            max_model_len=1024,
+            max_num_batched_tokens=1024,
+            proposers=[],
+            scheduler=sched,
+        ),
+        tiny_loaded,
+        decide=fixed_k(0),
+        cost_model=cost,
+    )
     now = [0.0]
     eng.scheduler.clock = lambda: now[0]
     for i, p in enumerate(rand_prompts(3, 3, 6, 6)):
@@ -177,7 +203,9 @@ def test_a_prompt_that_would_miss_its_ttft_takes_more_of_the_step(tiny_loaded):
     # goal makes the chunks bigger and the steps longer than 35 ms, and the first token comes in time.
     ttft, steps = _run_simulated(tiny_loaded, SchedulerConfig(target_itl_ms=35, max_ttft_ms=200), cost, 600)
     assert ttft <= 0.200 and max(steps) > 0.035
-    ttft_loose, steps_loose = _run_simulated(tiny_loaded, SchedulerConfig(target_itl_ms=35, max_ttft_ms=5000), cost, 600)
+    ttft_loose, steps_loose = _run_simulated(
+        tiny_loaded, SchedulerConfig(target_itl_ms=35, max_ttft_ms=5000), cost, 600
+    )
     assert max(steps_loose) <= 0.035 + 1e-9 and ttft_loose > 0.4  # a loose goal leaves the ITL target alone
 
 
@@ -185,12 +213,23 @@ def test_output_is_unchanged_by_any_scheduling_choice(tiny_loaded):
     """Greedy and seeded outputs are bit-identical whatever the chunking: different latency budgets,
     TTFT goals and token caps feed the prompts in different chunks next to different batches."""
     prompts = rand_prompts(6, 11, 20, 120)
-    params = [{"max_tokens": 24, "ignore_eos": True},
-              {"max_tokens": 24, "ignore_eos": True, "temperature": 0.9, "seed": 5}]
+    params = [
+        {"max_tokens": 24, "ignore_eos": True},
+        {"max_tokens": 24, "ignore_eos": True, "temperature": 0.9, "seed": 5},
+    ]
 
     def run(sched: SchedulerConfig, cap: int) -> tuple[dict, list[int]]:
-        eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512, max_num_batched_tokens=cap,
-                                     proposers=[{"name": "ngram"}], scheduler=sched), tiny_loaded)
+        eng = LLMEngine(
+            EngineConfig(
+                dtype="float32",
+                max_num_seqs=4,
+                max_model_len=512,
+                max_num_batched_tokens=cap,
+                proposers=[{"name": "ngram"}],
+                scheduler=sched,
+            ),
+            tiny_loaded,
+        )
         outs: dict[str, list[int]] = {}
         chunks: list[int] = []
         pending = [(f"r{i}", p, params[i % 2]) for i, p in enumerate(prompts)]
@@ -205,9 +244,11 @@ def test_output_is_unchanged_by_any_scheduling_choice(tiny_loaded):
 
     ref, ref_chunks = run(SchedulerConfig(target_itl_ms=60_000), 512)  # every prompt in one chunk
     seen = {tuple(ref_chunks)}
-    for sched, cap in [(SchedulerConfig(target_itl_ms=0.001, max_ttft_ms=2000), 64),
-                       (SchedulerConfig(itl_ratio=1.0, max_ttft_ms=3_600_000), 32),  # a token per step
-                       (SchedulerConfig(), 256)]:
+    for sched, cap in [
+        (SchedulerConfig(target_itl_ms=0.001, max_ttft_ms=2000), 64),
+        (SchedulerConfig(itl_ratio=1.0, max_ttft_ms=3_600_000), 32),  # a token per step
+        (SchedulerConfig(), 256),
+    ]:
         got, chunks = run(sched, cap)
         assert got == ref
         seen.add(tuple(chunks))

@@ -13,7 +13,6 @@ import random
 from typing import Any, Sequence
 
 import pytest
-import torch
 from pydantic import ValidationError
 
 from tests.test_engine import rand_prompts
@@ -240,10 +239,20 @@ def test_draft_with_restricted_vocabulary_keeps_greedy_output(tiny_loaded):
     prompts = rand_prompts(4, seed=27)
     params = {"max_tokens": 16, "ignore_eos": True}
     V = tiny_loaded.model.config.vocab_size
-    prop = DraftModelProposer(model=tiny_loaded.model, num_slots=4, max_model_len=MAX_LEN, target_vocab_size=V,
-                              vocab_ids=list(range(0, V, 2)))
-    eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=MAX_LEN, num_speculative_tokens=4,
-                                 proposers=[{"name": "draft_model"}]), tiny_loaded, proposers={"draft_model": prop})
+    prop = DraftModelProposer(
+        model=tiny_loaded.model, num_slots=4, max_model_len=MAX_LEN, target_vocab_size=V, vocab_ids=list(range(0, V, 2))
+    )
+    eng = LLMEngine(
+        EngineConfig(
+            dtype="float32",
+            max_num_seqs=4,
+            max_model_len=MAX_LEN,
+            num_speculative_tokens=4,
+            proposers=[{"name": "draft_model"}],
+        ),
+        tiny_loaded,
+        proposers={"draft_model": prop},
+    )
     res = run(eng, prompts, params, speculation="on", proposer="draft_model")
     assert [r["tokens"] for r in res.values()] == plain(tiny_loaded, prompts, params)
     st = eng.stats["draft_model"]
@@ -432,7 +441,9 @@ def test_draft_with_other_vocabulary_rejected(tiny_loaded):
     unchecked = DraftModelProposer(model=small, num_slots=2, max_model_len=MAX_LEN)
     with pytest.raises(ValueError, match="vocab"):
         LLMEngine(
-            EngineConfig(dtype="float32", max_num_seqs=2, max_model_len=MAX_LEN), tiny_loaded, proposers={"draft_model": unchecked}
+            EngineConfig(dtype="float32", max_num_seqs=2, max_model_len=MAX_LEN),
+            tiny_loaded,
+            proposers={"draft_model": unchecked},
         )
 
 
@@ -497,8 +508,13 @@ def test_smollm2_greedy_identical_for_every_k_and_batch(smollm2_loaded):
     eng = LLMEngine(
         EngineConfig(dtype="float32", max_num_seqs=32, max_model_len=512, num_speculative_tokens=8),
         loaded,
-        proposers={"ngram": NgramProposer(), "suffix": SuffixProposer(), "draft_model": DraftModelProposer(
-            model=loaded.model, num_slots=32, max_model_len=512, target_vocab_size=loaded.model.config.vocab_size)},
+        proposers={
+            "ngram": NgramProposer(),
+            "suffix": SuffixProposer(),
+            "draft_model": DraftModelProposer(
+                model=loaded.model, num_slots=32, max_model_len=512, target_vocab_size=loaded.model.config.vocab_size
+            ),
+        },
         decide=lambda snap, cands: [0 if c.speculation == "off" else min(k_now["k"], c.k_max) for c in cands],
     )
     texts = CHAT + COPY

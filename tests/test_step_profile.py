@@ -10,9 +10,11 @@ from workers.engine import LLMEngine
 
 
 def test_trace_entries_become_steps_with_their_prompt_tokens():
-    entries = [{"ks": [0, 0, 3], "tokens": 40, "seconds": 0.05, "requests": None},  # 3 decoding, 3 drafts, 34 prompt
-               {"ks": [], "tokens": 128, "seconds": 0.2, "requests": None},  # a lone prefill
-               {"ks": [0, 0], "tokens": 2, "seconds": 0.02, "requests": 2}]
+    entries = [
+        {"ks": [0, 0, 3], "tokens": 40, "seconds": 0.05, "requests": None},  # 3 decoding, 3 drafts, 34 prompt
+        {"ks": [], "tokens": 128, "seconds": 0.2, "requests": None},  # a lone prefill
+        {"ks": [0, 0], "tokens": 2, "seconds": 0.02, "requests": 2},
+    ]
     steps = from_trace(entries)
     assert steps == [Step(40, 0.05, 3, 3), Step(128, 0.2, 0, 0), Step(2, 0.02, 2, 0)]
     assert [s.prompt for s in steps] == [34, 128, 0]
@@ -27,8 +29,13 @@ def test_since_takes_the_last_steps_and_says_when_the_trace_dropped_some():
 
 
 def test_summary_from_hand_written_steps():
-    steps = [Step(16, 0.030, 16, 0), Step(16, 0.034, 16, 0), Step(48, 0.060, 16, 0),  # two decode-only, one mixed
-             Step(20, 0.040, 4, 16), Step(128, 0.100, 0, 0)]  # a verify step, a lone prefill
+    steps = [
+        Step(16, 0.030, 16, 0),
+        Step(16, 0.034, 16, 0),
+        Step(48, 0.060, 16, 0),  # two decode-only, one mixed
+        Step(20, 0.040, 4, 16),
+        Step(128, 0.100, 0, 0),
+    ]  # a verify step, a lone prefill
     s = summarize(steps)
     assert s["num_steps"] == 5
     assert s["step_ms_mean"] == pytest.approx(1e3 * (0.030 + 0.034 + 0.060 + 0.040 + 0.100) / 5)
@@ -47,8 +54,10 @@ def test_summary_from_hand_written_steps():
 def test_recorder_sees_every_token_the_engine_fed(tiny_loaded):
     """On a real (tiny) engine: the prompt tokens and decode rows the recorder saw add up to the
     requests' prompts and outputs, whatever the chunking."""
-    eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=256, proposers=[],
-                                 max_num_batched_tokens=16), tiny_loaded)
+    eng = LLMEngine(
+        EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=256, proposers=[], max_num_batched_tokens=16),
+        tiny_loaded,
+    )
     rec = StepRecorder(eng)
     eng.on_step = rec
     prompts = {"a": list(range(5, 45)), "b": list(range(7, 30))}  # 40 and 23 tokens: several 16-token chunks

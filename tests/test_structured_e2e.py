@@ -31,11 +31,17 @@ class City(BaseModel):
     capital: bool
 
 
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "email": {"type": "string", "pattern": "^[a-z]{1,10}@[a-z]{1,10}\\.com$"},
-    "skills": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 12}}},
-    "required": ["name", "age", "email", "skills"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "email": {"type": "string", "pattern": "^[a-z]{1,10}@[a-z]{1,10}\\.com$"},
+        "skills": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 12}},
+    },
+    "required": ["name", "age", "email", "skills"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +65,14 @@ def test_openai_parse_with_a_pydantic_model_on_every_path(client):
     msgs = [{"role": "user", "content": "Describe Paris as JSON."}]
     outs = {}
     for mode in ("off", "on", "auto"):
-        r = client.chat.completions.parse(model=MODEL, messages=msgs, response_format=City, max_tokens=96,
-                                          temperature=0, extra_body={"speculation": mode})
+        r = client.chat.completions.parse(
+            model=MODEL,
+            messages=msgs,
+            response_format=City,
+            max_tokens=96,
+            temperature=0,
+            extra_body={"speculation": mode},
+        )
         assert r.choices[0].finish_reason == "stop"
         city = r.choices[0].message.parsed
         assert isinstance(city, City)
@@ -80,14 +92,21 @@ def test_json_schema_streamed_and_not_validates_and_matches(client, temperature,
     whole = ask(client, "Invent a person.", **kw, extra_body={"speculation": "off"})
     text = whole.choices[0].message.content
     jsonschema.validate(json.loads(text), PERSON)
-    streamed = "".join(c.choices[0].delta.content or "" for c in ask(
-        client, "Invent a person.", **kw, stream=True, extra_body={"speculation": "on"}) if c.choices)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in ask(client, "Invent a person.", **kw, stream=True, extra_body={"speculation": "on"})
+        if c.choices
+    )
     assert streamed == text
 
 
 def test_json_object_regex_choice_and_grammar(client, cluster):
-    obj = ask(client, "Give me a JSON object with a dog's name and age.", response_format={"type": "json_object"},
-              max_tokens=160)
+    obj = ask(
+        client,
+        "Give me a JSON object with a dog's name and age.",
+        response_format={"type": "json_object"},
+        max_tokens=160,
+    )
     if obj.choices[0].finish_reason == "stop":  # a small model may ramble inside a free string until the cut
         assert isinstance(json.loads(obj.choices[0].message.content), dict)
     else:
@@ -97,10 +116,17 @@ def test_json_object_regex_choice_and_grammar(client, cluster):
     assert len(content) == 14 and content[0] == "(" and content[9] == "-"
     ch = ask(client, "Is the sky blue?", extra_body={"structured_outputs": {"choice": ["yes", "no", "unsure"]}})
     assert ch.choices[0].message.content in ("yes", "no", "unsure")
-    gr = ask(client, "Count.", extra_body={"structured_outputs": {"grammar": 'start: "one" (", " NUM)~1..3\nNUM: /[0-9]/'}})
+    gr = ask(
+        client, "Count.", extra_body={"structured_outputs": {"grammar": 'start: "one" (", " NUM)~1..3\nNUM: /[0-9]/'}}
+    )
     assert gr.choices[0].message.content.startswith("one, ")
-    comp = client.completions.create(model=MODEL, prompt="The answer is", max_tokens=8, temperature=0,
-                                     extra_body={"structured_outputs": {"choice": ["42", "unknown"]}})
+    comp = client.completions.create(
+        model=MODEL,
+        prompt="The answer is",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"structured_outputs": {"choice": ["42", "unknown"]}},
+    )
     assert comp.choices[0].text in ("42", "unknown")
 
 
@@ -110,8 +136,11 @@ BAD = [
     ({"structured_outputs": {"regex": "([a-z"}}, "structured_outputs.regex", ""),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
     ({"structured_outputs": {"grammar": "start: nowhere"}}, "structured_outputs.grammar", ""),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
-     "response_format.json_schema", ""),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+        "response_format.json_schema",
+        "",
+    ),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "response_format", "not both"),
 ]
 
@@ -119,8 +148,11 @@ BAD = [
 def test_bad_constraints_are_a_400_naming_the_field_and_neighbours_go_on(cluster, client):
     ts, out = in_threads([lambda: ask(client, "Write a long story about a cat.", max_tokens=48)])
     for body, param, words in BAD:
-        r = httpx.post(f"{cluster.base_url}/v1/chat/completions", timeout=60, json={
-            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, **body})
+        r = httpx.post(
+            f"{cluster.base_url}/v1/chat/completions",
+            timeout=60,
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, **body},
+        )
         assert r.status_code == 400, (body, r.text)
         err = r.json()["error"]
         assert err["param"] == param and words in err["message"], (body, err)
@@ -130,24 +162,36 @@ def test_bad_constraints_are_a_400_naming_the_field_and_neighbours_go_on(cluster
 
 
 def test_length_cut_says_length(client):
-    r = ask(client, "Invent a person.", max_tokens=5,
-            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
+    r = ask(
+        client,
+        "Invent a person.",
+        max_tokens=5,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+    )
     assert r.choices[0].finish_reason == "length"
     with pytest.raises(openai.LengthFinishReasonError):
-        client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Paris?"}],
-                                      response_format=City, max_tokens=5)
+        client.chat.completions.parse(
+            model=MODEL, messages=[{"role": "user", "content": "Paris?"}], response_format=City, max_tokens=5
+        )
 
 
 def test_litellm_and_langchain_structured_output(cluster):
     import litellm
     from langchain_openai import ChatOpenAI
 
-    r = litellm.completion(model=f"openai/{MODEL}", api_base=f"{cluster.base_url}/v1", api_key="unused",
-                           messages=[{"role": "user", "content": "Describe Tokyo."}], max_tokens=96, temperature=0,
-                           response_format=City)
+    r = litellm.completion(
+        model=f"openai/{MODEL}",
+        api_base=f"{cluster.base_url}/v1",
+        api_key="unused",
+        messages=[{"role": "user", "content": "Describe Tokyo."}],
+        max_tokens=96,
+        temperature=0,
+        response_format=City,
+    )
     City.model_validate_json(r.choices[0].message.content)
-    llm = ChatOpenAI(model=MODEL, base_url=f"{cluster.base_url}/v1", api_key="unused", temperature=0, max_tokens=96,
-                     max_retries=0)
+    llm = ChatOpenAI(
+        model=MODEL, base_url=f"{cluster.base_url}/v1", api_key="unused", temperature=0, max_tokens=96, max_retries=0
+    )
     city = llm.with_structured_output(City, method="json_schema").invoke("Describe Rome.")
     assert isinstance(city, City)
 
@@ -163,15 +207,31 @@ class GetWeather(BaseModel):
 
 
 WEATHER = openai.pydantic_function_tool(GetWeather, name="get_weather")
-TIME = {"type": "function", "function": {"name": "get_time", "description": "The time in a time zone.",
-                                         "parameters": {"type": "object", "properties": {
-                                             "zone": {"type": "string", "maxLength": 20}}, "required": ["zone"]}}}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time in a time zone.",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 20}},
+            "required": ["zone"],
+        },
+    },
+}
 WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 def test_required_and_named_tool_choice_return_valid_calls(client):
-    r = client.chat.completions.create(model=MODEL, messages=WEATHER_Q, tools=[WEATHER, TIME], tool_choice="required",
-                                       max_tokens=64, temperature=0, parallel_tool_calls=False)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=WEATHER_Q,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        max_tokens=64,
+        temperature=0,
+        parallel_tool_calls=False,
+    )
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
@@ -180,17 +240,29 @@ def test_required_and_named_tool_choice_return_valid_calls(client):
     if call.function.name == "get_weather":
         GetWeather.model_validate(args)
     assert r.usage.model_extra["speculation"]["grammar_draft_tokens"] > 3  # the call's envelope was forced
-    named = client.chat.completions.create(model=MODEL, messages=WEATHER_Q, tools=[WEATHER, TIME], max_tokens=64,
-                                           tool_choice={"type": "function", "function": {"name": "get_time"}},
-                                           temperature=0)
+    named = client.chat.completions.create(
+        model=MODEL,
+        messages=WEATHER_Q,
+        tools=[WEATHER, TIME],
+        max_tokens=64,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        temperature=0,
+    )
     assert [c.function.name for c in named.choices[0].message.tool_calls] == ["get_time"]
     assert "zone" in json.loads(named.choices[0].message.tool_calls[0].function.arguments)
 
 
 def test_streamed_tool_calls_assemble_to_the_whole_answer(client):
     # one call: with parallel calls allowed, this small model repeats its call block until max_tokens
-    kw = dict(model=MODEL, messages=WEATHER_Q, tools=[WEATHER], tool_choice="required", max_tokens=64, temperature=0,
-              parallel_tool_calls=False)
+    kw = dict(
+        model=MODEL,
+        messages=WEATHER_Q,
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=64,
+        temperature=0,
+        parallel_tool_calls=False,
+    )
     whole = client.chat.completions.create(**kw)
     with client.chat.completions.stream(**kw) as stream:
         deltas = [e for e in stream if e.type == "tool_calls.function.arguments.delta"]
@@ -203,16 +275,22 @@ def test_streamed_tool_calls_assemble_to_the_whole_answer(client):
 
 
 def test_a_tool_result_round_trip_and_auto(client):
-    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
-                                                              "arguments": '{"city": "Paris", "unit": "celsius"}'}}
-    msgs = WEATHER_Q + [{"role": "assistant", "content": None, "tool_calls": [call]},
-                        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}]
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+    }
+    msgs = WEATHER_Q + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"},
+    ]
     r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER], max_tokens=40, temperature=0)
     choice = r.choices[0]
     assert choice.finish_reason in ("stop", "length", "tool_calls")
     assert choice.message.content or choice.message.tool_calls
-    none = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER], tool_choice="none",
-                                          max_tokens=24, temperature=0)
+    none = client.chat.completions.create(
+        model=MODEL, messages=msgs, tools=[WEATHER], tool_choice="none", max_tokens=24, temperature=0
+    )
     assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
 
 
@@ -220,15 +298,17 @@ def test_langchain_bind_tools_and_function_calling_structured_output(cluster):
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(model=MODEL, base_url=f"{cluster.base_url}/v1", api_key="unused", temperature=0, max_tokens=64,
-                     max_retries=0)
+    llm = ChatOpenAI(
+        model=MODEL, base_url=f"{cluster.base_url}/v1", api_key="unused", temperature=0, max_tokens=64, max_retries=0
+    )
     bound = llm.bind_tools([GetWeather], tool_choice="GetWeather")
     ai = bound.invoke([HumanMessage("Weather in Oslo?")])
     (tc,) = ai.tool_calls
     assert tc["name"] == "GetWeather"
     GetWeather.model_validate(tc["args"])
-    after = llm.bind_tools([GetWeather]).invoke([HumanMessage("Weather in Oslo?"), ai,
-                                                 ToolMessage("2 degrees, snow", tool_call_id=tc["id"])])
+    after = llm.bind_tools([GetWeather]).invoke(
+        [HumanMessage("Weather in Oslo?"), ai, ToolMessage("2 degrees, snow", tool_call_id=tc["id"])]
+    )
     assert after.content or after.tool_calls
     city = llm.with_structured_output(City, method="function_calling").invoke("Describe Madrid.")
     assert isinstance(city, City)

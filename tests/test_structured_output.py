@@ -31,19 +31,43 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # Bounded strings and arrays: a random tiny model must still finish its object within max_tokens.
 SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                      "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                      "color": {"enum": ["red", "green", "blue"]}},
-     "required": ["name", "age", "color"], "additionalProperties": False},
-    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 2, "items": {
-        "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
-                                         "ok": {"type": "boolean"}},
-        "required": ["id", "ok"], "additionalProperties": False}}},
-     "required": ["items"], "additionalProperties": False},
-    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
-                                      "note": {"type": "string", "maxLength": 4},
-                                      "score": {"type": "number", "minimum": 0, "maximum": 1}},
-     "required": ["code"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "color": {"enum": ["red", "green", "blue"]},
+        },
+        "required": ["name", "age", "color"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "maxItems": 2,
+                "items": {
+                    "type": "object",
+                    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
+                    "required": ["id", "ok"],
+                    "additionalProperties": False,
+                },
+            }
+        },
+        "required": ["items"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+            "note": {"type": "string", "maxLength": 4},
+            "score": {"type": "number", "minimum": 0, "maximum": 1},
+        },
+        "required": ["code"],
+        "additionalProperties": False,
+    },
 ]
 GREEDY = {"max_tokens": 64}
 SEEDED = {"max_tokens": 64, "temperature": 1.3, "top_p": 0.95, "seed": 77}
@@ -86,9 +110,18 @@ def test_constrained_output_is_identical_on_every_path(tiny_loaded, draft_loaded
     for kind in KINDS:
         for decide in ("policy", "switch"):  # the grammar's drafts always taken / K switched 0..8 every step
             name, prop = make_proposer(kind, tiny_loaded, draft_loaded, num_slots=16)
-            eng = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=16, max_model_len=MAX_LEN, num_speculative_tokens=8,
-                                         proposers=[{"name": name}]), tiny_loaded, proposers={name: prop},
-                            decide=Switcher() if decide == "switch" else None)
+            eng = LLMEngine(
+                EngineConfig(
+                    dtype=dtype,
+                    max_num_seqs=16,
+                    max_model_len=MAX_LEN,
+                    num_speculative_tokens=8,
+                    proposers=[{"name": name}],
+                ),
+                tiny_loaded,
+                proposers={name: prop},
+                decide=Switcher() if decide == "switch" else None,
+            )
             for j, (p, sp) in enumerate(zip(extra, extra_params)):
                 eng.add_request(f"n{j}", p, sp, speculation="on", proposer=name)
             for i, (p, sp) in enumerate(reqs):
@@ -107,8 +140,11 @@ def test_speculation_off_auto_and_on_write_the_same_constrained_tokens(tiny_load
     reqs = [(p, {**SEEDED, "structured": json_spec(SCHEMAS[0])}) for p in prompts(4, 5)]
     outs = {}
     for mode in ("off", "auto", "on"):
-        eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=MAX_LEN), tiny_loaded,
-                        proposers={"ngram": NgramProposer()})
+        eng = LLMEngine(
+            EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=MAX_LEN),
+            tiny_loaded,
+            proposers={"ngram": NgramProposer()},
+        )
         outs[mode] = eng.generate([p for p, _ in reqs], reqs[0][1], speculation=mode)
         if mode == "off":  # held plain: not even the grammar's free drafts
             assert "grammar" not in eng.stats
@@ -124,8 +160,13 @@ def test_grammar_drafts_need_no_proposer(tiny_loaded):
     eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=MAX_LEN, proposers=[]), tiny_loaded)
     out = eng.generate(ps, sp)
     assert eng.stats["grammar"].num_draft_tokens > 0
-    cfg = EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=MAX_LEN, proposers=[],
-                       structured_outputs=StructuredOutputsConfig(max_forced_tokens=0))
+    cfg = EngineConfig(
+        dtype="float32",
+        max_num_seqs=4,
+        max_model_len=MAX_LEN,
+        proposers=[],
+        structured_outputs=StructuredOutputsConfig(max_forced_tokens=0),
+    )
     eng0 = LLMEngine(cfg, tiny_loaded)
     assert eng0.generate(ps, sp) == out
     assert "grammar" not in eng0.stats  # max_forced_tokens 0: the knob turns grammar drafts off
@@ -144,9 +185,16 @@ def test_drafts_are_cut_at_the_first_refused_token(tiny_loaded):
     sp = {**GREEDY, "structured": json_spec(SCHEMAS[0])}
     ps = prompts(3, 11)
     ref = alone(tiny_loaded, "float32", [(p, sp) for p in ps])
-    eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=MAX_LEN,
-                                 structured_outputs=StructuredOutputsConfig(max_forced_tokens=0)),
-                    tiny_loaded, proposers={"ngram": Wrong()})
+    eng = LLMEngine(
+        EngineConfig(
+            dtype="float32",
+            max_num_seqs=4,
+            max_model_len=MAX_LEN,
+            structured_outputs=StructuredOutputsConfig(max_forced_tokens=0),
+        ),
+        tiny_loaded,
+        proposers={"ngram": Wrong()},
+    )
     assert eng.generate(ps, sp, speculation="on") == ref
     assert eng.stats["ngram"].num_draft_tokens == 0  # all cut: nothing refused reached the verify
 
@@ -212,15 +260,20 @@ def test_constrained_sampling_follows_the_masked_distribution(tiny_loaded):
 def test_a_resumed_constrained_stream_continues_identically(tiny_loaded, params):
     sp = {**params, "structured": json_spec(SCHEMAS[1])}
     p = prompts(1, 13)[0]
-    eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=2, max_model_len=MAX_LEN), tiny_loaded,
-                    proposers={"ngram": NgramProposer()})
+    eng = LLMEngine(
+        EngineConfig(dtype="float32", max_num_seqs=2, max_model_len=MAX_LEN),
+        tiny_loaded,
+        proposers={"ngram": NgramProposer()},
+    )
     full = eng.generate([p], sp)[0]
     assert len(full) > 6
     # past the grammar's end, ignore_eos writes EOS after EOS: a resume there continues too
     eos_run = eng.generate([p], {**sp, "ignore_eos": True, "max_tokens": len(full) + 6})[0]
     assert eos_run[: len(full)] == full and len(eos_run) == len(full) + 6
     for cut in (1, len(full) + 2):
-        eng.add_request("eos", p, {**sp, "ignore_eos": True, "max_tokens": len(full) + 6}, resume_output_ids=eos_run[:cut])
+        eng.add_request(
+            "eos", p, {**sp, "ignore_eos": True, "max_tokens": len(full) + 6}, resume_output_ids=eos_run[:cut]
+        )
         rest_eos: list[int] = []
         while eng.has_work():
             for o in eng.step():
@@ -248,14 +301,25 @@ def test_hitting_max_tokens_finishes_with_length(tiny_loaded):
     assert reasons[-1] == "length"
 
 
-@pytest.mark.parametrize("spec,needle", [
-    ({"kind": "regex", "value": "([a-z", "param": "structured_outputs.regex"}, "structured_outputs.regex"),
-    ({"kind": "json", "value": '{"type": "object", "properties": {"a": {"type": "strin"}}}',
-      "param": "response_format"}, "response_format"),
-    ({"kind": "json", "value": "{not json", "param": "response_format"}, "response_format"),
-    ({"kind": "grammar", "value": "start: undefined_rule", "param": "structured_outputs.grammar"},
-     "structured_outputs.grammar"),
-])
+@pytest.mark.parametrize(
+    "spec,needle",
+    [
+        ({"kind": "regex", "value": "([a-z", "param": "structured_outputs.regex"}, "structured_outputs.regex"),
+        (
+            {
+                "kind": "json",
+                "value": '{"type": "object", "properties": {"a": {"type": "strin"}}}',
+                "param": "response_format",
+            },
+            "response_format",
+        ),
+        ({"kind": "json", "value": "{not json", "param": "response_format"}, "response_format"),
+        (
+            {"kind": "grammar", "value": "start: undefined_rule", "param": "structured_outputs.grammar"},
+            "structured_outputs.grammar",
+        ),
+    ],
+)
 def test_bad_grammars_are_refused_by_name_and_others_go_on(tiny_loaded, spec, needle):
     eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=2, max_model_len=MAX_LEN), tiny_loaded)
     eng.add_request("ok", prompts(1, 1)[0], {"max_tokens": 8, "structured": json_spec(SCHEMAS[0])})
@@ -270,8 +334,10 @@ def test_bad_grammars_are_refused_by_name_and_others_go_on(tiny_loaded, spec, ne
 
 def test_size_and_time_bounds(tiny_loaded):
     tok = tiny_loaded.tokenizer
-    big = {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": "^[a-z]{1,30}[0-9]+$"}
-                                            for i in range(400)}}
+    big = {
+        "type": "object",
+        "properties": {f"k{i}": {"type": "string", "pattern": "^[a-z]{1,30}[0-9]+$"} for i in range(400)},
+    }
     rt = GrammarRuntime(tok, 49152, [tok.eos_token_id], StructuredOutputsConfig(max_spec_bytes=1000))
     with pytest.raises(InvalidRequestError, match="above this server's limit"):
         rt.compile(StructuredOutput(**json_spec(big)))
@@ -292,8 +358,11 @@ def test_hostile_constraints_are_bounded(tiny_loaded):
         schema: dict = {"type": "string"}
         for _ in range(depth):
             schema = {"type": "object", "properties": {"a": schema}}
-        text = json.dumps(schema) if depth < 400 else "{" + '"type":"object","properties":{"a":{' * depth + "}" * (
-            2 * depth + 1)
+        text = (
+            json.dumps(schema)
+            if depth < 400
+            else "{" + '"type":"object","properties":{"a":{' * depth + "}" * (2 * depth + 1)
+        )
         with pytest.raises(InvalidRequestError, match="response_format"):
             rt.compile(StructuredOutput(kind="json", value=text, param="response_format"))
 
@@ -310,10 +379,16 @@ def test_compiled_grammars_are_cached_by_source(tiny_loaded):
 def test_objects_are_closed_unless_the_schema_opens_them():
     from workers.json_schema import close_objects
 
-    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
-                                               "properties": {"type": "string"}},
-              "$defs": {"d": {"properties": {"x": {}}, "patternProperties": {"^y": {}}}},
-              "anyOf": [{"properties": {"z": {}}}], "allOf": [{"properties": {"w": {}}}]}
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+            "properties": {"type": "string"},
+        },
+        "$defs": {"d": {"properties": {"x": {}}, "patternProperties": {"^y": {}}}},
+        "anyOf": [{"properties": {"z": {}}}],
+        "allOf": [{"properties": {"w": {}}}],
+    }
     closed = close_objects(schema)
     assert closed["additionalProperties"] is False
     assert closed["properties"]["a"]["additionalProperties"] is False
@@ -336,8 +411,11 @@ def test_closed_objects_knob_lets_extra_keys_in(tiny_loaded):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype,sampling", [("float32", {}), ("bfloat16", {"temperature": 0.7, "seed": 5})],
-                         ids=["float32-greedy", "bfloat16-seeded"])
+@pytest.mark.parametrize(
+    "dtype,sampling",
+    [("float32", {}), ("bfloat16", {"temperature": 0.7, "seed": 5})],
+    ids=["float32-greedy", "bfloat16-seeded"],
+)
 def test_smollm2_schema_suite_is_valid_and_identical_on_every_path(smollm2_loaded, dtype, sampling):
     """The real model on the shared schema suite (benchmarks/schema_suite.py): every output that ends by
     itself validates (greedy in fp32, T=0.7 in bf16), and speculation (grammar drafts + n-gram) leaves every token as
@@ -346,13 +424,17 @@ def test_smollm2_schema_suite_is_valid_and_identical_on_every_path(smollm2_loade
     those end with "length", as with OpenAI, and most of the suite must still end by itself."""
     from benchmarks.schema_suite import SCHEMAS, chat_messages
 
-    eng = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=len(SCHEMAS), max_model_len=1024), smollm2_loaded,
-                    proposers={"ngram": NgramProposer()})
+    eng = LLMEngine(
+        EngineConfig(dtype=dtype, max_num_seqs=len(SCHEMAS), max_model_len=1024),
+        smollm2_loaded,
+        proposers={"ngram": NgramProposer()},
+    )
     prompts = [eng.tokenize_chat(chat_messages(c)) for c in SCHEMAS]
     outs = {}
     for mode in ("off", "on"):
-        reqs = [(p, {"max_tokens": 320, **sampling, "structured": json_spec(c.schema)})
-                for p, c in zip(prompts, SCHEMAS)]
+        reqs = [
+            (p, {"max_tokens": 320, **sampling, "structured": json_spec(c.schema)}) for p, c in zip(prompts, SCHEMAS)
+        ]
         for i, (p, sp) in enumerate(reqs):
             eng.add_request(f"{mode}{i}", p, sp, speculation=mode, proposer="ngram")
         tokens: dict[str, list[int]] = {}

@@ -42,9 +42,18 @@ def test_window_rate_is_each_replicas_own_rate_over_its_snapshot_times():
 
 
 def window(mode: str, rnd: int, tok_s: float, t0: float, seconds: float = 6.0) -> dict:
-    return {"mode": mode, "round": rnd, "t_switch": t0, "t_a": t0 + 2, "t_b": t0 + 2 + seconds,
-            "tok_s": tok_s, "seconds": seconds, "spec_request_steps": 1, "plain_request_steps": 1,
-            "view_age_max_ms": 60.0}
+    return {
+        "mode": mode,
+        "round": rnd,
+        "t_switch": t0,
+        "t_a": t0 + 2,
+        "t_b": t0 + 2 + seconds,
+        "tok_s": tok_s,
+        "seconds": seconds,
+        "spec_request_steps": 1,
+        "plain_request_steps": 1,
+        "view_age_max_ms": 60.0,
+    }
 
 
 def test_latencies_go_to_the_window_they_happen_in():
@@ -69,7 +78,7 @@ def test_bar_pooled_over_all_windows_and_paired_within_rounds():
     t = 0.0
     # a machine that slows down by half in round 2: goodput level with always within every round
     for rnd, speed in enumerate([1.0, 1.0, 0.5]):
-        for _, mode in rotation(MODES, 3)[3 * rnd: 3 * rnd + 3]:
+        for _, mode in rotation(MODES, 3)[3 * rnd : 3 * rnd + 3]:
             rate = {"never": 50.0, "always": 80.0, "goodput": 80.0}[mode] * speed
             ws.append(window(mode, rnd, rate, t, seconds=6.0 if mode != "goodput" else 3.0 + 3 * rnd))
             t += 8

@@ -33,14 +33,37 @@ TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
 
 def test_render_prometheus_hand_written_samples():
     samples = [
-        {"name": "spec_decode_num_draft_tokens", "kind": "counter", "description": "Draft tokens.",
-         "labels": {"proposer": "ngram", "replica": "a"}, "value": 12},
-        {"name": "specserve_num_requests_running", "kind": "gauge", "description": "Running\nrequests \\ now",
-         "labels": {"replica": 'we"ird\\na\nme'}, "value": 3.5},
-        {"name": "spec_decode_num_draft_tokens", "kind": "counter", "description": "Draft tokens.",
-         "labels": {"proposer": "ngram", "replica": "b"}, "value": 4},
-        {"name": "lat_seconds", "kind": "histogram", "description": "",
-         "labels": {"replica": "a"}, "bounds": [0.1, 1.0], "buckets": [2, 3, 1], "sum": 4.25, "count": 6},
+        {
+            "name": "spec_decode_num_draft_tokens",
+            "kind": "counter",
+            "description": "Draft tokens.",
+            "labels": {"proposer": "ngram", "replica": "a"},
+            "value": 12,
+        },
+        {
+            "name": "specserve_num_requests_running",
+            "kind": "gauge",
+            "description": "Running\nrequests \\ now",
+            "labels": {"replica": 'we"ird\\na\nme'},
+            "value": 3.5,
+        },
+        {
+            "name": "spec_decode_num_draft_tokens",
+            "kind": "counter",
+            "description": "Draft tokens.",
+            "labels": {"proposer": "ngram", "replica": "b"},
+            "value": 4,
+        },
+        {
+            "name": "lat_seconds",
+            "kind": "histogram",
+            "description": "",
+            "labels": {"replica": "a"},
+            "bounds": [0.1, 1.0],
+            "buckets": [2, 3, 1],
+            "sum": 4.25,
+            "count": 6,
+        },
         {"name": "already_total", "kind": "counter", "description": "x", "labels": {}, "value": 1},
         {"name": "odd.name-1", "kind": "gauge", "description": "", "labels": {"bad-label": "v"}, "value": math.inf},
     ]
@@ -73,8 +96,16 @@ def test_prometheus_text_parses_with_the_reference_parser():
     prom = pytest.importorskip("prometheus_client.parser")
     samples = [
         {"name": "c", "kind": "counter", "description": "a counter", "labels": {"replica": "r"}, "value": 2},
-        {"name": "h_seconds", "kind": "histogram", "description": "h", "labels": {"replica": "r"},
-         "bounds": [0.5], "buckets": [1, 1], "sum": 1.2, "count": 2},
+        {
+            "name": "h_seconds",
+            "kind": "histogram",
+            "description": "h",
+            "labels": {"replica": "r"},
+            "bounds": [0.5],
+            "buckets": [1, 1],
+            "sum": 1.2,
+            "count": 2,
+        },
     ]
     fams = {f.name: f for f in prom.text_string_to_metric_families(render_prometheus(samples))}
     assert fams["c"].type == "counter" and fams["c"].samples[0].value == 2
@@ -99,8 +130,13 @@ def test_in_memory_reader_round_trip():
     for v in (0.05, 0.5, 0.7, 3.0):
         h.record(v)
     by = {s["name"]: s for s in tel.samples()}
-    assert by["things"] == {"name": "things", "kind": "counter", "description": "Things done.",
-                            "labels": {"route": "/a", "replica": "replica-1"}, "value": 5}
+    assert by["things"] == {
+        "name": "things",
+        "kind": "counter",
+        "description": "Things done.",
+        "labels": {"route": "/a", "replica": "replica-1"},
+        "value": 5,
+    }
     assert by["level"]["kind"] == "gauge" and by["level"]["value"] == 7
     assert by["seen"]["kind"] == "counter" and by["seen"]["value"] == 41
     assert by["lat_seconds"]["bounds"] == [0.1, 1.0] and by["lat_seconds"]["buckets"] == [1, 2, 1]
@@ -132,8 +168,15 @@ def _spec_samples(replica: str, drafts: int, draft_tokens: int, accepted: int, p
         {"name": "spec_decode_num_draft_tokens", "kind": "counter", "labels": lab, "value": draft_tokens},
         {"name": "spec_decode_num_accepted_tokens", "kind": "counter", "labels": lab, "value": accepted},
     ]
-    out += [{"name": "spec_decode_num_accepted_tokens_per_pos", "kind": "counter",
-             "labels": {**lab, "position": str(i)}, "value": n} for i, n in enumerate(per_pos)]
+    out += [
+        {
+            "name": "spec_decode_num_accepted_tokens_per_pos",
+            "kind": "counter",
+            "labels": {**lab, "position": str(i)},
+            "value": n,
+        }
+        for i, n in enumerate(per_pos)
+    ]
     return out
 
 
@@ -155,7 +198,17 @@ def test_spec_decode_summary_sums_replicas():
 
 def test_tokens_bucket():
     assert [tokens_bucket(n) for n in (1, 2, 4, 5, 8, 9, 200, 256, 257, 5000)] == [
-        "1", "2-4", "2-4", "5-8", "5-8", "9-16", "129-256", "129-256", "257+", "257+"]
+        "1",
+        "2-4",
+        "2-4",
+        "5-8",
+        "5-8",
+        "9-16",
+        "129-256",
+        "129-256",
+        "257+",
+        "257+",
+    ]
 
 
 # ------------------------------------------------------------------ traces
@@ -249,10 +302,16 @@ def test_target_samples_from_engine_view():
 
 
 def _engine(loaded, **kw) -> LLMEngine:
-    conf = EngineConfig(max_num_seqs=4, max_model_len=128, num_speculative_tokens=3, max_num_batched_tokens=16,
-                        proposers=[{"name": "draft_model"}])
-    prop = DraftModelProposer(model=loaded.model, num_slots=4, max_model_len=128,
-                              target_vocab_size=loaded.model.config.vocab_size)
+    conf = EngineConfig(
+        max_num_seqs=4,
+        max_model_len=128,
+        num_speculative_tokens=3,
+        max_num_batched_tokens=16,
+        proposers=[{"name": "draft_model"}],
+    )
+    prop = DraftModelProposer(
+        model=loaded.model, num_slots=4, max_model_len=128, target_vocab_size=loaded.model.config.vocab_size
+    )
     return LLMEngine(conf, loaded, proposers={"draft_model": prop}, **kw)
 
 
@@ -273,7 +332,7 @@ def test_engine_records_step_events_only_when_asked(tiny_loaded, one_thread):
     kinds = [e.kind for e in ev]
     assert kinds[0] == "prefill" and "spec" in kinds
     assert kinds.count("prefill") >= 3  # 40 tokens in chunks of at most 16
-    assert all(k != "prefill" for k in kinds[kinds.index("spec"):])  # prefill strictly first
+    assert all(k != "prefill" for k in kinds[kinds.index("spec") :])  # prefill strictly first
     for e in ev:
         assert e.t_start_ns <= e.t_proposed_ns <= e.t_end_ns
         assert 0 <= e.num_accepted <= e.num_draft and (e.num_draft > 0) == (e.kind == "spec")

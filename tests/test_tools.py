@@ -31,13 +31,22 @@ from deployments.tools import (
 TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "models" / "smollm2-draft"
 
 FMT = ToolPromptFormat()
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city. Say # or // freely: \"quoted\", café.",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-        "required": ["city", "unit"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": 'Current weather in a city. Say # or // freely: "quoted", café.',
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
 NOW = {"type": "function", "function": {"name": "now"}}  # no parameters: no arguments
 TOOLS = [Tool.model_validate(WEATHER), Tool.model_validate(NOW)]
 NAMES = {"get_weather", "now"}
@@ -57,41 +66,84 @@ def msgs(*ms: dict) -> list[ChatMessage]:
 ASKED = {"role": "assistant", "content": None, "tool_calls": [call("c1", "get_weather", '{"city": "Paris"}')]}
 
 
-@pytest.mark.parametrize("patch, field", [
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "now"}}}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}}, "tool_choice"),
-    ({"tool_choice": "auto"}, "tool_choice"),
-    ({"tools": [WEATHER, WEATHER]}, "tools"),
-    ({"tools": []}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools.0.function.name"),
-    ({"tools": [{"type": "function", "function": {"name": "x" * 65}}]}, "tools.0.function.name"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
-     "tools.0.function.parameters"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": {}}}}]},
-     "tools.0.function.parameters"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]}, "tools.0.function.parameters"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}, "tools.0.function.strict"),
-    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools.0.type"),
-    ({"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
-    ({"messages": [{"role": "user", "content": "x"}, ASKED, {"role": "tool", "content": "sunny"}]},
-     "messages.2.tool_call_id"),
-    ({"messages": [{"role": "user", "content": "x"}, ASKED, {"role": "tool", "tool_call_id": "c1"}]},
-     "messages.2.content"),
-    ({"messages": [{"role": "user", "content": "x"}, ASKED, {"role": "tool", "tool_call_id": "c9", "content": "s"}]},
-     "messages"),
-    ({"messages": [{"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}, "messages"),
-    ({"messages": [{"role": "user", "content": "x"},
-                   {"role": "assistant", "tool_calls": [call("c1", "get_weather", '{"city": ')]}]},
-     "messages.1.tool_calls"),
-    ({"messages": [{"role": "user", "content": "x"},
-                   {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}]}]},
-     "messages.1.tool_calls.0.type"),
-    ({"messages": [{"role": "user", "content": "x", "tool_calls": [call("c1", "f", "{}")]}]}, "messages.0.tool_calls"),
-    ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c1"}]}, "messages.0.tool_call_id"),
-    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}]}, "messages.1.content"),
-    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": []}]}, "messages.1.content"),
-])
+@pytest.mark.parametrize(
+    "patch, field",
+    [
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "now"}}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}}, "tool_choice"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+        ({"tools": []}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools.0.function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "x" * 65}}]}, "tools.0.function.name"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+            "tools.0.function.parameters",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": {}}}}]},
+            "tools.0.function.parameters",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
+            "tools.0.function.parameters",
+        ),
+        ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}, "tools.0.function.strict"),
+        ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools.0.type"),
+        ({"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+        (
+            {"messages": [{"role": "user", "content": "x"}, ASKED, {"role": "tool", "content": "sunny"}]},
+            "messages.2.tool_call_id",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}, ASKED, {"role": "tool", "tool_call_id": "c1"}]},
+            "messages.2.content",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    ASKED,
+                    {"role": "tool", "tool_call_id": "c9", "content": "s"},
+                ]
+            },
+            "messages",
+        ),
+        ({"messages": [{"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}, "messages"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {"role": "assistant", "tool_calls": [call("c1", "get_weather", '{"city": ')]},
+                ]
+            },
+            "messages.1.tool_calls",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}]},
+                ]
+            },
+            "messages.1.tool_calls.0.type",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_calls": [call("c1", "f", "{}")]}]},
+            "messages.0.tool_calls",
+        ),
+        ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c1"}]}, "messages.0.tool_call_id"),
+        (
+            {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}]},
+            "messages.1.content",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": []}]},
+            "messages.1.content",
+        ),
+    ],
+)
 def test_bad_tool_requests_are_errors_naming_the_field(patch: dict, field: str) -> None:
     with pytest.raises(ValidationError) as e:
         ChatCompletionRequest.model_validate({**CHAT, **patch})
@@ -100,22 +152,37 @@ def test_bad_tool_requests_are_errors_naming_the_field(patch: dict, field: str) 
 
 
 def test_tool_requests_as_clients_send_them() -> None:
-    r = ChatCompletionRequest.model_validate({**CHAT, "tools": [WEATHER, NOW], "messages": [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Weather in Paris and the time?"},
-        {"role": "assistant", "content": None, "tool_calls": [call("c1", "get_weather", '{"city": "Paris"}'),
-                                                              call("c2", "now", "{}")]},
-        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
-        {"role": "tool", "tool_call_id": "c2", "content": [{"type": "text", "text": "12:00"}]},
-        {"role": "assistant", "content": "Sunny, and noon."},
-        {"role": "user", "content": "Thanks"}]})
+    r = ChatCompletionRequest.model_validate(
+        {
+            **CHAT,
+            "tools": [WEATHER, NOW],
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Weather in Paris and the time?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [call("c1", "get_weather", '{"city": "Paris"}'), call("c2", "now", "{}")],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+                {"role": "tool", "tool_call_id": "c2", "content": [{"type": "text", "text": "12:00"}]},
+                {"role": "assistant", "content": "Sunny, and noon."},
+                {"role": "user", "content": "Thanks"},
+            ],
+        }
+    )
     assert r.tool_choice is None and r.parallel_tool_calls is True
     assert effective_tool_choice(r.tools, r.tool_choice) == "auto"
     assert effective_tool_choice(None, None) == "none"
     assert r.messages[2].text() == "" and r.messages[4].text() == "12:00"
     named = ChatCompletionRequest.model_validate(
-        {**CHAT, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-         "parallel_tool_calls": False})
+        {
+            **CHAT,
+            "tools": [WEATHER],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "parallel_tool_calls": False,
+        }
+    )
     assert named.tool_choice.function.name == "get_weather" and not named.parallel_tool_calls  # type: ignore[union-attr]
     for choice in ("none", "auto", "required"):
         r = ChatCompletionRequest.model_validate({**CHAT, "tools": [NOW], "tool_choice": choice})
@@ -143,7 +210,9 @@ SYSTEM_NOW = DEFAULT_SYSTEM_TEMPLATE.replace("{tools}", '{"type": "function", "f
 def test_default_system_prompt_text() -> None:
     out = render_messages(msgs({"role": "user", "content": "time?"}), [Tool.model_validate(NOW)], None, FMT)
     assert out == [{"role": "system", "content": SYSTEM_NOW}, {"role": "user", "content": "time?"}]
-    assert SYSTEM_NOW == """\
+    assert (
+        SYSTEM_NOW
+        == """\
 # Tools
 
 You may call one or more functions to assist with the user query.
@@ -157,6 +226,7 @@ For each function call, return a json object with function name and arguments wi
 <tool_call>
 {"name": <function-name>, "arguments": <args-json-object>}
 </tool_call>"""
+    )
 
 
 def test_tools_listed_one_per_line() -> None:
@@ -167,47 +237,73 @@ def test_tools_listed_one_per_line() -> None:
 
 def test_tool_prompt_joins_the_own_system_message() -> None:
     for role in ("system", "developer"):
-        out = render_messages(msgs({"role": role, "content": "Be brief."}, {"role": "user", "content": "x"}),
-                              [Tool.model_validate(NOW)], "auto", FMT)
+        out = render_messages(
+            msgs({"role": role, "content": "Be brief."}, {"role": "user", "content": "x"}),
+            [Tool.model_validate(NOW)],
+            "auto",
+            FMT,
+        )
         assert out[0] == {"role": "system", "content": "Be brief.\n\n" + SYSTEM_NOW} and len(out) == 2
 
 
 def test_history_with_calls_and_results() -> None:
     history = msgs(
         {"role": "user", "content": "Weather in Paris and the time?"},
-        {"role": "assistant", "content": "Let me look.",
-         "tool_calls": [call("c1", "get_weather", '{"city":"Paris",  "unit":"celsius"}'), call("c2", "now", "{}")]},
+        {
+            "role": "assistant",
+            "content": "Let me look.",
+            "tool_calls": [call("c1", "get_weather", '{"city":"Paris",  "unit":"celsius"}'), call("c2", "now", "{}")],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21"},
         {"role": "tool", "tool_call_id": "c2", "content": "12:00"},
         {"role": "user", "content": "And London?"},
         {"role": "assistant", "tool_calls": [call("c3", "get_weather", '{"city": "London", "unit": "celsius"}')]},
-        {"role": "tool", "tool_call_id": "c3", "content": "rain"})
+        {"role": "tool", "tool_call_id": "c3", "content": "rain"},
+    )
     out = render_messages(history, TOOLS, "none", FMT)  # "none": no tool prompt, the history still converted
     assert out == [
         {"role": "user", "content": "Weather in Paris and the time?"},
-        {"role": "assistant", "content": 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": '
-                                         '{"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
-                                         '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'},
-        {"role": "user", "content": '<tool_response>\n{"tool_call_id": "c1", "name": "get_weather", "content": '
-                                    '"sunny, 21"}\n</tool_response>\n<tool_response>\n{"tool_call_id": "c2", '
-                                    '"name": "now", "content": "12:00"}\n</tool_response>'},
+        {
+            "role": "assistant",
+            "content": 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>',
+        },
+        {
+            "role": "user",
+            "content": '<tool_response>\n{"tool_call_id": "c1", "name": "get_weather", "content": '
+            '"sunny, 21"}\n</tool_response>\n<tool_response>\n{"tool_call_id": "c2", '
+            '"name": "now", "content": "12:00"}\n</tool_response>',
+        },
         {"role": "user", "content": "And London?"},
-        {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", "arguments": '
-                                         '{"city": "London", "unit": "celsius"}}\n</tool_call>'},
-        {"role": "user", "content": '<tool_response>\n{"tool_call_id": "c3", "name": "get_weather", "content": '
-                                    '"rain"}\n</tool_response>'}]
+        {
+            "role": "assistant",
+            "content": '<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "London", "unit": "celsius"}}\n</tool_call>',
+        },
+        {
+            "role": "user",
+            "content": '<tool_response>\n{"tool_call_id": "c3", "name": "get_weather", "content": '
+            '"rain"}\n</tool_response>',
+        },
+    ]
     assert render_messages(history, TOOLS, "auto", FMT)[1:] == out
     tool_role = render_messages(history, TOOLS, "none", ToolPromptFormat(tool_role="tool"))
     assert [m["role"] for m in tool_role] == ["user", "assistant", "tool", "user", "assistant", "tool"]
     # the calls in the history are what the parser reads back
     content, calls = parse_tool_calls(out[1]["content"], FMT, NAMES)
     assert content == "Let me look." and [(c.function.name, c.function.arguments) for c in calls] == [
-        ("get_weather", '{"city": "Paris", "unit": "celsius"}'), ("now", "{}")]
+        ("get_weather", '{"city": "Paris", "unit": "celsius"}'),
+        ("now", "{}"),
+    ]
 
 
 def test_without_tools_messages_pass_through() -> None:
-    ms = msgs({"role": "developer", "content": "Be brief."},
-              {"role": "user", "content": [{"type": "text", "text": "hi"}]}, {"role": "assistant", "content": "hello"})
+    ms = msgs(
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": "hello"},
+    )
     want = [m.for_template() for m in ms]
     assert render_messages(ms, None, None, FMT) == want
     assert render_messages(ms, TOOLS, "none", FMT) == want
@@ -221,10 +317,12 @@ def tokenizer() -> Any:
 
 
 def test_smollm2_template_takes_the_rendered_messages(tokenizer: Any) -> None:
-    history = msgs({"role": "user", "content": "Paris?"}, ASKED,
-                   {"role": "tool", "tool_call_id": "c1", "content": "sunny"})
-    text = tokenizer.apply_chat_template(render_messages(history, TOOLS, "auto", FMT), tokenize=False,
-                                         add_generation_prompt=True)
+    history = msgs(
+        {"role": "user", "content": "Paris?"}, ASKED, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+    )
+    text = tokenizer.apply_chat_template(
+        render_messages(history, TOOLS, "auto", FMT), tokenize=False, add_generation_prompt=True
+    )
     assert text.startswith("<|im_start|>system\n# Tools\n") and "SmolLM" not in text  # ours replaced the default
     assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n' in text
     assert '<|im_start|>user\n<tool_response>\n{"tool_call_id": "c1"' in text
@@ -277,8 +375,11 @@ def test_grammar_validates(ll_tokenizer: Any, choice: Any, parallel: bool) -> No
 def test_schemas_with_refs_and_arrays(tokenizer: Any, ll_tokenizer: Any) -> None:
     point = {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}
     params: dict[str, Any] = {
-        "type": "object", "$defs": {"P": point}, "required": ["p"],
-        "properties": {"p": {"$ref": "#/$defs/P"}, "tags": {"type": "array", "items": {"type": "string"}}}}
+        "type": "object",
+        "$defs": {"P": point},
+        "required": ["p"],
+        "properties": {"p": {"$ref": "#/$defs/P"}, "tags": {"type": "array", "items": {"type": "string"}}},
+    }
     tools = [Tool.model_validate({"type": "function", "function": {"name": "f", "parameters": params}})]
     grammar = tool_call_grammar(tools, "required", False, FMT)
     assert grammar is not None and LLMatcher.validate_grammar(grammar, ll_tokenizer) == ""
@@ -287,8 +388,12 @@ def test_schemas_with_refs_and_arrays(tokenizer: Any, ll_tokenizer: Any) -> None
     assert walk(ll_tokenizer, tokenizer, grammar, block('{"name": "f", "arguments": {"p": {}}}'))[0] is False
     # a schema llguidance cannot compile: the grammar is still built; validation says why (a 400 for the caller)
     params["properties"]["p"] = {"$ref": "#/$defs/Nope"}
-    broken = tool_call_grammar([Tool.model_validate({"type": "function", "function": {
-        "name": "f", "parameters": params}})], "required", False, FMT)
+    broken = tool_call_grammar(
+        [Tool.model_validate({"type": "function", "function": {"name": "f", "parameters": params}})],
+        "required",
+        False,
+        FMT,
+    )
     assert broken is not None and "Nope" in LLMatcher.validate_grammar(broken, ll_tokenizer)
 
 
@@ -299,26 +404,31 @@ def test_grammar_shape() -> None:
         'call: "<tool_call>\\n" (fn_0) "\\n</tool_call>"\n'
         'fn_0: "{\\"name\\": \\"now\\", \\"arguments\\": " args_0 "}"\n'
         'args_0: %json {"type": "object", "properties": {}, "additionalProperties": false, "x-guidance": '
-        '{"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}}\n')
+        '{"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}}\n'
+    )
 
 
-@pytest.mark.parametrize("text, required, parallel", [
-    (PARIS, True, True),
-    (NOON, True, False),
-    (block('{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius", "days": 3}}'), True, True),
-    (PARIS + "\n" + NOON + "\n" + PARIS, True, True),
-    (PARIS + "\n" + NOON, False, False),  # one call only
-    (block('{"name": "get_time", "arguments": {}}'), False, True),  # no such tool
-    (block('{"name": "get_weather", "arguments": {"city": "Paris"}}'), False, True),  # required unit missing
-    (block('{"name": "get_weather", "arguments": {"city": "Paris", "unit": "kelvin"}}'), False, True),  # enum
-    (block('{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius", "days": 9}}'), False, True),
-    (block('{"name": "get_weather", "arguments": {"city":"Paris", "unit":"celsius"}}'), False, True),  # style
-    (block('{"arguments": {}, "name": "now"}'), False, True),  # name first
-    (block('{"name": "now", "arguments": {"x": 1}}'), False, True),  # no parameters: no arguments
-    ("Sure! " + NOON, False, True),  # nothing before the call
-])
-def test_grammar_walk_with_smollm2_tokens(tokenizer: Any, ll_tokenizer: Any, text: str, required: bool,
-                                          parallel: bool) -> None:
+@pytest.mark.parametrize(
+    "text, required, parallel",
+    [
+        (PARIS, True, True),
+        (NOON, True, False),
+        (block('{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius", "days": 3}}'), True, True),
+        (PARIS + "\n" + NOON + "\n" + PARIS, True, True),
+        (PARIS + "\n" + NOON, False, False),  # one call only
+        (block('{"name": "get_time", "arguments": {}}'), False, True),  # no such tool
+        (block('{"name": "get_weather", "arguments": {"city": "Paris"}}'), False, True),  # required unit missing
+        (block('{"name": "get_weather", "arguments": {"city": "Paris", "unit": "kelvin"}}'), False, True),  # enum
+        (block('{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius", "days": 9}}'), False, True),
+        (block('{"name": "get_weather", "arguments": {"city":"Paris", "unit":"celsius"}}'), False, True),  # style
+        (block('{"arguments": {}, "name": "now"}'), False, True),  # name first
+        (block('{"name": "now", "arguments": {"x": 1}}'), False, True),  # no parameters: no arguments
+        ("Sure! " + NOON, False, True),  # nothing before the call
+    ],
+)
+def test_grammar_walk_with_smollm2_tokens(
+    tokenizer: Any, ll_tokenizer: Any, text: str, required: bool, parallel: bool
+) -> None:
     grammar = tool_call_grammar(TOOLS, "required", parallel, FMT)
     assert grammar is not None
     ok, complete = walk(ll_tokenizer, tokenizer, grammar, text)
@@ -341,8 +451,16 @@ def test_named_choice_forces_that_tool(tokenizer: Any, ll_tokenizer: Any) -> Non
 def test_history_calls_satisfy_the_grammar(tokenizer: Any, ll_tokenizer: Any) -> None:
     """The calls a prompt shows are written as the grammar makes the model write them (llguidance also keeps
     the schema's property order, which the history keeps as the client sent it)."""
-    history = msgs({"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
-        call("c1", "get_weather", '{"city":"Zürich",\n"unit":"fahrenheit","days":2}'), call("c2", "now", "{ }")]})
+    history = msgs(
+        {"role": "user", "content": "x"},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                call("c1", "get_weather", '{"city":"Zürich",\n"unit":"fahrenheit","days":2}'),
+                call("c2", "now", "{ }"),
+            ],
+        },
+    )
     answer = render_messages(history, TOOLS, "required", FMT)[-1]["content"]
     grammar = tool_call_grammar(TOOLS, "required", True, FMT)
     assert grammar is not None
@@ -352,12 +470,20 @@ def test_history_calls_satisfy_the_grammar(tokenizer: Any, ll_tokenizer: Any) ->
 def test_any_text_the_grammar_allows_parses_into_calls(ll_tokenizer: Any) -> None:
     """Random walks over the allowed tokens (stopping where the grammar may end): every answer parses into
     calls of known tools whose arguments are JSON meeting the schema's required fields."""
-    schema = {"type": "object", "properties": {
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}, "ok": {"type": "boolean"},
-        "n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["unit", "ok"],
-        "additionalProperties": False}
-    tools = [Tool.model_validate({"type": "function", "function": {"name": "f", "parameters": schema}}),
-             Tool.model_validate(NOW)]
+    schema = {
+        "type": "object",
+        "properties": {
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            "ok": {"type": "boolean"},
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["unit", "ok"],
+        "additionalProperties": False,
+    }
+    tools = [
+        Tool.model_validate({"type": "function", "function": {"name": "f", "parameters": schema}}),
+        Tool.model_validate(NOW),
+    ]
     grammar = tool_call_grammar(tools, "required", True, FMT)
     assert grammar is not None
     rng = np.random.default_rng(0)
@@ -366,7 +492,7 @@ def test_any_text_the_grammar_allows_parses_into_calls(ll_tokenizer: Any) -> Non
         ids: list[int] = []
         while not (m.is_accepting() and (rng.random() < 0.5 or len(ids) > 150)):
             mask = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
-            allowed = np.flatnonzero(mask[:ll_tokenizer.vocab_size])
+            allowed = np.flatnonzero(mask[: ll_tokenizer.vocab_size])
             tok = int(rng.choice(allowed[allowed != ll_tokenizer.eos_token]))
             assert m.consume_token(tok), m.get_error()
             ids.append(tok)
@@ -385,30 +511,57 @@ TEXTS: dict[str, tuple[str, str | None, list[tuple[str, str]]]] = {
     # name: (answer, content, calls)
     "plain": ("Hello! How can I help?\n", "Hello! How can I help?\n", []),
     "one call": (PARIS, None, [("get_weather", ARGS)]),
-    "content then calls": ("Let me check.\n" + PARIS + "\n" + NOON + "\n",
-                           "Let me check.", [("get_weather", ARGS), ("now", "{}")]),
+    "content then calls": (
+        "Let me check.\n" + PARIS + "\n" + NOON + "\n",
+        "Let me check.",
+        [("get_weather", ARGS), ("now", "{}")],
+    ),
     "text between calls": (PARIS + "\nand then\n" + NOON, "and then", [("get_weather", ARGS), ("now", "{}")]),
-    "unknown tool": ("A " + block('{"name": "get_time", "arguments": {}}') + " B",
-                     "A " + block('{"name": "get_time", "arguments": {}}') + " B", []),
-    "not json": ("x\n" + block("I cannot call <tool_call> now") + "\n" + NOON,
-                 "x\n" + block("I cannot call <tool_call> now"), [("now", "{}")]),
-    "arguments not an object": (block('{"arguments": [1], "name": "now"}') + NOON,
-                                block('{"arguments": [1], "name": "now"}'), [("now", "{}")]),
-    "arguments first": (block('{"arguments": {"city":"Oslo"},\n "name": "get_weather"}'), None,
-                        [("get_weather", '{"city": "Oslo"}')]),
+    "unknown tool": (
+        "A " + block('{"name": "get_time", "arguments": {}}') + " B",
+        "A " + block('{"name": "get_time", "arguments": {}}') + " B",
+        [],
+    ),
+    "not json": (
+        "x\n" + block("I cannot call <tool_call> now") + "\n" + NOON,
+        "x\n" + block("I cannot call <tool_call> now"),
+        [("now", "{}")],
+    ),
+    "arguments not an object": (
+        block('{"arguments": [1], "name": "now"}') + NOON,
+        block('{"arguments": [1], "name": "now"}'),
+        [("now", "{}")],
+    ),
+    "arguments first": (
+        block('{"arguments": {"city":"Oslo"},\n "name": "get_weather"}'),
+        None,
+        [("get_weather", '{"city": "Oslo"}')],
+    ),
     "no arguments key": (block('{"name": "now"}'), None, [("now", "{}")]),
-    "loose whitespace": ('<tool_call>{ "name" :"now",\n"arguments":\n  {"a": [1, {"b": "}"}]} }</tool_call>', None,
-                         [("now", '{"a": [1, {"b": "}"}]}')]),
-    "escaped quote and brace in a string": (block('{"name": "now", "arguments": {"q": "a\\"}{b"}}'), None,
-                                            [("now", '{"q": "a\\"}{b"}')]),
+    "loose whitespace": (
+        '<tool_call>{ "name" :"now",\n"arguments":\n  {"a": [1, {"b": "}"}]} }</tool_call>',
+        None,
+        [("now", '{"a": [1, {"b": "}"}]}')],
+    ),
+    "escaped quote and brace in a string": (
+        block('{"name": "now", "arguments": {"q": "a\\"}{b"}}'),
+        None,
+        [("now", '{"q": "a\\"}{b"}')],
+    ),
     "scalar arguments": (block('{"name": "now", "arguments": 5 }'), None, [("now", "5")]),
-    "malformed arguments stay a call": (block('{"name": "now", "arguments": {"a": 1, }') + "done",
-                                        "done", [("now", '{"a": 1, }')]),
+    "malformed arguments stay a call": (
+        block('{"name": "now", "arguments": {"a": 1, }') + "done",
+        "done",
+        [("now", '{"a": 1, }')],
+    ),
     "arguments cut at the close tag": (block('{"name": "now", "arguments": {"a": "x  '), None, [("now", '{"a": "x')]),
-    "cut inside the arguments": ('ok <tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', "ok",
-                                 [("get_weather", '{"city": "Par')]),
+    "cut inside the arguments": (
+        'ok <tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
+        "ok",
+        [("get_weather", '{"city": "Par')],
+    ),
     "cut right after the head": ('<tool_call>\n{"name": "now", "arguments":  \n', None, [("now", "")]),
-    "cut before the head": ("ok \n<tool_call>\n{\"name\": \"get_wea", "ok \n<tool_call>\n{\"name\": \"get_wea", []),
+    "cut before the head": ('ok \n<tool_call>\n{"name": "get_wea', 'ok \n<tool_call>\n{"name": "get_wea', []),
     "partial tags in text": ("a < b </tool_call> <tool_cal", "a < b </tool_call> <tool_cal", []),
     "only whitespace around calls": ("\n " + NOON + " \n " + NOON + "\n\n", None, [("now", "{}"), ("now", "{}")]),
 }
@@ -465,8 +618,18 @@ def test_streamed_deltas_add_up_to_the_parse(name: str) -> None:
 
 
 def test_everything_in_one_answer_at_random_splits() -> None:
-    text = "".join(TEXTS[n][0] for n in ("content then calls", "not json", "unknown tool", "loose whitespace",
-                                         "arguments first", "plain", "cut inside the arguments"))
+    text = "".join(
+        TEXTS[n][0]
+        for n in (
+            "content then calls",
+            "not json",
+            "unknown tool",
+            "loose whitespace",
+            "arguments first",
+            "plain",
+            "cut inside the arguments",
+        )
+    )
     content, calls = parse_tool_calls(text, FMT, NAMES)
     assert len(calls) == 6 and content is not None and "get_time" in content
     want = (content, [(c.function.name, c.function.arguments) for c in calls])
@@ -477,8 +640,13 @@ def test_everything_in_one_answer_at_random_splits() -> None:
 
 
 def test_another_format() -> None:
-    fmt = ToolPromptFormat(call_open="<function_call>", call_close="</function_call>", response_open="<result>",
-                           response_close="</result>", tool_role="tool")
+    fmt = ToolPromptFormat(
+        call_open="<function_call>",
+        call_close="</function_call>",
+        response_open="<result>",
+        response_close="</result>",
+        tool_role="tool",
+    )
     parts = ("content then calls", "not json", "loose whitespace", "cut inside the arguments")
     text = "".join(TEXTS[n][0] for n in parts)
     text = text.replace("tool_call>", "function_call>")
@@ -487,13 +655,20 @@ def test_another_format() -> None:
     assert [c.function.name for c in calls] == ["get_weather", "now", "now", "now", "get_weather"]
     s = ToolCallStreamer(fmt, NAMES)
     assert collect([d for ch in text for d in s.feed(ch)] + s.finish()) == (
-        content, [(c.function.name, c.function.arguments) for c in calls])
+        content,
+        [(c.function.name, c.function.arguments) for c in calls],
+    )
     history = msgs({"role": "user", "content": "x"}, ASKED, {"role": "tool", "tool_call_id": "c1", "content": "sun"})
     assert render_messages(history, TOOLS, "none", fmt)[1:] == [
-        {"role": "assistant", "content": '<function_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
-                                         '\n</function_call>'},
-        {"role": "tool", "content": '<result>\n{"tool_call_id": "c1", "name": "get_weather", "content": "sun"}'
-                                    '\n</result>'}]
+        {
+            "role": "assistant",
+            "content": '<function_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</function_call>',
+        },
+        {
+            "role": "tool",
+            "content": '<result>\n{"tool_call_id": "c1", "name": "get_weather", "content": "sun"}\n</result>',
+        },
+    ]
     lark = tool_call_lark(TOOLS, "required", False, fmt)
     assert lark is not None
     assert lark.startswith('start: call\ncall: "<function_call>\\n" (fn_0 | fn_1) "\\n</function_call>"\n')
@@ -504,7 +679,7 @@ def test_streaming_holds_back_only_what_may_be_a_tag() -> None:
     assert s.feed("Hello world") == [{"content": "Hello world"}]
     assert s.feed(", see <tool") == [{"content": ", see"}]  # " <tool" may open a call
     assert s.feed("box>") == [{"content": " <toolbox>"}]
-    assert s.feed("\n<tool_call>\n{\"name\": \"get_weather\"") == []  # the head is not complete yet
+    assert s.feed('\n<tool_call>\n{"name": "get_weather"') == []  # the head is not complete yet
     [head] = s.feed(', "arguments": ')
     assert head["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
     assert s.feed('{"city": "Pa') == [{"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Pa'}}]}]

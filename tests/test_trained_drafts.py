@@ -15,8 +15,10 @@ from workers.model_loader import load_model
 from workers.proposers.draft_model import DraftModelProposer
 from workers.proposers.eagle import EagleProposer
 
-pytestmark = pytest.mark.skipif(not (DRAFT_DIR / "config.json").exists() or not (EAGLE_DIR / "model.safetensors").exists(),
-                                reason="trained drafts not present")
+pytestmark = pytest.mark.skipif(
+    not (DRAFT_DIR / "config.json").exists() or not (EAGLE_DIR / "model.safetensors").exists(),
+    reason="trained drafts not present",
+)
 
 
 def test_trained_drafts_greedy_identical_to_plain_and_accepting(smollm2_loaded) -> None:
@@ -27,9 +29,13 @@ def test_trained_drafts_greedy_identical_to_plain_and_accepting(smollm2_loaded) 
         EngineConfig(max_num_seqs=n, max_model_len=512, num_speculative_tokens=4),
         smollm2_loaded,
         proposers={
-            "draft_model": DraftModelProposer(draft.model, num_slots=n, max_model_len=512,
-                                              target_vocab_size=smollm2_loaded.model.config.vocab_size,
-                                              vocab_ids=draft.draft_vocab),
+            "draft_model": DraftModelProposer(
+                draft.model,
+                num_slots=n,
+                max_model_len=512,
+                target_vocab_size=smollm2_loaded.model.config.vocab_size,
+                vocab_ids=draft.draft_vocab,
+            ),
             "eagle": EagleProposer("models/smollm2-eagle", smollm2_loaded.model, num_slots=n, max_model_len=512),
         },
     )

@@ -10,8 +10,19 @@ import pytest
 from training.prompts import _side, eval_prompts, make_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
-POOLS = ("TOPICS", "TASKS", "THINGS", "PEOPLE", "ITEMS", "RECIPIENTS", "MATTERS", "CHARACTERS", "CODE_TASKS",
-         "SENTENCES", "PARAGRAPHS")
+POOLS = (
+    "TOPICS",
+    "TASKS",
+    "THINGS",
+    "PEOPLE",
+    "ITEMS",
+    "RECIPIENTS",
+    "MATTERS",
+    "CHARACTERS",
+    "CODE_TASKS",
+    "SENTENCES",
+    "PARAGRAPHS",
+)
 
 
 def test_eval_prompts_disjoint_from_training_prompts() -> None:
@@ -40,10 +51,13 @@ def test_prompts_are_reproducible_and_diverse() -> None:
     assert {"explain", "howto", "list", "story", "email", "code", "math", "summary", "rewrite"} <= cats
 
 
-@pytest.mark.parametrize("name, files", [
-    ("smollm2-draft", ["config.json", "model.safetensors", "tokenizer.json", "MANIFEST.md", "training.json"]),
-    ("smollm2-eagle", ["eagle_config.json", "model.safetensors", "MANIFEST.md", "training.json"]),
-])
+@pytest.mark.parametrize(
+    "name, files",
+    [
+        ("smollm2-draft", ["config.json", "model.safetensors", "tokenizer.json", "MANIFEST.md", "training.json"]),
+        ("smollm2-eagle", ["eagle_config.json", "model.safetensors", "MANIFEST.md", "training.json"]),
+    ],
+)
 def test_shipped_drafts_have_a_manifest(name: str, files: list[str]) -> None:
     d = ROOT / "models" / name
     for f in files:
@@ -52,7 +66,9 @@ def test_shipped_drafts_have_a_manifest(name: str, files: list[str]) -> None:
     for must in ("python -m training.", "acceptance", "held-out"):
         assert must in text, f"{name} MANIFEST lacks {must!r}"
     size = sum(p.stat().st_size for p in d.iterdir())
-    assert size < 90e6  # the draft model carries the 49152 x 576 embedding (57 MB in bf16), f"{name} is {size / 1e6:.0f} MB"
+    assert (
+        size < 90e6
+    )  # the draft model carries the 49152 x 576 embedding (57 MB in bf16), f"{name} is {size / 1e6:.0f} MB"
     json.loads((d / "training.json").read_text())
 
 

@@ -45,8 +45,11 @@ def main(argv: list[str] | None = None) -> None:
     tok = target.tokenizer
     totals = [0, 0, 0, 0]
     for msg in eval_prompts(a.prompts):
-        prompt = list(tok.apply_chat_template([{"role": "user", "content": msg}], add_generation_prompt=True,
-                                              return_dict=True)["input_ids"])
+        prompt = list(
+            tok.apply_chat_template([{"role": "user", "content": msg}], add_generation_prompt=True, return_dict=True)[
+                "input_ids"
+            ]
+        )
         with torch.inference_mode():
             ids = target.model.generate(torch.tensor([prompt]), max_new_tokens=a.tokens, do_sample=False)[0].tolist()
             logits = draft.model.float()(torch.tensor([ids])).logits[0]  # [len(ids), V]
@@ -60,7 +63,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{msg[:60]!r}: {hit}/{n} top-1", flush=True)
     top1, cond = totals[0] / max(totals[1], 1), totals[2] / max(totals[3], 1)
     est = 1 + top1 * sum(cond**i for i in range(4))
-    print(f"top-1 {top1:.3f}; P(hit at t+1 | hit at t) {cond:.3f}; implied greedy mean acceptance length at K=4 ~{est:.2f}")
+    print(
+        f"top-1 {top1:.3f}; P(hit at t+1 | hit at t) {cond:.3f}; implied greedy mean acceptance length at K=4 ~{est:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -37,7 +37,9 @@ def work_dir(name: str) -> Path:
 class Progress:
     """``done/total`` progress lines with rate and ETA, at most every ``every_s`` seconds."""
 
-    def __init__(self, total: float, log_path: Path | None, label: str, every_s: float = 10.0, done: float = 0.0) -> None:
+    def __init__(
+        self, total: float, log_path: Path | None, label: str, every_s: float = 10.0, done: float = 0.0
+    ) -> None:
         self.total, self.label, self.every_s = total, label, every_s
         self.start_done = done
         self.done = done
@@ -61,8 +63,10 @@ class Progress:
         rate = (done - self.start_done) / el if el > 0 else 0.0
         eta = (self.total - done) / rate if rate > 0 else float("inf")
         pct = 100.0 * done / self.total if self.total else 100.0
-        self.write(f"{self.label} {done:.0f}/{self.total:.0f} ({pct:.1f}%) {rate:.2f}/s elapsed {el / 60:.1f} min "
-                   f"ETA {eta / 60:.1f} min {extra}")
+        self.write(
+            f"{self.label} {done:.0f}/{self.total:.0f} ({pct:.1f}%) {rate:.2f}/s elapsed {el / 60:.1f} min "
+            f"ETA {eta / 60:.1f} min {extra}"
+        )
 
 
 def atomic_save(obj: Any, path: Path) -> None:

@@ -61,13 +61,20 @@ class HiddenRecorder(Proposer):
 def recording_engine(max_num_seqs: int = 32) -> tuple[LLMEngine, HiddenRecorder]:
     """The target in our engine (fp32) with a :class:`HiddenRecorder` as its only proposer."""
     rec = HiddenRecorder()
-    cfg = EngineConfig(model="smollm2", dtype="float32", max_num_seqs=max_num_seqs, max_model_len=1024,
-                       max_num_batched_tokens=512, num_speculative_tokens=1)
+    cfg = EngineConfig(
+        model="smollm2",
+        dtype="float32",
+        max_num_seqs=max_num_seqs,
+        max_model_len=1024,
+        max_num_batched_tokens=512,
+        num_speculative_tokens=1,
+    )
     return LLMEngine(cfg, load_model("smollm2"), proposers={"recorder": rec}), rec
 
 
-def answer(engine: LLMEngine, rec: HiddenRecorder, prompts: Sequence[str], params: Sequence[dict],
-           prefix: str) -> list[dict]:
+def answer(
+    engine: LLMEngine, rec: HiddenRecorder, prompts: Sequence[str], params: Sequence[dict], prefix: str
+) -> list[dict]:
     """The target's answer to each chat prompt, run to completion as one continuous batch: one record
     ``{"token_ids", "hidden", "num_prompt_tokens"}`` per prompt, in order (what training/data.py loads)."""
     rids, lens = [], []
@@ -119,16 +126,22 @@ def main(argv: list[str] | None = None) -> int:
         params, sampled = [], []
         for _ in shards[si]:
             sampled.append(rng.random() < args.sampled_frac)
-            params.append({"max_tokens": args.max_tokens, "temperature": 0.7 if sampled[-1] else 0.0,
-                           "seed": rng.randrange(1 << 30) if sampled[-1] else None})
+            params.append(
+                {
+                    "max_tokens": args.max_tokens,
+                    "temperature": 0.7 if sampled[-1] else 0.0,
+                    "seed": rng.randrange(1 << 30) if sampled[-1] else None,
+                }
+            )
         answers = answer(engine, rec, [p["text"] for p in shards[si]], params, prefix=f"s{si}")
         records = []
         for a, p, smp in zip(answers, shards[si], sampled):
             ntok += len(a["token_ids"]) - a["num_prompt_tokens"]
             records.append({**a, "sampled": smp, "category": p["category"], "prompt": p["text"]})
         atomic_save(records, out / f"shard_{si:05d}.pt")
-        prog.update(prog.done + 1, f"response tokens this run {ntok} ({ntok / (time.time() - t_start):.0f} tok/s)",
-                    force=True)
+        prog.update(
+            prog.done + 1, f"response tokens this run {ntok} ({ntok / (time.time() - t_start):.0f} tok/s)", force=True
+        )
     return 0
 
 

@@ -96,8 +96,17 @@ def train(
     run_avg: dict[str, float] = {}
 
     def save() -> None:
-        atomic_save({"model": state_module.state_dict(), "opt": opt.state_dict(), "step": step, "curve": curve,
-                     "rng": torch.get_rng_state(), "minutes": minutes_before + (time.time() - t0) / 60}, ckpt)
+        atomic_save(
+            {
+                "model": state_module.state_dict(),
+                "opt": opt.state_dict(),
+                "step": step,
+                "curve": curve,
+                "rng": torch.get_rng_state(),
+                "minutes": minutes_before + (time.time() - t0) / 60,
+            },
+            ckpt,
+        )
 
     best_path = work / "best.pt"
 

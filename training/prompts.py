@@ -152,23 +152,50 @@ def _templates() -> list[_Template]:
     def add(cat: str, name: str, fn: Callable[[random.Random, Callable[[list[str]], list[str]]], str]) -> None:
         T.append((cat, name, fn))
 
-    for fmt in ["Explain {} in simple terms.", "What is {}?", "Why is {} important?",
-                "Give me a short overview of {}.", "Explain {} to a ten-year-old.", "What are the main ideas behind {}?",
-                "Tell me three interesting facts about {}.", "What are the pros and cons of {}?"]:
+    for fmt in [
+        "Explain {} in simple terms.",
+        "What is {}?",
+        "Why is {} important?",
+        "Give me a short overview of {}.",
+        "Explain {} to a ten-year-old.",
+        "What are the main ideas behind {}?",
+        "Tell me three interesting facts about {}.",
+        "What are the pros and cons of {}?",
+    ]:
         add("explain", fmt, lambda r, s, f=fmt: f.format(_pick(r, s(TOPICS))))
     add("compare", "diff", lambda r, s: "What is the difference between {} and {}?".format(*r.sample(s(TOPICS), 2)))
-    for fmt in ["How do I {}?", "Give me step-by-step instructions to {}.", "What are some tips to {}?",
-                "I want to {}. Where should I start?"]:
+    for fmt in [
+        "How do I {}?",
+        "Give me step-by-step instructions to {}.",
+        "What are some tips to {}?",
+        "I want to {}. Where should I start?",
+    ]:
         add("howto", fmt, lambda r, s, f=fmt: f.format(_pick(r, s(TASKS))))
-    for fmt in ["List {n} {x}.", "Name {n} {x} and describe each in one sentence.", "Give me a numbered list of {n} {x}."]:
+    for fmt in [
+        "List {n} {x}.",
+        "Name {n} {x} and describe each in one sentence.",
+        "Give me a numbered list of {n} {x}.",
+    ]:
         add("list", fmt, lambda r, s, f=fmt: f.format(n=r.choice([3, 4, 5, 6, 7]), x=_pick(r, s(THINGS))))
     add("story", "story", lambda r, s: f"Write a short story about {_pick(r, s(CHARACTERS))} who {r.choice(EVENTS)}.")
     add("story", "poem", lambda r, s: f"Write a short poem about {_pick(r, s(TOPICS))}.")
-    add("story", "dialogue", lambda r, s: f"Write a short dialogue between {_pick(r, s(CHARACTERS))} and {_pick(r, s(CHARACTERS))}.")
+    add(
+        "story",
+        "dialogue",
+        lambda r, s: f"Write a short dialogue between {_pick(r, s(CHARACTERS))} and {_pick(r, s(CHARACTERS))}.",
+    )
     add("email", "email", lambda r, s: f"Write an email to {_pick(r, s(RECIPIENTS))} about {_pick(r, s(MATTERS))}.")
-    add("email", "message", lambda r, s: f"Draft a short, polite message to {_pick(r, s(RECIPIENTS))} about {_pick(r, s(MATTERS))}.")
+    add(
+        "email",
+        "message",
+        lambda r, s: f"Draft a short, polite message to {_pick(r, s(RECIPIENTS))} about {_pick(r, s(MATTERS))}.",
+    )
     add("code", "py", lambda r, s: f"Write a Python function that {_pick(r, s(CODE_TASKS))}.")
-    add("code", "lang", lambda r, s: f"Write a {r.choice(LANGS)} function that {_pick(r, s(CODE_TASKS))}, and explain it.")
+    add(
+        "code",
+        "lang",
+        lambda r, s: f"Write a {r.choice(LANGS)} function that {_pick(r, s(CODE_TASKS))}, and explain it.",
+    )
     add("code", "explain", lambda r, s: f"How would you write code that {_pick(r, s(CODE_TASKS))}? Show an example.")
 
     def math_add(r: random.Random, s: Callable[[list[str]], list[str]]) -> str:
@@ -188,18 +215,46 @@ def _templates() -> list[_Template]:
     add("math", "add", math_add)
     add("math", "share", math_share)
     add("math", "price", math_price)
-    add("math", "speed", lambda r, s: f"{_pick(r, s(PEOPLE))} drives {r.randint(40, 160)} km in {r.randint(1, 4)} hours. What is the average speed? Show the calculation.")
-    add("math", "percent", lambda r, s: f"{_pick(r, s(PEOPLE))} got {r.choice([5, 10, 15, 20, 25, 30, 40])}% off a bike that cost ${r.randint(20, 900)}. How much was paid? Explain how to compute it.")
-    for fmt in ["Summarize the following text in two sentences:\n\n{}", "Give a one-sentence summary of this text:\n\n{}",
-                "What are the key points of this text?\n\n{}"]:
+    add(
+        "math",
+        "speed",
+        lambda r, s: (
+            f"{_pick(r, s(PEOPLE))} drives {r.randint(40, 160)} km in {r.randint(1, 4)} hours. What is the average speed? Show the calculation."
+        ),
+    )
+    add(
+        "math",
+        "percent",
+        lambda r, s: (
+            f"{_pick(r, s(PEOPLE))} got {r.choice([5, 10, 15, 20, 25, 30, 40])}% off a bike that cost ${r.randint(20, 900)}. How much was paid? Explain how to compute it."
+        ),
+    )
+    for fmt in [
+        "Summarize the following text in two sentences:\n\n{}",
+        "Give a one-sentence summary of this text:\n\n{}",
+        "What are the key points of this text?\n\n{}",
+    ]:
         add("summary", fmt, lambda r, s, f=fmt: f.format(_pick(r, s(PARAGRAPHS))))
-    for fmt in ["Repeat the following text exactly:\n\n{}", "Rewrite the following text in a more formal tone:\n\n{}",
-                "Rewrite this text for a child:\n\n{}", "Turn this text into a bulleted list:\n\n{}"]:
+    for fmt in [
+        "Repeat the following text exactly:\n\n{}",
+        "Rewrite the following text in a more formal tone:\n\n{}",
+        "Rewrite this text for a child:\n\n{}",
+        "Turn this text into a bulleted list:\n\n{}",
+    ]:
         add("rewrite", fmt, lambda r, s, f=fmt: f.format(_pick(r, s(PARAGRAPHS))))
-    for fmt in ["Correct the grammar in this sentence: {}", "Rewrite this sentence correctly: {}", "Fix the mistakes: {}"]:
+    for fmt in [
+        "Correct the grammar in this sentence: {}",
+        "Rewrite this sentence correctly: {}",
+        "Fix the mistakes: {}",
+    ]:
         add("rewrite", fmt, lambda r, s, f=fmt: f.format(_pick(r, s(SENTENCES))))
-    add("rewrite", "json", lambda r, s: "Convert this to a JSON object with fields name, item and count: {} has {} {}.".format(
-        _pick(r, s(PEOPLE)), r.randint(2, 30), _pick(r, s(ITEMS))))
+    add(
+        "rewrite",
+        "json",
+        lambda r, s: (
+            f"Convert this to a JSON object with fields name, item and count: {_pick(r, s(PEOPLE))} has {r.randint(2, 30)} {_pick(r, s(ITEMS))}."
+        ),
+    )
     return T
 
 
@@ -213,6 +268,7 @@ def _side(eval_side: bool) -> Callable[[list[str]], list[str]]:
         values = [v.strip() for v in pool]
         held_out = {v for v in values if _is_eval(v)} or {values[0]}  # a pool the hash left empty gives its first
         return [v for v in values if (v in held_out) == eval_side]
+
     return side
 
 

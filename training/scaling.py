@@ -67,8 +67,9 @@ def heldout_sequences(num_prompts: int, max_tokens: int, threads: int) -> list[S
 
 
 @torch.no_grad()
-def heldout_acceptance(head: EagleHead, embed: torch.Tensor, lm_head: torch.Tensor, seqs: list[Seq],
-                       k: int) -> dict[str, Any]:
+def heldout_acceptance(
+    head: EagleHead, embed: torch.Tensor, lm_head: torch.Tensor, seqs: list[Seq], k: int
+) -> dict[str, Any]:
     """Mean acceptance length at ``k`` drafts and the conditional acceptance per draft position.
 
     ``embed``, ``lm_head`` [V, hidden]: the target's (SmolLM2 ties them). Anchors are the positions
@@ -94,8 +95,11 @@ def heldout_acceptance(head: EagleHead, embed: torch.Tensor, lm_head: torch.Tens
         lead.extend(run[anchor].tolist())
     total = len(lead)
     reached = [sum(1 for x in lead if x >= s) for s in range(k + 1)]  # reached[s]: anchors with >= s hits
-    return {"mean_acceptance_length": 1.0 + sum(lead) / max(total, 1), "anchors": total,
-            "conditional_per_pos": [round(reached[s] / max(reached[s - 1], 1), 4) for s in range(1, k + 1)]}
+    return {
+        "mean_acceptance_length": 1.0 + sum(lead) / max(total, 1),
+        "anchors": total,
+        "conditional_per_pos": [round(reached[s] / max(reached[s - 1], 1), 4) for s in range(1, k + 1)],
+    }
 
 
 def head_from_checkpoint(best_pt: Path, like: EagleHead) -> EagleHead:
@@ -114,9 +118,23 @@ def train_subset(frac: float, args: argparse.Namespace) -> Path:
     tag = f"s{len(list(data_dir().glob('shard_*.pt')))}-frac{frac:g}"
     out = SCALING_DIR / f"eagle-{tag}"
     if not (out / "training.json").exists():
-        cmd = [sys.executable, "-m", "training.train_eagle", "--train-frac", str(frac), "--epochs", str(args.epochs),
-               "--threads", str(args.threads), "--max-minutes", str(args.max_minutes), "--out", str(out),
-               "--work-name", f"scaling-{tag}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "training.train_eagle",
+            "--train-frac",
+            str(frac),
+            "--epochs",
+            str(args.epochs),
+            "--threads",
+            str(args.threads),
+            "--max-minutes",
+            str(args.max_minutes),
+            "--out",
+            str(out),
+            "--work-name",
+            f"scaling-{tag}",
+        ]
         print(f"[scaling] {' '.join(cmd[1:])}", flush=True)
         subprocess.run(cmd, cwd=REPO_ROOT, check=True)
     return out
@@ -135,8 +153,11 @@ def fit_log_linear(points: list[tuple[float, float]]) -> tuple[float, float] | N
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--fracs", default="0.125,0.25,0.5",
-                    help="training-data shares to train now (1 = every shard present; '' = only evaluate)")
+    ap.add_argument(
+        "--fracs",
+        default="0.125,0.25,0.5",
+        help="training-data shares to train now (1 = every shard present; '' = only evaluate)",
+    )
     ap.add_argument("--epochs", type=float, default=12.0, help="as the shipped head's first stage")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-minutes", type=float, default=30.0, help="per training run")
@@ -161,40 +182,87 @@ def main(argv: list[str] | None = None) -> int:
     for out in sorted(SCALING_DIR.glob("eagle-s*-frac*")):
         if (out / "training.json").exists():
             rec = json.loads((out / "training.json").read_text())
-            rows.append({"frac": rec["args"]["train_frac"], "label": out.name.removeprefix("eagle-"), "source": str(out),
-                         "head": load_head(out), "record": rec})
+            rows.append(
+                {
+                    "frac": rec["args"]["train_frac"],
+                    "label": out.name.removeprefix("eagle-"),
+                    "source": str(out),
+                    "head": load_head(out),
+                    "record": rec,
+                }
+            )
     stage1_best = work_dir("eagle") / "best.pt"
     if stage1_best.exists() and full_record:  # the shipped head's own first stage: the same recipe, all 10 shards
-        rows.append({"frac": 1.0, "label": "s10-frac1 (shipped's stage 1)", "source": str(stage1_best),
-                     "head": head_from_checkpoint(stage1_best, shipped), "record": full_record})
+        rows.append(
+            {
+                "frac": 1.0,
+                "label": "s10-frac1 (shipped's stage 1)",
+                "source": str(stage1_best),
+                "head": head_from_checkpoint(stage1_best, shipped),
+                "record": full_record,
+            }
+        )
     rows.sort(key=lambda r: r["record"].get("train_response_tokens") or 0)
     results = []
-    for r in rows + [{"frac": None, "label": "shipped (+ training-time test)", "source": str(EAGLE_DIR), "head": shipped,
-                      "record": shipped_record}]:
+    for r in rows + [
+        {
+            "frac": None,
+            "label": "shipped (+ training-time test)",
+            "source": str(EAGLE_DIR),
+            "head": shipped,
+            "record": shipped_record,
+        }
+    ]:
         m = heldout_acceptance(r["head"], embed, lm_head, heldout, args.k)
         curve = r["record"].get("curve", {})
         val_top1 = max(curve.get("val_top1", [float("nan")]))
-        results.append({"frac": r["frac"], "train_response_tokens": r["record"].get("train_response_tokens"),
-                        "val_top1_best": val_top1, "source": r["source"], "label": r["label"], **m})
+        results.append(
+            {
+                "frac": r["frac"],
+                "train_response_tokens": r["record"].get("train_response_tokens"),
+                "val_top1_best": val_top1,
+                "source": r["source"],
+                "label": r["label"],
+                **m,
+            }
+        )
     first = [x for x in results if x["frac"] is not None]
     fit = fit_log_linear([(x["train_response_tokens"], x["mean_acceptance_length"] - 1.0) for x in first])
     need = None
     if fit is not None and fit[1] > 0:
         need = 2 ** ((TARGET_LEN - 1.0 - fit[0]) / fit[1])
-    print(f"\nEAGLE head, held-out chat ({args.heldout_prompts} prompts x {args.heldout_tokens} tokens, greedy, "
-          f"K={args.k}, teacher-forced):")
-    print(f"{'first stage on (shards, share)':32s} {'train tokens':>12s} {'val top1':>8s} {'held-out len':>12s}  "
-          "conditional per draft")
+    print(
+        f"\nEAGLE head, held-out chat ({args.heldout_prompts} prompts x {args.heldout_tokens} tokens, greedy, "
+        f"K={args.k}, teacher-forced):"
+    )
+    print(
+        f"{'first stage on (shards, share)':32s} {'train tokens':>12s} {'val top1':>8s} {'held-out len':>12s}  "
+        "conditional per draft"
+    )
     for x in results:
-        print(f"{x['label']:32s} {x['train_response_tokens']:>12} "
-              f"{x['val_top1_best']:8.3f} {x['mean_acceptance_length']:12.3f}  {x['conditional_per_pos']}")
+        print(
+            f"{x['label']:32s} {x['train_response_tokens']:>12} "
+            f"{x['val_top1_best']:8.3f} {x['mean_acceptance_length']:12.3f}  {x['conditional_per_pos']}"
+        )
     if fit is not None:
-        print(f"fit: accepted drafts per step = {fit[0]:.3f} + {fit[1]:.3f} * log2(train tokens)"
-              + (f"; reaching {TARGET_LEN} by this trend needs ~{need:.3g} response tokens "
-                 f"({need / first[-1]['train_response_tokens']:.0f}x the largest set): an extrapolation" if need else ""))
-    out = {"benchmark": "eagle_scaling", "args": vars(args), "results": results,
-           "fit": {"intercept": fit[0], "per_doubling": fit[1]} if fit else None,
-           "tokens_for_target": need, "target_len": TARGET_LEN, "wall_s": time.time() - t0}
+        print(
+            f"fit: accepted drafts per step = {fit[0]:.3f} + {fit[1]:.3f} * log2(train tokens)"
+            + (
+                f"; reaching {TARGET_LEN} by this trend needs ~{need:.3g} response tokens "
+                f"({need / first[-1]['train_response_tokens']:.0f}x the largest set): an extrapolation"
+                if need
+                else ""
+            )
+        )
+    out = {
+        "benchmark": "eagle_scaling",
+        "args": vars(args),
+        "results": results,
+        "fit": {"intercept": fit[0], "per_doubling": fit[1]} if fit else None,
+        "tokens_for_target": need,
+        "target_len": TARGET_LEN,
+        "wall_s": time.time() - t0,
+    }
     from benchmarks.common import RESULTS_DIR, figure, save_figure, write_json
 
     write_json(RESULTS_DIR / "eagle_scaling.json", out)

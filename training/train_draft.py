@@ -35,8 +35,13 @@ from training.data import coverage, draft_vocab, load_shards, split
 from training.loop import LoopConfig, train
 from workers.model_loader import DRAFT_VOCAB_FILE, load_model
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 def build_draft(target: LlamaForCausalLM, layers: list[int]) -> LlamaForCausalLM:
@@ -52,7 +57,7 @@ def build_draft(target: LlamaForCausalLM, layers: list[int]) -> LlamaForCausalLM
         pre = f"model.layers.{old_i}."
         for k, v in tsd.items():
             if k.startswith(pre):
-                sd[f"model.layers.{new_i}." + k[len(pre):]] = v
+                sd[f"model.layers.{new_i}." + k[len(pre) :]] = v
     missing, unexpected = draft.load_state_dict(sd, strict=False)
     assert not unexpected and all(k == "lm_head.weight" for k in missing), (missing, unexpected)
     draft.tie_weights()
@@ -107,8 +112,17 @@ def main(argv: list[str] | None = None) -> int:
         loss = kl + args.ce_weight * ce
         return loss, {"loss": float(loss), "kl": float(kl), "ce": float(ce), "top1": float(top1)}
 
-    cfg = LoopConfig(epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr, warmup_steps=30,
-                     weight_decay=0.0, seed=args.seed, ckpt_minutes=4.0, eval_every=100, max_minutes=args.max_minutes)
+    cfg = LoopConfig(
+        epochs=args.epochs,
+        batch_tokens=args.batch_tokens,
+        lr=args.lr,
+        warmup_steps=30,
+        weight_decay=0.0,
+        seed=args.seed,
+        ckpt_minutes=4.0,
+        eval_every=100,
+        max_minutes=args.max_minutes,
+    )
     params = [p for p in draft.parameters() if p.requires_grad]
     draft.train()
     curve = train(params, draft, loss_fn, train_seqs, val_seqs, cfg, work, "draft")
@@ -118,21 +132,36 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     draft.to(torch.bfloat16).save_pretrained(str(out))  # bf16 on disk (load_model reads it back as fp32)
     # the vocabulary the loss covered: the proposer drafts only among these ids (workers/proposers/draft_model.py)
-    (out / DRAFT_VOCAB_FILE).write_text(json.dumps({
-        "why": f"the {len(d2t)} most frequent tokens of the target's training responses (at most --draft-vocab, "
-               "+ EOS): the rows of the tied LM head the distillation trained; drafting outside them loses agreement",
-        "token_ids": d2t.tolist()}) + "\n")
+    (out / DRAFT_VOCAB_FILE).write_text(
+        json.dumps(
+            {
+                "why": f"the {len(d2t)} most frequent tokens of the target's training responses (at most --draft-vocab, "
+                "+ EOS): the rows of the tied LM head the distillation trained; drafting outside them loses agreement",
+                "token_ids": d2t.tolist(),
+            }
+        )
+        + "\n"
+    )
     src = Path(target.path)
     for f in TOKENIZER_FILES:
         if (src / f).exists():
             shutil.copy(src / f, out / f)
-    (out / "training.json").write_text(json.dumps({
-        "args": vars(args), "init_layers": layers, "num_train_sequences": len(train_seqs),
-        "num_val_sequences": len(val_seqs),
-        "train_response_tokens": sum(s.n - s.num_prompt_tokens + 1 for s in train_seqs),
-        "draft_vocab_coverage_val": round(cov, 4), "curve": curve,
-        "wall_minutes_this_invocation": round((time.time() - t_start) / 60, 1),
-    }, indent=1) + "\n")
+    (out / "training.json").write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "init_layers": layers,
+                "num_train_sequences": len(train_seqs),
+                "num_val_sequences": len(val_seqs),
+                "train_response_tokens": sum(s.n - s.num_prompt_tokens + 1 for s in train_seqs),
+                "draft_vocab_coverage_val": round(cov, 4),
+                "curve": curve,
+                "wall_minutes_this_invocation": round((time.time() - t_start) / 60, 1),
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"saved {out}")
     return 0
 

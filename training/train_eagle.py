@@ -69,10 +69,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttt-steps", type=int, default=1, help="drafting steps unrolled in the loss (1 = EAGLE-1)")
     ap.add_argument("--ttt-decay", type=float, default=0.8, help="loss weight of step s: decay ** (s - 1)")
     ap.add_argument("--init", help="start from this trained head directory instead of the target's last layer")
-    ap.add_argument("--train-frac", type=float, default=1.0,
-                    help="train on this share of the training sequences (the data-scaling curve, training/scaling.py)")
+    ap.add_argument(
+        "--train-frac",
+        type=float,
+        default=1.0,
+        help="train on this share of the training sequences (the data-scaling curve, training/scaling.py)",
+    )
     ap.add_argument("--out", default=str(EAGLE_DIR))
-    ap.add_argument("--work-name", help="checkpoint / log directory name in the training cache (default: from the stage)")
+    ap.add_argument(
+        "--work-name", help="checkpoint / log directory name in the training cache (default: from the stage)"
+    )
     args = ap.parse_args(argv)
     set_threads(args.threads)
     if not 0.0 < args.train_frac <= 1.0:
@@ -95,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.init:
         head = load_head(args.init)
         if not torch.equal(head.d2t, d2t):
-            raise SystemExit(f"--init {args.init}: its draft vocabulary differs from this data's top {args.draft_vocab}")
+            raise SystemExit(
+                f"--init {args.init}: its draft vocabulary differs from this data's top {args.draft_vocab}"
+            )
     else:
         head = EagleHead(head_config_for(tcfg, len(d2t)))
         init_from_target(head, target.model)
@@ -138,20 +146,39 @@ def main(argv: list[str] | None = None) -> int:
             vloss, ploss, top1, hit = step_loss(pred[:, :n], feats[:, s:], b["loss_mask"][:, s:], b["next_ids"][:, s:])
             loss = loss + args.ttt_decay ** (s - 1) * (vloss + args.p_weight * ploss)
             sfx = "" if s == 1 else f"_{s}"
-            metrics.update({f"vloss{sfx}": float(vloss), f"ploss{sfx}": float(ploss), f"top1{sfx}": top1,
-                            f"acc_next{sfx}": hit})
+            metrics.update(
+                {f"vloss{sfx}": float(vloss), f"ploss{sfx}": float(ploss), f"top1{sfx}": top1, f"acc_next{sfx}": hit}
+            )
             reach *= top1
             accept_len += reach
         metrics["loss"] = float(loss)
         metrics["accept_len"] = accept_len
         return loss, metrics
 
-    cfg = LoopConfig(epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr, warmup_steps=30,
-                     weight_decay=0.0, seed=args.seed, ckpt_minutes=4.0, eval_every=100, max_minutes=args.max_minutes)
+    cfg = LoopConfig(
+        epochs=args.epochs,
+        batch_tokens=args.batch_tokens,
+        lr=args.lr,
+        warmup_steps=30,
+        weight_decay=0.0,
+        seed=args.seed,
+        ckpt_minutes=4.0,
+        eval_every=100,
+        max_minutes=args.max_minutes,
+    )
     params = [p for p in head.parameters() if p.requires_grad]
     head.train()
-    curve = train(params, head, lambda b: _train_or_eval(head, loss_fn, b), train_seqs, val_seqs, cfg, work, "eagle",
-                  best_key="accept_len" if args.ttt_steps > 1 else "top1")
+    curve = train(
+        params,
+        head,
+        lambda b: _train_or_eval(head, loss_fn, b),
+        train_seqs,
+        val_seqs,
+        cfg,
+        work,
+        "eagle",
+        best_key="accept_len" if args.ttt_steps > 1 else "top1",
+    )
     head.eval()
     from pathlib import Path
 
@@ -160,13 +187,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.init and (Path(args.init) / "training.json").exists():
         init_record = json.loads((Path(args.init) / "training.json").read_text())
     save_head(head, out)
-    (out / "training.json").write_text(json.dumps({
-        "init_training": init_record,
-        "args": vars(args), "num_train_sequences": len(train_seqs), "num_val_sequences": len(val_seqs),
-        "train_response_tokens": sum(s.n - s.num_prompt_tokens + 1 for s in train_seqs),
-        "draft_vocab_coverage_val": round(cov, 4), "feature_rms": feat_rms, "curve": curve,
-        "wall_minutes_this_invocation": round((time.time() - t_start) / 60, 1),
-    }, indent=1) + "\n")
+    (out / "training.json").write_text(
+        json.dumps(
+            {
+                "init_training": init_record,
+                "args": vars(args),
+                "num_train_sequences": len(train_seqs),
+                "num_val_sequences": len(val_seqs),
+                "train_response_tokens": sum(s.n - s.num_prompt_tokens + 1 for s in train_seqs),
+                "draft_vocab_coverage_val": round(cov, 4),
+                "feature_rms": feat_rms,
+                "curve": curve,
+                "wall_minutes_this_invocation": round((time.time() - t_start) / 60, 1),
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"saved {out}")
     return 0
 

@@ -39,9 +39,14 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     cost from growing with the step rate, as vLLM's output processor does per iteration.
     """
     logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
-    return dataclasses.replace(b, token_ids=a.token_ids + b.token_ids, text=a.text + b.text, logprobs=logprobs,
-                               prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
-                               first_token_time=a.first_token_time if a.first_token_time is not None else b.first_token_time)
+    return dataclasses.replace(
+        b,
+        token_ids=a.token_ids + b.token_ids,
+        text=a.text + b.text,
+        logprobs=logprobs,
+        prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+        first_token_time=a.first_token_time if a.first_token_time is not None else b.first_token_time,
+    )
 
 
 class AsyncEngine:
@@ -179,7 +184,9 @@ class AsyncEngine:
 
     def _run(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
         # before the engine is built: the OpenMP pool its first parallel op starts inherits this
-        self.cpu_priority = hardware.claim_cpu() if self._claim_cpu else hardware.thread_priority(threading.get_native_id())
+        self.cpu_priority = (
+            hardware.claim_cpu() if self._claim_cpu else hardware.thread_priority(threading.get_native_id())
+        )
         try:
             self.engine = engine if isinstance(engine, LLMEngine) else engine()
             self._snapshot = self.engine.snapshot()  # here: only this thread touches the engine

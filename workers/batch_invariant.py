@@ -76,8 +76,14 @@ class RowBlocking:
 _CANDIDATES = ((1, 1), (2, 1), (4, 1), (8, 1), (16, 1), (2, 2), (4, 4), (6, 6), (8, 8), (12, 12), (16, 16))
 
 
-def probe_row_blocking(fn: LinearFn, in_features: int, dtype: torch.dtype, device: torch.device,
-                       max_block: int = MAX_ROW_BLOCK, draws: int = 2) -> RowBlocking:
+def probe_row_blocking(
+    fn: LinearFn,
+    in_features: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_block: int = MAX_ROW_BLOCK,
+    draws: int = 2,
+) -> RowBlocking:
     """Find the row counts on which ``fn`` gives bit-identical rows (see the module docstring).
 
     For each candidate (``m0``, granule ``g``): every row of a random input is computed alone (in an
@@ -89,8 +95,9 @@ def probe_row_blocking(fn: LinearFn, in_features: int, dtype: torch.dtype, devic
     ``m0`` rows.
     """
     gen = torch.Generator(device="cpu").manual_seed(0)
-    xs = [torch.randn(max_block + 16, in_features, generator=gen).to(device=device, dtype=dtype)
-          for _ in range(draws)]  # [max_block + 16, in] each
+    xs = [
+        torch.randn(max_block + 16, in_features, generator=gen).to(device=device, dtype=dtype) for _ in range(draws)
+    ]  # [max_block + 16, in] each
     best = RowBlocking(1, 1)
     for m0, g in _CANDIDATES:
         if m0 > max_block:
@@ -198,6 +205,7 @@ def attention(
     # strided view of the cache, so no block is copied.
     out = blocked_matmul(probs[..., :KEY_BLOCK], v[:, :, :KEY_BLOCK], blocking.pv)  # [S, Hkv, G*n, D]
     for b in range(1, nb):
-        out = out + blocked_matmul(probs[..., b * KEY_BLOCK : (b + 1) * KEY_BLOCK],
-                                   v[:, :, b * KEY_BLOCK : (b + 1) * KEY_BLOCK], blocking.pv)
+        out = out + blocked_matmul(
+            probs[..., b * KEY_BLOCK : (b + 1) * KEY_BLOCK], v[:, :, b * KEY_BLOCK : (b + 1) * KEY_BLOCK], blocking.pv
+        )
     return out.view(S, Hkv, G, n, D).permute(0, 3, 1, 2, 4).reshape(S, n, H, D).to(q.dtype)

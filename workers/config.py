@@ -30,12 +30,16 @@ class StructuredOutputsConfig(BaseModel):
         "Only narrows the output: what it writes is valid under the schema as given. False: extra keys allowed.",
     )
     max_forced_tokens: int = Field(
-        16, ge=0, le=64,
+        16,
+        ge=0,
+        le=64,
         description="Most grammar-forced tokens proposed as drafts per request per step (beyond "
         "num_speculative_tokens: they cost no proposer work and are nearly always accepted); 0 = no grammar drafts.",
     )
     compile_timeout_s: float = Field(
-        10.0, gt=0.0, le=300.0,
+        10.0,
+        gt=0.0,
+        le=300.0,
         description="A grammar that takes longer than this to compile is refused with a 400. Compiling runs off "
         "the engine's step loop, so a slow one never stalls other requests.",
     )
@@ -103,22 +107,34 @@ class EngineConfig(BaseModel):
     )
     max_num_seqs: int = Field(32, ge=1, le=1024, description="Running requests; more wait in the queue.")
     max_model_len: int = Field(
-        2048, ge=16, description="Context length per request (prompt + output + drafts), up to the model's own "
-        "limit. Memory comes from the KV block pool (kv_cache_memory_gb), not from this times max_num_seqs.")
+        2048,
+        ge=16,
+        description="Context length per request (prompt + output + drafts), up to the model's own "
+        "limit. Memory comes from the KV block pool (kv_cache_memory_gb), not from this times max_num_seqs.",
+    )
     kv_cache_memory_gb: float = Field(
-        4.0, gt=0, le=4096,
+        4.0,
+        gt=0,
+        le=4096,
         description="GiB of the paged KV cache's block pool, shared by every request (vLLM's VLLM_CPU_KVCACHE_SPACE). "
         "4 GiB holds ~93k tokens of SmolLM2 (30 layers x 2 x 3 kv heads x 64 x fp32 = 45 KiB per token), e.g. 11 "
         "requests of 8192 tokens or 45 of 2048; requests beyond what the pool holds wait, and a running request is "
         "preempted (recomputed later, output unchanged) when decoding runs out of blocks. Capped at what max_num_seqs "
-        "requests of max_model_len can use. Must hold one request of max_model_len (an error naming this key).")
+        "requests of max_model_len can use. Must hold one request of max_model_len (an error naming this key).",
+    )
     block_size: int = Field(
-        16, ge=16, le=256, multiple_of=16,
+        16,
+        ge=16,
+        le=256,
+        multiple_of=16,
         description="Tokens per KV cache block: the unit of allocation and of prefix caching (only full blocks are "
-        "cached). A multiple of 16, the native attention kernel's key-vector width.")
+        "cached). A multiple of 16, the native attention kernel's key-vector width.",
+    )
     max_num_batched_tokens: int = Field(
-        256, ge=16, description="Most tokens one engine step feeds (a hard cap; the scheduler's latency budget "
-        "usually binds first while requests decode); long prompts are prefilled in chunks."
+        256,
+        ge=16,
+        description="Most tokens one engine step feeds (a hard cap; the scheduler's latency budget "
+        "usually binds first while requests decode); long prompts are prefilled in chunks.",
     )
     scheduler: SchedulerConfig = Field(
         default_factory=SchedulerConfig,
@@ -134,7 +150,9 @@ class EngineConfig(BaseModel):
         "cached_tokens. Requests whose proposer reads the target's hidden states (eagle) always prefill in full.",
     )
     stream_interval: int = Field(
-        1, ge=1, le=64,
+        1,
+        ge=1,
+        le=64,
         description="Tokens per streamed chunk after the first (SGLang's stream_interval): every chunk is a message "
         "through the replica, the ingress and the HTTP proxy, whose CPU the engine shares on a small machine. The "
         "first token is always sent at once; the text and tokens are the same, in fewer chunks.",

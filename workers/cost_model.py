@@ -249,8 +249,14 @@ class StepCostModel:
         from it with the draft-token slope (or are the line, where that is higher). Cached per batch
         size until the next observation (which changes ``num_samples``) or a change of settings.
         """
-        key = (self.num_samples, self.prior_base_s, self.prior_per_token_s, self.min_samples, self.decay,
-               self.bucket_min_samples)
+        key = (
+            self.num_samples,
+            self.prior_base_s,
+            self.prior_per_token_s,
+            self.min_samples,
+            self.decay,
+            self.bucket_min_samples,
+        )
         if key != self._curves_key:
             self._curves.clear()
             self._curves_key = key
@@ -283,7 +289,13 @@ class StepCostModel:
         table = {str(b): round(e[0], 6) for b, e in sorted(self._table.items()) if e[1] >= ok}
         by_batch = {f"{r}x{b}": round(e[0], 6) for (r, b), e in sorted(self._by_batch.items()) if e[1] >= ok}
         ratio = {f"{r}x{b}": round(e[0], 4) for (r, b), e in sorted(self._ratio.items()) if e[1] >= ok}
-        return {"base_s": c0, "per_token_s": c1, "draft_token_s": self.draft_token_s,
-                "prefill_token_s": self.prefill_token_s, "num_samples": self.num_samples,
-                "measured_s_by_bucket": table, "measured_s_by_batch_bucket": by_batch,
-                "verify_over_plain_by_batch_bucket": ratio}
+        return {
+            "base_s": c0,
+            "per_token_s": c1,
+            "draft_token_s": self.draft_token_s,
+            "prefill_token_s": self.prefill_token_s,
+            "num_samples": self.num_samples,
+            "measured_s_by_bucket": table,
+            "measured_s_by_batch_bucket": by_batch,
+            "verify_over_plain_by_batch_bucket": ratio,
+        }

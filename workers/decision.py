@@ -34,7 +34,9 @@ def fixed_k(k: int) -> DecideFn:
     """The default before a routing policy is plugged in: K drafts unless the request said off."""
 
     def decide(snapshot: LoadSnapshot, candidates: Sequence[SpecCandidate]) -> list[int]:
-        return [0 if c.speculation == "off" else c.forced if c.proposer is None else max(c.forced, min(k, c.k_max))
-                for c in candidates]
+        return [
+            0 if c.speculation == "off" else c.forced if c.proposer is None else max(c.forced, min(k, c.k_max))
+            for c in candidates
+        ]
 
     return decide

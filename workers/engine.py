@@ -82,8 +82,15 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, device)
         num_blocks = self._num_kv_blocks(hf_cfg)
         self.runner = ModelRunner(
-            loaded.model, config.max_num_seqs, self.max_model_len, self.dtype, device, cpu_gemm=config.cpu_gemm,
-            batch_invariant=config.batch_invariant, num_blocks=num_blocks, block_size=config.block_size,
+            loaded.model,
+            config.max_num_seqs,
+            self.max_model_len,
+            self.dtype,
+            device,
+            cpu_gemm=config.cpu_gemm,
+            batch_invariant=config.batch_invariant,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
         )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         eos = getattr(hf_cfg, "eos_token_id", None)
@@ -92,8 +99,9 @@ class LLMEngine:
             eos_ids.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos_ids)
         # structured output: compiled grammars (cached by source) and the batch's masks
-        self.grammars = GrammarRuntime(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
-                                       config.structured_outputs)
+        self.grammars = GrammarRuntime(
+            self.tokenizer, self.vocab_size, sorted(self.eos_token_ids), config.structured_outputs
+        )
         self.proposers: dict[str, Proposer] = dict(proposers or {})
         for name, p in self.proposers.items():  # a draft's token ids and q rows must be the target's
             draft_vocab = getattr(p, "vocab_size", None)
@@ -112,10 +120,19 @@ class LLMEngine:
         # Step cost of this hardware and model, measured every step: the scheduler sizes prompt chunks
         # from it, and a goodput policy handed the same model sizes K from it.
         self.cost_model = cost_model if cost_model is not None else StepCostModel()
-        self.scheduler = Scheduler(config.scheduler, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.cost_model, self._decide_k, self.kv, time.monotonic, self._may_read_cache)
-        self.processor = OutputProcessor(config.verification, self.max_model_len, self.proposers, self._finish,
-                                         on_verify, self.grammars)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.cost_model,
+            self._decide_k,
+            self.kv,
+            time.monotonic,
+            self._may_read_cache,
+        )
+        self.processor = OutputProcessor(
+            config.verification, self.max_model_len, self.proposers, self._finish, on_verify, self.grammars
+        )
         self.requests: dict[str, Request] = {}
         self.step_time_ema = Ema(0.1)
         self.tokens_per_step_ema = Ema(0.1)
@@ -137,7 +154,8 @@ class LLMEngine:
             raise ValueError(
                 f"engine.kv_cache_memory_gb={cfg.kv_cache_memory_gb} holds {fit} blocks of {cfg.block_size} tokens; "
                 f"one request of max_model_len={self.max_model_len} needs {per_seq} "
-                f"({per_seq * block_bytes / 2**30:.3f} GiB): raise kv_cache_memory_gb or lower max_model_len")
+                f"({per_seq * block_bytes / 2**30:.3f} GiB): raise kv_cache_memory_gb or lower max_model_len"
+            )
         return min(fit, cfg.max_num_seqs * per_seq)
 
     @property
@@ -211,18 +229,25 @@ class LLMEngine:
                 param="max_tokens",
             )
         if self.kv.blocks_for(len(prompt) + params.max_tokens) > self.kv.num_blocks:  # never, while the pool holds
-            raise InvalidRequestError(                                               # one full-length request
+            raise InvalidRequestError(  # one full-length request
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the KV cache of "
-                f"{self.kv.num_blocks * self.kv.block_size} tokens", param="max_tokens")
+                f"{self.kv.num_blocks * self.kv.block_size} tokens",
+                param="max_tokens",
+            )
         resumed = list(resume_output_ids)
         if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in resumed):
-            raise InvalidRequestError(f"resumed output has token ids outside [0, {self.vocab_size})",
-                                      param="resume_output_ids")
+            raise InvalidRequestError(
+                f"resumed output has token ids outside [0, {self.vocab_size})", param="resume_output_ids"
+            )
         if resumed and len(resumed) >= params.max_tokens:
-            raise InvalidRequestError(f"{len(resumed)} resumed tokens leave nothing of max_tokens "
-                                      f"({params.max_tokens}) to write", param="resume_output_ids")
+            raise InvalidRequestError(
+                f"{len(resumed)} resumed tokens leave nothing of max_tokens ({params.max_tokens}) to write",
+                param="resume_output_ids",
+            )
         if speculation not in ("auto", "on", "off"):
-            raise InvalidRequestError(f"speculation must be 'auto', 'on' or 'off', not {speculation!r}", param="speculation")
+            raise InvalidRequestError(
+                f"speculation must be 'auto', 'on' or 'off', not {speculation!r}", param="speculation"
+            )
         if proposer is not None and proposer not in self.proposers:
             raise InvalidRequestError(
                 f"unknown proposer {proposer!r}; configured: {sorted(self.proposers)}", param="proposer"
@@ -315,8 +340,10 @@ class LLMEngine:
         at_end = [r.num_computed + len(toks) == r.prefill_len for r, toks in chunks]  # the chunk ends the prefill
         reqs = decoding + [r for r, _ in chunks]
         fed = pending + [toks for _, toks in chunks]
-        frontier = [FrontierRow(r, toks, d, p, min(len(r.forced), len(d)))
-                    for r, toks, d, p in zip(decoding, pending, drafts, draft_probs)]
+        frontier = [
+            FrontierRow(r, toks, d, p, min(len(r.forced), len(d)))
+            for r, toks, d, p in zip(decoding, pending, drafts, draft_probs)
+        ]
         frontier += [FrontierRow(r, toks) for (r, toks), end in zip(chunks, at_end) if end]
         logits = self._execute(reqs, fed, {id(f.request): len(f.drafts) for f in frontier})
 
@@ -349,13 +376,24 @@ class LLMEngine:
     ) -> torch.Tensor:  # [sum over frontier requests of (drafts + 1), vocab] the rows verify decides from
         """The runner call: logits at each frontier (the last fed token plus one row per draft), and every
         prompt row of a request that scores its prompt (prompt_logprobs), which are taken out here."""
-        scoring = [r.prompt_logprobs is not None and r.in_prefill and len(r.prompt_logprobs) < len(r.prompt_ids)
-                   for r in reqs]  # a request preempted after its prompt was scored is not scored again
-        logits_rows = [list(range(len(toks))) if sc else
-                       list(range(len(toks)))[-(frontier_drafts[id(r)] + 1):] if id(r) in frontier_drafts else []
-                       for r, toks, sc in zip(reqs, fed, scoring)]
-        batch = StepBatch(slots=[-1] * len(reqs), start_pos=[r.num_computed for r in reqs], token_ids=fed,
-                          logits_rows=logits_rows, block_tables=[r.block_table for r in reqs])
+        scoring = [
+            r.prompt_logprobs is not None and r.in_prefill and len(r.prompt_logprobs) < len(r.prompt_ids) for r in reqs
+        ]  # a request preempted after its prompt was scored is not scored again
+        logits_rows = [
+            list(range(len(toks)))
+            if sc
+            else list(range(len(toks)))[-(frontier_drafts[id(r)] + 1) :]
+            if id(r) in frontier_drafts
+            else []
+            for r, toks, sc in zip(reqs, fed, scoring)
+        ]
+        batch = StepBatch(
+            slots=[-1] * len(reqs),
+            start_pos=[r.num_computed for r in reqs],
+            token_ids=fed,
+            logits_rows=logits_rows,
+            block_tables=[r.block_table for r in reqs],
+        )
         want_hidden = [r.proposer in self._hidden_proposers for r in reqs] if self._hidden_proposers else []
         if any(want_hidden):
             batch.hidden_rows = [list(range(len(toks))) if w else [] for toks, w in zip(fed, want_hidden)]
@@ -363,8 +401,7 @@ class LLMEngine:
         if out.extra_hidden is not None:
             self._keep_hidden(reqs, fed, want_hidden, out.extra_hidden)
         if any(scoring):  # take the prompt rows out: verify sees only the frontier rows
-            return self._score_prompts(reqs, scoring, logits_rows, [id(r) in frontier_drafts for r in reqs],
-                                       out.logits)
+            return self._score_prompts(reqs, scoring, logits_rows, [id(r) in frontier_drafts for r in reqs], out.logits)
         return out.logits
 
     def _may_read_cache(self, r: Request) -> bool:
@@ -384,12 +421,18 @@ class LLMEngine:
             room = min(r.params.max_tokens - len(r.output_ids) - 1, self.max_model_len - r.num_tokens - 1)
             r.forced = r.grammar.forced(min(max_forced, room)) if r.grammar is not None else []
             # never draft past max_tokens (the verify emits accepted + 1) or past the context
-            cands.append(SpecCandidate(request_id=r.request_id, proposer=r.proposer, speculation=r.speculation,
-                                       k_max=max(0, min(k_cap, room)), forced=len(r.forced)))
+            cands.append(
+                SpecCandidate(
+                    request_id=r.request_id,
+                    proposer=r.proposer,
+                    speculation=r.speculation,
+                    k_max=max(0, min(k_cap, room)),
+                    forced=len(r.forced),
+                )
+            )
         self.grammars.seconds += time.perf_counter() - t0
         ks = self.decide(self.snapshot(), cands)
-        ks = [max(0, min(int(k), max(c.k_max, c.forced))) if (c.proposer or c.forced) else 0
-              for k, c in zip(ks, cands)]
+        ks = [max(0, min(int(k), max(c.k_max, c.forced))) if (c.proposer or c.forced) else 0 for k, c in zip(ks, cands)]
         # Every decoding request gets its 1 pending token; drafts share what is left of the budget.
         spare = budget - len(decoding)
         for i, k in enumerate(ks):
@@ -417,7 +460,9 @@ class LLMEngine:
                     eos_token_ids=decoding[i].eos_token_ids,
                     sampling=decoding[i].params.model_copy(update={"seed": decoding[i].seed}),
                     coupled=self.config.verification == "coupled",
-                    hidden_states=None if decoding[i].hidden is None else decoding[i].hidden[: decoding[i].num_computed],
+                    hidden_states=None
+                    if decoding[i].hidden is None
+                    else decoding[i].hidden[: decoding[i].num_computed],
                 )
                 for i in idxs
             ]
@@ -429,8 +474,14 @@ class LLMEngine:
                 p = props.draft_probs[j]
                 p = p[: len(d)] if (p is not None and d) else None
                 if p is not None and drafts[i]:  # rejection verification: forced drafts have a one-hot q
-                    p = torch.cat([torch.nn.functional.one_hot(torch.tensor(drafts[i], device=p.device),
-                                                               p.shape[1]).to(p.dtype), p])
+                    p = torch.cat(
+                        [
+                            torch.nn.functional.one_hot(torch.tensor(drafts[i], device=p.device), p.shape[1]).to(
+                                p.dtype
+                            ),
+                            p,
+                        ]
+                    )
                 drafts[i] += d
                 probs[i] = p
         t0 = time.perf_counter()
@@ -456,7 +507,9 @@ class LLMEngine:
             if not w:
                 continue
             if r.hidden is None:
-                cap = min(self.max_model_len, len(r.prompt_ids) + r.params.max_tokens + self.config.num_speculative_tokens + 1)
+                cap = min(
+                    self.max_model_len, len(r.prompt_ids) + r.params.max_tokens + self.config.num_speculative_tokens + 1
+                )
                 r.hidden = hidden.new_zeros(cap, hidden.shape[1])  # [capacity, hidden]
             r.hidden[r.num_computed : r.num_computed + len(toks)] = hidden[off : off + len(toks)]
             off += len(toks)
@@ -478,8 +531,9 @@ class LLMEngine:
                 assert r.prompt_logprobs is not None
                 first = r.num_computed + 1  # the prompt token the chunk's first row predicts
                 targets = r.prompt_ids[first : first + len(rows)]  # the last prompt row predicts output instead
-                r.prompt_logprobs.extend(token_logprobs(logits[pos : pos + len(targets)], targets,
-                                                        r.params.prompt_logprobs or 0))
+                r.prompt_logprobs.extend(
+                    token_logprobs(logits[pos : pos + len(targets)], targets, r.params.prompt_logprobs or 0)
+                )
                 if f:
                     keep.append(pos + len(rows) - 1)  # the last prompt row decides the first output token
             elif f:
@@ -504,24 +558,26 @@ class LLMEngine:
 
     def snapshot(self) -> LoadSnapshot:
         c = self.processor.counters
-        return self.acceptance.fill(LoadSnapshot(
-            running=len(self.running),
-            decoding=sum(1 for r in self.running if not r.in_prefill),
-            waiting=len(self.waiting),
-            tokens_last_step=self._tokens_last_step,
-            kv_tokens_in_use=self.kv.num_used * self.kv.block_size,
-            kv_tokens_capacity=self.kv.num_blocks * self.kv.block_size,
-            step_time_ema_s=self.step_time_ema.value or 0.0,
-            tokens_per_step_ema=self.tokens_per_step_ema.value or 0.0,
-            num_steps=self.num_steps,
-            output_tokens=c.output_tokens,
-            spec_request_steps=c.spec_request_steps,
-            plain_request_steps=c.plain_request_steps,
-            timestamp=time.time(),
-            dtype=str(self.dtype).removeprefix("torch."),
-            batch_invariant=self.config.batch_invariant,
-            attention_kernel=self.runner.attention_kernel,
-        ))
+        return self.acceptance.fill(
+            LoadSnapshot(
+                running=len(self.running),
+                decoding=sum(1 for r in self.running if not r.in_prefill),
+                waiting=len(self.waiting),
+                tokens_last_step=self._tokens_last_step,
+                kv_tokens_in_use=self.kv.num_used * self.kv.block_size,
+                kv_tokens_capacity=self.kv.num_blocks * self.kv.block_size,
+                step_time_ema_s=self.step_time_ema.value or 0.0,
+                tokens_per_step_ema=self.tokens_per_step_ema.value or 0.0,
+                num_steps=self.num_steps,
+                output_tokens=c.output_tokens,
+                spec_request_steps=c.spec_request_steps,
+                plain_request_steps=c.plain_request_steps,
+                timestamp=time.time(),
+                dtype=str(self.dtype).removeprefix("torch."),
+                batch_invariant=self.config.batch_invariant,
+                attention_kernel=self.runner.attention_kernel,
+            )
+        )
 
     # ----------------------------------------------------------------- convenience (tests, benchmarks)
 

@@ -55,13 +55,15 @@ def grammar_source(spec: Any, config: StructuredOutputsConfig | None = None) -> 
     config = config or StructuredOutputsConfig()
     options: dict[str, Any] = (
         {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-        if config.json_whitespace == "compact" else {"whitespace_flexible": True}
+        if config.json_whitespace == "compact"
+        else {"whitespace_flexible": True}
     )
     kind, value, param = spec.kind, spec.value, spec.param
     try:
         if kind == "json_object":
-            return GrammarSource(llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=options),
-                                 param)
+            return GrammarSource(
+                llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=options), param
+            )
         if kind == "json":
             schema = json.loads(value)
             if not isinstance(schema, dict):
@@ -137,8 +139,13 @@ class GrammarRuntime:
     ``compile`` may be called from any thread (it holds a lock around the cache and drops the GIL
     while llguidance builds); the masking methods run on the engine thread."""
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
-                 config: StructuredOutputsConfig | None = None) -> None:
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        config: StructuredOutputsConfig | None = None,
+    ) -> None:
         self.config = config or StructuredOutputsConfig()
         self.vocab_size = vocab_size
         self._hf_tokenizer = hf_tokenizer
@@ -158,8 +165,9 @@ class GrammarRuntime:
         """llguidance's view of the vocabulary (built once, ~1 s): EOS is every id the engine stops on."""
         with self._lock:
             if self._tokenizer is None:
-                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
-                                                               eos_token=self._eos)
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos
+                )
             return self._tokenizer
 
     def compile(self, spec: Any) -> Grammar:
@@ -167,10 +175,13 @@ class GrammarRuntime:
         ``InvalidRequestError`` naming the field for a grammar that does not compile, is too large, or
         takes longer than ``compile_timeout_s``. Blocks: call it off the engine's step loop."""
         param = spec.param
-        size = len(spec.value.encode()) if isinstance(spec.value, str) else sum(len(c.encode()) for c in spec.value or ())
+        size = (
+            len(spec.value.encode()) if isinstance(spec.value, str) else sum(len(c.encode()) for c in spec.value or ())
+        )
         if size > self.config.max_spec_bytes:
-            raise InvalidRequestError(f"{param}: {size} bytes is above this server's limit of "
-                                      f"{self.config.max_spec_bytes}", param=param)
+            raise InvalidRequestError(
+                f"{param}: {size} bytes is above this server's limit of {self.config.max_spec_bytes}", param=param
+            )
         src = grammar_source(spec, self.config)
         key = hashlib.sha256(src.grammar.encode()).hexdigest()
         with self._lock:
@@ -185,8 +196,9 @@ class GrammarRuntime:
         try:
             matcher = fut.result(timeout=self.config.compile_timeout_s)
         except concurrent.futures.TimeoutError:
-            raise InvalidRequestError(f"{param}: the grammar did not compile within "
-                                      f"{self.config.compile_timeout_s} s", param=param) from None
+            raise InvalidRequestError(
+                f"{param}: the grammar did not compile within {self.config.compile_timeout_s} s", param=param
+            ) from None
         with self._lock:
             if self.config.cache_size:
                 self._cache[key] = matcher

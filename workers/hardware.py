@@ -82,7 +82,8 @@ def thread_priority(tid: int) -> str:
     """``"<policy>/<nice>"`` of a thread (Linux), e.g. ``"batch/0"``; ``"unknown"`` elsewhere."""
     try:
         policy = {os.SCHED_OTHER: "other", os.SCHED_BATCH: "batch", os.SCHED_IDLE: "idle"}.get(
-            os.sched_getscheduler(tid), "realtime")
+            os.sched_getscheduler(tid), "realtime"
+        )
         return f"{policy}/{os.getpriority(os.PRIO_PROCESS, tid)}"
     except (OSError, AttributeError):
         return "unknown"

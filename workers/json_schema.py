@@ -12,8 +12,18 @@ from __future__ import annotations
 from typing import Any
 
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas")  # name -> schema
-_SCHEMA_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
-               "additionalProperties", "unevaluatedItems")  # -> one schema
+_SCHEMA_ONE = (
+    "items",
+    "additionalItems",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "propertyNames",
+    "additionalProperties",
+    "unevaluatedItems",
+)  # -> one schema
 _SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")  # -> schemas; allOf is left open (closed parts would clash)
 _OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
 

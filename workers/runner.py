@@ -163,7 +163,9 @@ class ModelRunner:
         self.final_norm = w(m.norm.weight)  # [hidden]
         self.lm_head = w(hf_model.lm_head.weight)  # [vocab, hidden]; shares storage semantics with embed when tied
         if head_rows is not None:
-            self.lm_head = self.lm_head[torch.as_tensor(list(head_rows), device=self.device)].contiguous()  # [V_head, hidden]
+            self.lm_head = self.lm_head[
+                torch.as_tensor(list(head_rows), device=self.device)
+            ].contiguous()  # [V_head, hidden]
         self.layers: list[dict[str, torch.Tensor]] = []
         for layer in m.layers:
             a, mlp = layer.self_attn, layer.mlp
@@ -171,7 +173,9 @@ class ModelRunner:
                 {
                     "in_norm": w(layer.input_layernorm.weight),  # [hidden]
                     # fused q/k/v: one matmul instead of three
-                    "qkv": w(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)),  # [(H + 2 Hkv) * D, hidden]
+                    "qkv": w(
+                        torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)
+                    ),  # [(H + 2 Hkv) * D, hidden]
                     "o": w(a.o_proj.weight),  # [hidden, H * D]
                     "post_norm": w(layer.post_attention_layernorm.weight),  # [hidden]
                     "gate_up": w(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0)),  # [2 * inter, hidden]
@@ -200,8 +204,11 @@ class ModelRunner:
         # packed copy of the same bf16-rounded weights and round the result back to bf16. Costs
         # 2x the bf16 weight memory again; the values a one-row step reads are unchanged.
         self._wide_f32 = (
-            self.device.type == "cpu" and cpu_gemm == "onednn" and dtype == torch.bfloat16
-            and not self._packed and _onednn_packs(torch.float32)
+            self.device.type == "cpu"
+            and cpu_gemm == "onednn"
+            and dtype == torch.bfloat16
+            and not self._packed
+            and _onednn_packs(torch.float32)
         )
         self.batch_invariant = batch_invariant
         if self._wide_f32:
@@ -230,8 +237,7 @@ class ModelRunner:
         # Every path reads and writes keys as [blocks, Hkv, BS, D]; for the native kernel that is a view of
         # keys stored transposed within a block ([blocks, Hkv, D, BS], contiguous), the layout it reads.
         k_storage = (self.num_blocks, self.num_kv_heads, self.head_dim, block_size) if self.native_attn else kv_shape
-        self._k_storage = [torch.zeros(k_storage, dtype=kv_dtype, device=self.device)
-                           for _ in range(self.num_layers)]
+        self._k_storage = [torch.zeros(k_storage, dtype=kv_dtype, device=self.device) for _ in range(self.num_layers)]
         self.k_cache = [kt.transpose(2, 3) for kt in self._k_storage] if self.native_attn else self._k_storage
         self.v_cache = [torch.zeros(kv_shape, dtype=kv_dtype, device=self.device) for _ in range(self.num_layers)]
         # One row blocking per weight shape (all layers share them), probed with the thread count the
@@ -243,13 +249,19 @@ class ModelRunner:
 
     def _probe(self) -> None:
         L0 = self.layers[0]
-        widths = {"qkv": self.hidden_size, "o": self.num_heads * self.head_dim, "gate_up": self.hidden_size,
-                  "down": self.intermediate_size}
+        widths = {
+            "qkv": self.hidden_size,
+            "o": self.num_heads * self.head_dim,
+            "gate_up": self.hidden_size,
+            "down": self.intermediate_size,
+        }
         for name, width in widths.items():
             self.row_blocking[name] = bi.probe_row_blocking(
-                lambda x, n=name: self._linear_kernel(x, L0, n), width, self.dtype, self.device)
-        self.row_blocking["lm_head"] = bi.probe_row_blocking(self._lm_head_kernel, self.hidden_size, self.dtype,
-                                                             self.device)
+                lambda x, n=name: self._linear_kernel(x, L0, n), width, self.dtype, self.device
+            )
+        self.row_blocking["lm_head"] = bi.probe_row_blocking(
+            self._lm_head_kernel, self.hidden_size, self.dtype, self.device
+        )
         if not self.native_attn:
             self.attn_blocking = bi.probe_attention_blocking(self.head_dim, self.device)
         self._probed_threads = torch.get_num_threads()
@@ -336,8 +348,9 @@ class ModelRunner:
         if max_kv > self.max_model_len:
             raise ValueError(f"sequence of {max_kv} tokens exceeds max_model_len={self.max_model_len}")
         BS = self.block_size
-        tables = batch.block_tables if batch.block_tables is not None else [self.slot_block_table(s)
-                                                                           for s in batch.slots]
+        tables = (
+            batch.block_tables if batch.block_tables is not None else [self.slot_block_table(s) for s in batch.slots]
+        )
         for t, s, n in zip(tables, batch.start_pos, num_new):
             if len(t) * BS < s + n:
                 raise ValueError(f"a block table of {len(t)} blocks cannot hold {s + n} positions")
@@ -346,8 +359,9 @@ class ModelRunner:
         bt = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.long, device=dev)
         if int(bt.min()) < 0 or int(bt.max()) >= self.num_blocks:
             raise ValueError(f"a block id outside the pool of {self.num_blocks} blocks")
-        req_of_tok = torch.tensor([i for i, n in enumerate(num_new) for _ in range(n)], dtype=torch.long,
-                                  device=dev)  # [T]
+        req_of_tok = torch.tensor(
+            [i for i, n in enumerate(num_new) for _ in range(n)], dtype=torch.long, device=dev
+        )  # [T]
         kv_index = bt[req_of_tok, positions // BS] * BS + positions % BS  # [T] block * BS + offset of each row
         blk_of_tok, off_of_tok = kv_index // BS, kv_index % BS
 
@@ -392,18 +406,26 @@ class ModelRunner:
                 kc[blk_of_tok, :, off_of_tok] = k.to(kc.dtype)  # in-place write, [T, Hkv, D] at (block, :, offset)
                 vc[blk_of_tok, :, off_of_tok] = v.to(vc.dtype)
                 if self.native_attn:
-                    o = self.native_attn(q.float(), self._k_storage[li], vc, bt, req_of_tok, nvis, max_kv,
-                                         D**-0.5)  # [T, H, D] fp32
+                    o = self.native_attn(
+                        q.float(), self._k_storage[li], vc, bt, req_of_tok, nvis, max_kv, D**-0.5
+                    )  # [T, H, D] fp32
                     o = o.reshape(total, H * D).to(self.dtype)
                 elif self.batch_invariant:
                     o = q.new_empty(total, H, D)
                     for g in groups:
                         S = g.reqs.shape[0]
-                        qg = (q[g.dense_row0 : g.dense_row0 + S * g.n] if g.dense_row0 is not None
-                              else q[g.tok]).reshape(S, g.n, H, D)
+                        qg = (
+                            q[g.dense_row0 : g.dense_row0 + S * g.n] if g.dense_row0 is not None else q[g.tok]
+                        ).reshape(S, g.n, H, D)
                         tg = bt[g.reqs, : -(-g.max_kv // BS)]  # [S_g, nb]
-                        attn = bi.attention(qg, self._gather(kc, tg, g.max_kv), self._gather(vc, tg, g.max_kv),
-                                            g.mask, D**-0.5, self.attn_blocking)  # [S_g, n_g, H, D]
+                        attn = bi.attention(
+                            qg,
+                            self._gather(kc, tg, g.max_kv),
+                            self._gather(vc, tg, g.max_kv),
+                            g.mask,
+                            D**-0.5,
+                            self.attn_blocking,
+                        )  # [S_g, n_g, H, D]
                         if g.dense_row0 is not None:
                             o[g.dense_row0 : g.dense_row0 + S * g.n] = attn.reshape(S * g.n, H, D)
                         else:
@@ -412,7 +434,10 @@ class ModelRunner:
                 elif nreq == 1:
                     qp = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
                     attn = F.scaled_dot_product_attention(
-                        qp, self._gather(kc, bt_one, max_kv), self._gather(vc, bt_one, max_kv), attn_mask=mask,
+                        qp,
+                        self._gather(kc, bt_one, max_kv),
+                        self._gather(vc, bt_one, max_kv),
+                        attn_mask=mask,
                         enable_gqa=True,
                     )  # [1, H, T, D]
                     o = attn[0].transpose(0, 1).reshape(total, H * D)
@@ -422,8 +447,11 @@ class ModelRunner:
                         S = g.reqs.shape[0]
                         tg = bt[g.reqs, : -(-g.max_kv // BS)]  # [S_g, nb]
                         attn = F.scaled_dot_product_attention(
-                            q[g.tok].reshape(S, g.n, H, D).transpose(1, 2), self._gather(kc, tg, g.max_kv),
-                            self._gather(vc, tg, g.max_kv), attn_mask=g.mask, enable_gqa=True,
+                            q[g.tok].reshape(S, g.n, H, D).transpose(1, 2),
+                            self._gather(kc, tg, g.max_kv),
+                            self._gather(vc, tg, g.max_kv),
+                            attn_mask=g.mask,
+                            enable_gqa=True,
                         )  # [S_g, H, n_g, D]
                         o[g.tok] = attn.transpose(1, 2).reshape(S * g.n, H, D)
                     o = o.reshape(total, H * D)
@@ -445,8 +473,16 @@ class ModelRunner:
             extra = self._rms_norm(h[hrows], self.final_norm)  # [M', hidden]
         return StepOutput(logits=self._lm_head(hs), hidden=hs, extra_hidden=extra)
 
-    def _layers_native(self, h: torch.Tensor, positions: torch.Tensor, kv_index: torch.Tensor, bt: torch.Tensor,
-                       req_of_tok: torch.Tensor, nvis: torch.Tensor, max_kv: int) -> torch.Tensor:
+    def _layers_native(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        kv_index: torch.Tensor,
+        bt: torch.Tensor,
+        req_of_tok: torch.Tensor,
+        nvis: torch.Tensor,
+        max_kv: int,
+    ) -> torch.Tensor:
         """Every decoder layer with the native row-wise ops and attention; the GEMMs stay oneDNN's.
 
         Each residual add is fused into the RMSNorm after it, so ``h`` is updated in place there.
@@ -461,8 +497,9 @@ class ModelRunner:
             ops.add_rms_norm(h, delta, L["in_norm"], x, self.eps)
             qkv = self._linear(x, L, "qkv")  # [T, (H + 2 Hkv) * D]
             q = ops.rope_kv(qkv, positions, kv_index, self.cos, self.sin, self._k_storage[li], self.v_cache[li], H)
-            o = self.native_attn(q, self._k_storage[li], self.v_cache[li], bt, req_of_tok, nvis, max_kv,
-                                 D**-0.5)  # [T, H, D] fp32
+            o = self.native_attn(
+                q, self._k_storage[li], self.v_cache[li], bt, req_of_tok, nvis, max_kv, D**-0.5
+            )  # [T, H, D] fp32
             delta = self._linear(o.view(-1, H * D).to(self.dtype), L, "o")  # [T, hidden]
             ops.add_rms_norm(h, delta, L["post_norm"], x, self.eps)
             gu = self._linear(x, L, "gate_up")  # [T, 2 * inter]
@@ -471,7 +508,7 @@ class ModelRunner:
 
     def _attention_groups(
         self, batch: StepBatch, num_new: list[int], offsets: list[int], pad_keys: bool = False
-    ) -> list["_AttnGroup"]:
+    ) -> list[_AttnGroup]:
         """One attention call per distinct new-token count, over its requests' gathered blocks.
 
         Why: one call padded to the longest query would make every decoding request (1 new token)
@@ -495,11 +532,16 @@ class ModelRunner:
             if pad_keys:
                 mask = ~mask.unsqueeze(1)  # [S_g, 1, 1, n, kv]: the form bi.attention masks with
             dense = idxs == list(range(idxs[0], idxs[0] + len(idxs)))
-            groups.append(_AttnGroup(
-                reqs=torch.tensor(idxs, dtype=torch.long, device=dev), n=n, max_kv=max_kv, mask=mask,
-                tok=torch.tensor([offsets[i] + r for i in idxs for r in range(n)], dtype=torch.long, device=dev),
-                dense_row0=offsets[idxs[0]] if dense else None,
-            ))
+            groups.append(
+                _AttnGroup(
+                    reqs=torch.tensor(idxs, dtype=torch.long, device=dev),
+                    n=n,
+                    max_kv=max_kv,
+                    mask=mask,
+                    tok=torch.tensor([offsets[i] + r for i in idxs for r in range(n)], dtype=torch.long, device=dev),
+                    dense_row0=offsets[idxs[0]] if dense else None,
+                )
+            )
         return groups
 
     def _lm_head(self, hs: torch.Tensor) -> torch.Tensor:

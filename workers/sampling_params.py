@@ -52,29 +52,44 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     prompt_logprobs: int | None = Field(
-        None, ge=0, le=20,
+        None,
+        ge=0,
+        le=20,
         description="Return each prompt token's log probability given the tokens before it (the first has none) and "
         "this many alternatives: what eval harnesses score with. The request then prefills without the prefix cache.",
     )
-    max_tokens: int = Field(16, ge=0, description="Maximum number of tokens to generate; 0 only scores the prompt "
-                            "(with prompt_logprobs).")
+    max_tokens: int = Field(
+        16, ge=0, description="Maximum number of tokens to generate; 0 only scores the prompt (with prompt_logprobs)."
+    )
     temperature: float = Field(0.0, ge=0.0, le=100.0, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass kept, in (0, 1].")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.")
     seed: int | None = Field(None, description="Per-request RNG seed; same seed + same request = same output.")
     stop: tuple[str, ...] = Field((), description="Stop strings; the matched string is not emitted.")
     ignore_eos: bool = Field(False, description="Keep generating past EOS (benchmarks).")
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted once from a token's logit if "
-                                    "it appears in the output so far (OpenAI semantics).")
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted per occurrence of a token in "
-                                     "the output so far.")
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="vLLM's: a token in the prompt or output "
-                                      "so far has a positive logit divided by it, a negative one multiplied; 1 = off.")
+    presence_penalty: float = Field(
+        0.0,
+        ge=-2.0,
+        le=2.0,
+        description="Subtracted once from a token's logit if it appears in the output so far (OpenAI semantics).",
+    )
+    frequency_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Subtracted per occurrence of a token in the output so far."
+    )
+    repetition_penalty: float = Field(
+        1.0,
+        gt=0.0,
+        le=10.0,
+        description="vLLM's: a token in the prompt or output "
+        "so far has a positive logit divided by it, a negative one multiplied; 1 = off.",
+    )
     structured: StructuredOutput | None = Field(
         None, description="Constrain the output to a JSON schema, a regex, a choice or a grammar (workers/grammar.py)."
     )
     logprobs: int | None = Field(
-        None, ge=0, le=20,
+        None,
+        ge=0,
+        le=20,
         description="Return each output token's log probability under the target (raw logits, before temperature "
         "/ top-k / top-p) and this many most likely alternatives; None = off.",
     )

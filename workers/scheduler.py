@@ -212,9 +212,13 @@ class Scheduler:
             budget_s, budget_tokens = None, cap
         now = self.clock()
         demands = [PrefillDemand(r.prefill_len - r.num_computed, now - r.arrival_time) for r in prefilling]
-        chunks = prefill_chunks(demands, budget_tokens, cap,
-                                lambda n: cm.predict_step(decode_tokens, len(decoding), max(n, budget_tokens)),
-                                self.config.max_ttft_ms / 1e3)
+        chunks = prefill_chunks(
+            demands,
+            budget_tokens,
+            cap,
+            lambda n: cm.predict_step(decode_tokens, len(decoding), max(n, budget_tokens)),
+            self.config.max_ttft_ms / 1e3,
+        )
         prefill = [(r, n) for r, n in zip(prefilling, chunks) if n > 0]
         return SchedulerOutput(list(zip(decoding, ks)), prefill, budget_s)
 
@@ -248,4 +252,4 @@ class Scheduler:
             kept.append(r)
             kept_ks.append(k)
         live = [i for i, r in enumerate(kept) if r.status is Status.RUNNING]  # a later preemption never hits
-        return [kept[i] for i in live], [kept_ks[i] for i in live]            # an older request; checked anyway
+        return [kept[i] for i in live], [kept_ks[i] for i in live]  # an older request; checked anyway

@@ -152,7 +152,7 @@ class AcceptanceTracker:
         self.rate[proposer].update(num_accepted, num_draft)
         self.positions[proposer].update(num_draft, num_accepted)
 
-    def fill(self, snapshot: "LoadSnapshot") -> "LoadSnapshot":
+    def fill(self, snapshot: LoadSnapshot) -> LoadSnapshot:
         """Write the current estimates into ``snapshot`` (and return it)."""
         snapshot.acceptance_ema = {k: v.value for k, v in self.rate.items()}
         snapshot.acceptance_pos_ema = {k: v.values() for k, v in self.positions.items()}

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from workers.proposers.base import coupled_key, draw_drafts, Proposals, ProposalRequest, Proposer, stack_draft_probs
+from workers.proposers.base import ProposalRequest, Proposals, Proposer, coupled_key, draw_drafts, stack_draft_probs
 from workers.sampler import make_generator, process_logits, sampling_tensors
 from workers.sampling_params import SamplingParams
 
@@ -134,8 +134,9 @@ class DraftModelProposer(Proposer):
             if not isinstance(resolved, torch.dtype):
                 raise ValueError(f"unknown dtype {dtype!r}")
             dtype = resolved
-        self.runner: ModelRunner = ModelRunner(model, num_slots, max_model_len, dtype=dtype, device=device,
-                                               head_rows=vocab_ids)
+        self.runner: ModelRunner = ModelRunner(
+            model, num_slots, max_model_len, dtype=dtype, device=device, head_rows=vocab_ids
+        )
         self.vocab_size = draft_vocab
         # [V_draft] the full-vocabulary id of each logit column, or None when the head is whole
         self._vocab_ids = None if vocab_ids is None else torch.as_tensor(list(vocab_ids), device=self.runner.device)
@@ -237,9 +238,15 @@ class DraftModelProposer(Proposer):
                 )
                 for i in rows:  # the previous draft is now in the cache
                     states[i].cached.append(drafts[i][-1])  # type: ignore[union-attr]
-            logits = self._full_width(self.runner.forward(batch).logits)  # [len(rows), V] at each request's last fed token
-            tokens, q = self._select(logits, [requests[i].sampling for i in rows], [states[i] for i in rows],
-                                     [coupled_key(requests[i], len(drafts[i])) for i in rows])
+            logits = self._full_width(
+                self.runner.forward(batch).logits
+            )  # [len(rows), V] at each request's last fed token
+            tokens, q = self._select(
+                logits,
+                [requests[i].sampling for i in rows],
+                [states[i] for i in rows],
+                [coupled_key(requests[i], len(drafts[i])) for i in rows],
+            )
             still = []
             for j, i in enumerate(rows):
                 if tokens[j] in requests[i].eos_token_ids:
@@ -252,8 +259,9 @@ class DraftModelProposer(Proposer):
             rows = still
             step += 1
 
-        return Proposals(draft_token_ids=drafts,
-                         draft_probs=stack_draft_probs(requests, q_rows, self.vocab_size, self.runner.device))
+        return Proposals(
+            draft_token_ids=drafts, draft_probs=stack_draft_probs(requests, q_rows, self.vocab_size, self.runner.device)
+        )
 
     def _full_width(self, logits: torch.Tensor) -> torch.Tensor:
         """``[n, V_draft] -> [n, V]``: logits over the draft vocabulary placed at their token ids, -inf elsewhere."""
@@ -278,8 +286,9 @@ class DraftModelProposer(Proposer):
             sp_rows = [params[j] for j in sampled]
             idx = torch.tensor(sampled, device=logits.device)
             q = process_logits(logits[idx], *sampling_tensors(sp_rows, logits.device))  # [S, V] q: draft probs
-            picked, sent = draw_drafts(q, [keys[j] for j in sampled],
-                                       lambda a: self._generator(states[sampled[a]], params[sampled[a]]))  # type: ignore[arg-type]
+            picked, sent = draw_drafts(
+                q, [keys[j] for j in sampled], lambda a: self._generator(states[sampled[a]], params[sampled[a]])
+            )  # type: ignore[arg-type]
             for a in sent:
                 q_out[sampled[a]] = q[a]
             chosen[idx] = picked

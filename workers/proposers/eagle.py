@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.eagle_head import EagleHead, load_head
-from workers.proposers.base import coupled_key, draw_drafts, Proposals, ProposalRequest, Proposer, stack_draft_probs
+from workers.proposers.base import ProposalRequest, Proposals, Proposer, coupled_key, draw_drafts, stack_draft_probs
 from workers.proposers.draft_model import DRAFT_SEED_SALT
 from workers.sampler import make_generator, process_logits, sampling_tensors
 from workers.sampling_params import SamplingParams
@@ -173,8 +173,10 @@ class EagleProposer(Proposer):
         for i, r in enumerate(requests):
             n = len(r.token_ids)
             if r.hidden_states is None or r.hidden_states.shape[0] < n - 1:
-                raise ValueError(f"request {r.request_id!r}: the eagle proposer needs the target's hidden states "
-                                 f"of its {n - 1} committed positions")
+                raise ValueError(
+                    f"request {r.request_id!r}: the eagle proposer needs the target's hidden states "
+                    f"of its {n - 1} committed positions"
+                )
             k_of.append(max(0, min(r.k, self.max_model_len - n)))
             if k_of[i] > 0 and n >= 2:
                 rows.append(i)
@@ -201,15 +203,29 @@ class EagleProposer(Proposer):
         f_prev: torch.Tensor | None = None
         while rows:
             if f_prev is None:
-                f = self._forward(slots, starts, torch.cat(feats).to(self.device, self.dtype),
-                                  torch.tensor(toks, device=self.device), counts)
+                f = self._forward(
+                    slots,
+                    starts,
+                    torch.cat(feats).to(self.device, self.dtype),
+                    torch.tensor(toks, device=self.device),
+                    counts,
+                )
             else:
-                f = self._forward([states[i].slot for i in rows], [pos_next[i] for i in rows], f_prev,
-                                  torch.tensor([drafts[i][-1] for i in rows], device=self.device), [1] * len(rows))
+                f = self._forward(
+                    [states[i].slot for i in rows],
+                    [pos_next[i] for i in rows],
+                    f_prev,
+                    torch.tensor([drafts[i][-1] for i in rows], device=self.device),
+                    [1] * len(rows),
+                )
                 for i in rows:
                     pos_next[i] += 1
-            chosen, q = self._select(self._logits(f), [requests[i].sampling for i in rows], [states[i] for i in rows],
-                                     [coupled_key(requests[i], len(drafts[i])) for i in rows])
+            chosen, q = self._select(
+                self._logits(f),
+                [requests[i].sampling for i in rows],
+                [states[i] for i in rows],
+                [coupled_key(requests[i], len(drafts[i])) for i in rows],
+            )
             still, keep = [], []
             for j, i in enumerate(rows):
                 if chosen[j] in requests[i].eos_token_ids:
@@ -223,8 +239,9 @@ class EagleProposer(Proposer):
             rows = still
             f_prev = f[keep] if keep else None
 
-        return Proposals(draft_token_ids=drafts,
-                         draft_probs=stack_draft_probs(requests, q_rows, self.vocab_size, self.device))
+        return Proposals(
+            draft_token_ids=drafts, draft_probs=stack_draft_probs(requests, q_rows, self.vocab_size, self.device)
+        )
 
     def _select(
         self,
@@ -243,8 +260,9 @@ class EagleProposer(Proposer):
             full[:, d2t] = logits[idx]
             sp_rows = [params[j] for j in sampled]
             q = process_logits(full, *sampling_tensors(sp_rows, logits.device))  # [S, V] q: draft probs
-            picked, sent = draw_drafts(q, [keys[j] for j in sampled],
-                                       lambda a: self._generator(states[sampled[a]], params[sampled[a]]))  # type: ignore[arg-type]
+            picked, sent = draw_drafts(
+                q, [keys[j] for j in sampled], lambda a: self._generator(states[sampled[a]], params[sampled[a]])
+            )  # type: ignore[arg-type]
             for a in sent:
                 q_out[sampled[a]] = q[a]
             chosen[idx] = picked

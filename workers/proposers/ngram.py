@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from workers.proposers.base import Proposals, ProposalRequest, Proposer
+from workers.proposers.base import ProposalRequest, Proposals, Proposer
 
 # Token ids are stored as int32 (vocabularies are far below 2**31); -1 is never a
 # token, so it can mark "no token here" (sequence separators in the suffix cache).
@@ -48,7 +48,7 @@ class NgramConfig(BaseModel):
     max_n: int = Field(4, ge=1, description="Longest suffix n-gram tried first.")
 
     @model_validator(mode="after")
-    def _min_le_max(self) -> "NgramConfig":
+    def _min_le_max(self) -> NgramConfig:
         if self.min_n > self.max_n:
             raise ValueError(f"max_n ({self.max_n}) must be >= min_n ({self.min_n})")
         return self

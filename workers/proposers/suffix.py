@@ -43,7 +43,7 @@ from typing import Any, Sequence
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from workers.proposers.base import Proposals, ProposalRequest, Proposer
+from workers.proposers.base import ProposalRequest, Proposals, Proposer
 from workers.proposers.ngram import TOKEN_DTYPE, TokenBuffer, suffix_match_lengths
 
 _NO_TOKEN = -1  # separates cached sequences and ends the last one: "no continuation"
@@ -58,9 +58,7 @@ class SuffixConfig(BaseModel):
     max_cached_requests: int = Field(
         64, ge=0, description="Finished requests kept in the global cache; 0 = own tokens only."
     )
-    max_spec_factor: float = Field(
-        1.0, gt=0.0, description="Draft length <= ceil(max_spec_factor * match_len)."
-    )
+    max_spec_factor: float = Field(1.0, gt=0.0, description="Draft length <= ceil(max_spec_factor * match_len).")
     min_token_prob: float = Field(
         0.1, ge=0.0, le=1.0, description="Stop when the draft's estimated probability drops below this."
     )
@@ -215,9 +213,7 @@ class SuffixProposer(Proposer):
         cfg = self.config
         last = tokens[length - 1]
         # Own store: occurrences must end at <= L-2, the suffix itself is excluded.
-        own = longest_match(
-            tokens, np.flatnonzero(tokens[: length - 1] == last), tokens, cfg.max_depth
-        )
+        own = longest_match(tokens, np.flatnonzero(tokens[: length - 1] == last), tokens, cfg.max_depth)
         cache = self.global_cache
         glob = longest_match(cache.tokens, cache.occurrences(int(last)), tokens, cfg.max_depth)
         order = (own, glob) if own.length >= glob.length else (glob, own)
@@ -225,9 +221,7 @@ class SuffixProposer(Proposer):
             if match.length == 0:
                 continue
             max_tokens = min(k, math.ceil(round(cfg.max_spec_factor * match.length, 9)))
-            draft = grow_draft(
-                match.haystack, match.ends, max_tokens, cfg.min_token_prob, eos_token_ids
-            )
+            draft = grow_draft(match.haystack, match.ends, max_tokens, cfg.min_token_prob, eos_token_ids)
             if draft:
                 return draft
         return []
