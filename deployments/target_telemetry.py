@@ -89,9 +89,9 @@ class TargetTelemetry:
         self.requests = m.create_counter("specserve_requests", description="Requests finished, by finish reason.")
         for name, attr, desc in (
             ("specserve_num_requests_running", "running", "Requests holding a KV slot."),
-            ("specserve_num_requests_waiting", "waiting", "Requests waiting for a KV slot."),
+            ("specserve_num_requests_waiting", "waiting", "Requests waiting for KV blocks."),
             ("specserve_kv_tokens_in_use", "kv_tokens_in_use", "KV cache tokens in use."),
-            ("specserve_kv_tokens_capacity", "kv_tokens_capacity", "KV cache tokens in all slots."),
+            ("specserve_kv_tokens_capacity", "kv_tokens_capacity", "KV cache tokens in the block pool."),
         ):
             m.create_observable_gauge(name, callbacks=[self._gauge(attr)], description=desc)
         if draft_proxy is not None:

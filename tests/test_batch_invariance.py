@@ -1,9 +1,11 @@
 """Batch invariance: a position's logits are bit-identical (``torch.equal``) whatever else the step holds.
 
-The reference for every position is the request decoded alone, one token per step. Against it:
-whole-prompt prefill, prefill in chunks of every size, verify-shaped steps (K + 1 rows), 1-32
-neighbours with random row counts in the same step, another slot, and a prefix-cache hit (KV copied
-from another slot). On the tiny model (fast) and the real SmolLM2 (slow), in fp32 and bf16.
+The reference for every position is the request decoded alone, one token per step, its KV in one
+contiguous run of cache blocks (slot mode). Against it: whole-prompt prefill, prefill in chunks of
+every size, verify-shaped steps (K + 1 rows), 1-32 neighbours with random row counts in the same
+step, all with the request's KV scattered over random blocks of the pool, and a prefix-cache hit
+(the first blocks shared with another request's table). On the tiny model (fast) and the real
+SmolLM2 (slow), in fp32 and bf16.
 """
 
 from __future__ import annotations
@@ -122,8 +124,13 @@ def check_forward_invariance(model, dtype: torch.dtype, length: int, seed: int, 
     vocab = model.config.vocab_size
     ids = [rng.randrange(3, vocab) for _ in range(length)]
     r = ModelRunner(model, num_slots=max_neighbours + 8, max_model_len=256, dtype=dtype, batch_invariant=True)
-    ref = _alone(r, ids, slot=0)
+    ref = _alone(r, ids, slot=0)  # contiguous: slot 0's run of blocks
     compared = 0
+    # blocks of slots 1..7 (neighbours use slots 8..): scattered tables are drawn from these
+    spare = [b for s in range(1, 8) for b in r.slot_block_table(s)]
+
+    def scattered(n: int = r.blocks_per_seq) -> list[int]:
+        return rng.sample(spare, n)
 
     def expect(out: torch.Tensor, first_pos: int, what: str) -> None:
         nonlocal compared
@@ -131,34 +138,55 @@ def check_forward_invariance(model, dtype: torch.dtype, length: int, seed: int, 
             assert torch.equal(out[j], ref[first_pos + j]), f"{what}: position {first_pos + j} differs"
             compared += 1
 
-    # the whole prompt in one step, in another slot
-    expect(r.forward(StepBatch([3], [0], [ids], [list(range(length))])).logits, 0, "whole prefill, slot 3")
-    # chunked prefill (every chunk size 1..8 plus a long one) with neighbours of random sizes
+    # the whole prompt in one step, its KV scattered over the pool
+    whole = scattered()
+    expect(
+        r.forward(StepBatch([0], [0], [ids], [list(range(length))], block_tables=[whole])).logits,
+        0,
+        "whole prefill, scattered blocks",
+    )
+    # chunked prefill (every chunk size 1..8 plus a long one) with neighbours of random sizes, in slots
     for chunk in (2, 3, 5, 7, 8, 17):
-        pos = 0
+        pos, table = 0, scattered()
         while pos < length:
             part = ids[pos : pos + chunk]
             ns, nst, ntok, nrow = _neighbours(rng, rng.randrange(0, max_neighbours + 1), 8, vocab)
-            out = r.forward(StepBatch([1] + ns, [pos] + nst, [part] + ntok, [list(range(len(part)))] + nrow)).logits
+            out = r.forward(
+                StepBatch(
+                    [-1] + ns,
+                    [pos] + nst,
+                    [part] + ntok,
+                    [list(range(len(part)))] + nrow,
+                    block_tables=[table] + [r.slot_block_table(x) for x in ns],
+                )
+            ).logits
             expect(out[: len(part)], pos, f"chunk {chunk} with {len(ns)} neighbours")
             pos += len(part)
     # verify-shaped steps: a decoding request feeding K + 1 rows at a random point, neighbours around it
     for k in (1, 2, 4, 8):
         at = rng.randrange(1, length - k)
         ns, nst, ntok, nrow = _neighbours(rng, max_neighbours, 8, vocab)
+        tables = [r.slot_block_table(x) for x in ns]
         batch = StepBatch(
-            ns[:3] + [1] + ns[3:],
+            ns[:3] + [-1] + ns[3:],
             nst[:3] + [at] + nst[3:],
             ntok[:3] + [ids[at : at + k + 1]] + ntok[3:],
             nrow[:3] + [list(range(k + 1))] + nrow[3:],
+            block_tables=tables[:3] + [whole] + tables[3:],
         )
         out = r.forward(batch).logits
         first = sum(len(x) for x in nrow[:3])
         expect(out[first : first + k + 1], at, f"verify K={k}")
-    # a prefix-cache hit: the KV of the first half copied from slot 3, the rest fed in slot 5
-    half = length // 2
-    r.copy_kv(3, 5, half)
-    expect(r.forward(StepBatch([5], [half], [ids[half:]], [list(range(length - half))])).logits, half, "prefix hit")
+    # a prefix-cache hit: the first full block shared with the whole-prefill table, the rest in other blocks
+    bs = r.block_size
+    hit = (length // 2) // bs * bs
+    assert hit > 0
+    table = whole[: hit // bs] + [b for b in scattered() if b not in whole][: r.blocks_per_seq - hit // bs]
+    expect(
+        r.forward(StepBatch([-1], [hit], [ids[hit:]], [list(range(length - hit))], block_tables=[table])).logits,
+        hit,
+        "prefix hit, shared blocks",
+    )
     return compared
 
 

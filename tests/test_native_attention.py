@@ -33,11 +33,24 @@ def reference(q, k, v, nvis):  # fp64 softmax(q k^T / sqrt(D)) v over the visibl
     return (probs[:, None, :] @ vv)[:, 0]  # [H, D]
 
 
+def to_pool(kc: torch.Tensor, vc: torch.Tensor, block_size: int, gen: torch.Generator):
+    """Per-slot caches ``[S, Hkv, L, D]`` scattered over a block pool in a random order:
+    (keys ``[S * L / BS, Hkv, D, BS]`` transposed per block, values ``[.., Hkv, BS, D]``, tables ``[S, L / BS]``)."""
+    S, Hkv, L, D = kc.shape
+    nb = L // block_size
+    tables = torch.randperm(S * nb, generator=gen).view(S, nb)
+    kpool, vpool = torch.empty(S * nb, Hkv, block_size, D), torch.empty(S * nb, Hkv, block_size, D)
+    kpool[tables.reshape(-1)] = kc.view(S, Hkv, nb, block_size, D).transpose(1, 2).reshape(-1, Hkv, block_size, D)
+    vpool[tables.reshape(-1)] = vc.view(S, Hkv, nb, block_size, D).transpose(1, 2).reshape(-1, Hkv, block_size, D)
+    return kpool.transpose(2, 3).contiguous(), vpool, tables
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (10, 2, 20), (4, 4, 16), (6, 1, 32)])
 def test_a_row_depends_only_on_its_visible_keys(kernel, heads, kv_heads, head_dim):
-    """The same query against the same keys: identical alone, among neighbour rows of other slots and
-    lengths, in another slot and with other rows' keys beyond it; and close to fp64 attention.
-    Shapes cover a head_dim that is not a multiple of the kernel's 16 lanes and uncommon group sizes."""
+    """The same query against the same keys: identical alone, among neighbour rows of other requests and
+    lengths, with its keys in other (scattered) blocks of other sizes and other rows' keys beyond them; and
+    close to fp64 attention. Shapes cover a head_dim that is not a multiple of the kernel's 16 lanes and
+    uncommon group sizes."""
     gen = torch.Generator().manual_seed(0)
     slots, L = 6, 320
     for nvis in (1, 15, 16, 17, 100, 320):
@@ -45,7 +58,7 @@ def test_a_row_depends_only_on_its_visible_keys(kernel, heads, kv_heads, head_di
         keys = torch.randn(kv_heads, nvis, head_dim, generator=gen)
         vals = torch.randn(kv_heads, nvis, head_dim, generator=gen)
         outs = []
-        for rows, at, slot in ((1, 0, 0), (7, 3, 2), (33, 32, 5)):
+        for rows, at, slot, bs in ((1, 0, 0, 16), (7, 3, 2, 32), (33, 32, 5, 64), (5, 4, 1, 16)):
             kc = torch.randn(slots, kv_heads, L, head_dim, generator=gen)  # other rows' keys, and junk past nvis
             vc = torch.randn(slots, kv_heads, L, head_dim, generator=gen)
             kc[slot, :, :nvis], vc[slot, :, :nvis] = keys, vals
@@ -55,21 +68,43 @@ def test_a_row_depends_only_on_its_visible_keys(kernel, heads, kv_heads, head_di
             slot_of[at] = slot
             n = torch.randint(1, L + 1, (rows,), generator=gen)
             n[at] = nvis
-            out = kernel(q, kc.transpose(2, 3).contiguous(), vc, slot_of, n, int(n.max()), head_dim**-0.5)
+            kt, vp, tables = to_pool(kc, vc, bs, gen)
+            out = kernel(q, kt, vp, tables, slot_of, n, int(n.max()), head_dim**-0.5)
             outs.append(out[at])
         for o in outs[1:]:
             assert torch.equal(o, outs[0]), nvis
         torch.testing.assert_close(outs[0].double(), reference(q0, keys, vals, nvis), atol=2e-6, rtol=1e-5)
 
 
+def test_shared_blocks_read_alike(kernel):
+    """Two requests whose tables share their first blocks (a prefix-cache hit) and differ after: each row
+    equals the same row with the request's keys copied into blocks of its own."""
+    gen = torch.Generator().manual_seed(3)
+    H, Hkv, D, BS = 9, 3, 64, 16
+    kt = torch.randn(12, Hkv, D, BS, generator=gen)
+    v = torch.randn(12, Hkv, BS, D, generator=gen)
+    shared = torch.tensor([[5, 2, 9, 0], [5, 2, 7, 1]])  # both read blocks 5 and 2 first
+    own = torch.tensor([[5, 2, 9, 0], [3, 4, 7, 1]])
+    kt[3], kt[4], v[3], v[4] = kt[5], kt[2], v[5], v[2]  # request 1's own copy of the shared prefix
+    q = torch.randn(6, H, D, generator=gen)
+    req = torch.tensor([0, 0, 1, 1, 1, 1])
+    n = torch.tensor([33, 40, 20, 61, 62, 64])
+    a = kernel(q, kt, v, shared, req, n, 64, D**-0.5)
+    b = kernel(q, kt, v, own, req, n, 64, D**-0.5)
+    assert torch.equal(a, b)
+
+
 def test_bad_shapes_are_refused_not_read_out_of_bounds(kernel):
-    kt = torch.zeros(2, 1, 16, 32)
-    v = torch.zeros(2, 1, 32, 16)
+    kt = torch.zeros(4, 1, 16, 16)
+    v = torch.zeros(4, 1, 16, 16)
     q = torch.zeros(1, 2, 16)
+    tables = torch.tensor([[0, 1]])
     with pytest.raises(ValueError, match="visible keys"):
-        kernel(q, kt, v, torch.tensor([0]), torch.tensor([33]), 33, 0.25)
+        kernel(q, kt, v, tables, torch.tensor([0]), torch.tensor([33]), 33, 0.25)
+    with pytest.raises(ValueError, match="outside the pool"):
+        kernel(q, kt, v, torch.tensor([[0, 4]]), torch.tensor([0]), torch.tensor([17]), 17, 0.25)
     with pytest.raises(ValueError, match="fp32"):
-        kernel(q.double(), kt, v, torch.tensor([0]), torch.tensor([3]), 3, 0.25)
+        kernel(q.double(), kt, v, tables, torch.tensor([0]), torch.tensor([3]), 3, 0.25)
 
 
 def test_runner_reports_its_attention_kernel(tiny_loaded, kernel, monkeypatch):
@@ -113,16 +148,19 @@ def test_threads_calling_the_kernel_at_once_get_their_own_results(kernel):
     """One kernel object serves every runner in a process; engines stepping in two threads at once must
     not share its scratch."""
     gen = torch.Generator().manual_seed(5)
-    kt = torch.randn(4, 3, 64, 512, generator=gen)  # [slots, Hkv, D, L]
-    v = torch.randn(4, 3, 512, 64, generator=gen)
+    kt, v, tables = to_pool(
+        torch.randn(4, 3, 512, 64, generator=gen), torch.randn(4, 3, 512, 64, generator=gen), 16, gen
+    )
     calls = [
         (torch.randn(6, 9, 64, generator=gen), torch.tensor([i % 4] * 6), torch.randint(300, 513, (6,), generator=gen))
         for i in range(8)
     ]
-    alone = [kernel(q, kt, v, s, n, int(n.max()), 0.125) for q, s, n in calls]
+    alone = [kernel(q, kt, v, tables, s, n, int(n.max()), 0.125) for q, s, n in calls]
     with ThreadPoolExecutor(4) as pool:
         together = list(
-            pool.map(lambda c: [kernel(c[0], kt, v, c[1], c[2], int(c[2].max()), 0.125) for _ in range(20)], calls)
+            pool.map(
+                lambda c: [kernel(c[0], kt, v, tables, c[1], c[2], int(c[2].max()), 0.125) for _ in range(20)], calls
+            )
         )
     for a, outs in zip(alone, together):
         assert all(torch.equal(a, o) for o in outs)

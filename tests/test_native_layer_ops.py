@@ -67,32 +67,37 @@ def test_silu_mul_rows_are_invariant_and_match_torch(ops, dtype, n_inter):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_kv_rounds_as_the_torch_ops_and_writes_the_caches(ops, dtype):
-    H, Hkv, D, L, slots = 6, 2, 20, 48, 3
+    """Keys and values land in the paged cache through each row's block table (blocks out of order)."""
+    H, Hkv, D, L, BS, NB = 6, 2, 20, 48, 16, 9
     gen = torch.Generator().manual_seed(1)
     T = 9
     qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=gen).to(dtype)
     pos = torch.tensor([0, 5, 6, 7, 40, 1, 2, 3, 47])
-    slot = torch.tensor([0, 1, 1, 1, 2, 0, 0, 0, 2])
+    seq = torch.tensor([0, 1, 1, 1, 2, 0, 0, 0, 2])
+    tables = torch.tensor([[4, 0, 8], [7, 1, 2], [3, 6, 5]])  # [3 sequences, L / BS] block ids
+    blk, off = tables[seq, pos // BS], pos % BS
     ang = torch.outer(torch.arange(L, dtype=torch.float32), torch.rand(D // 2, generator=gen))
     cos, sin = torch.cat([ang, ang], -1).cos().to(dtype), torch.cat([ang, ang], -1).sin().to(dtype)
-    kt = torch.zeros(slots, Hkv, D, L)
-    v = torch.zeros(slots, Hkv, L, D)
-    q = ops.rope_kv(qkv, pos, slot, cos, sin, kt, v, H)
+    kt = torch.zeros(NB, Hkv, D, BS)
+    v = torch.zeros(NB, Hkv, BS, D)
+    q = ops.rope_kv(qkv, pos, blk * BS + off, cos, sin, kt, v, H)
 
     qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
     rot = torch.cat((-qk[..., D // 2 :], qk[..., : D // 2]), -1)
     ref = qk * cos[pos].unsqueeze(1) + rot * sin[pos].unsqueeze(1)  # the runner's torch RoPE, [T, H + Hkv, D]
     assert torch.equal(q, ref[:, :H].float())
-    assert torch.equal(kt.transpose(2, 3)[slot, :, pos], ref[:, H:].float())
-    assert torch.equal(v[slot, :, pos], qkv[:, (H + Hkv) * D :].view(T, Hkv, D).float())
-    written = torch.zeros(slots, L, dtype=torch.bool)
-    written[slot, pos] = True
+    assert torch.equal(kt.transpose(2, 3)[blk, :, off], ref[:, H:].float())
+    assert torch.equal(v[blk, :, off], qkv[:, (H + Hkv) * D :].view(T, Hkv, D).float())
+    written = torch.zeros(NB, BS, dtype=torch.bool)
+    written[blk, off] = True
     assert (kt.permute(0, 3, 1, 2)[~written] == 0).all() and (v.transpose(1, 2)[~written] == 0).all()
 
     with pytest.raises(ValueError, match="position"):
-        ops.rope_kv(qkv[:1], torch.tensor([L]), slot[:1], cos, sin, kt, v, H)
+        ops.rope_kv(qkv[:1], torch.tensor([L]), blk[:1] * BS, cos, sin, kt, v, H)
+    with pytest.raises(ValueError, match="pool"):
+        ops.rope_kv(qkv[:1], pos[:1], torch.tensor([NB * BS]), cos, sin, kt, v, H)
     with pytest.raises(ValueError, match="fp32 or all bf16"):
-        ops.rope_kv(qkv.double(), pos, slot, cos, sin, kt, v, H)
+        ops.rope_kv(qkv.double(), pos, blk * BS + off, cos, sin, kt, v, H)
 
 
 def test_rows_do_not_depend_on_the_thread_count(ops):

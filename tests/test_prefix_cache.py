@@ -1,5 +1,5 @@
-"""Prefix caching: a prompt prefix whose KV some slot already holds is not prefilled again, and
-the output never changes (greedy token-identical to an engine with caching off)."""
+"""Prefix caching over hashed full blocks: a prompt prefix whose KV blocks are cached is not
+prefilled again, and the output never changes (greedy token-identical to an engine with caching off)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,12 @@ from workers.proposers.draft_model import DraftModelProposer
 
 SYSTEM = rand_prompts(1, 11, 20, 20)[0]  # a shared 20-token "system prompt"
 GREEDY = {"max_tokens": 14, "ignore_eos": True}
+BS = 16  # the engine's default block_size: only full blocks are cached
+
+
+def full(n: int) -> int:
+    """Tokens in the full blocks of the first n."""
+    return n // BS * BS
 
 
 def engine(loaded, caching: bool = True, max_num_seqs: int = 4, **kw) -> LLMEngine:
@@ -55,16 +61,16 @@ def test_shared_prefix_reused_from_a_finished_request(tiny_loaded, one_thread, p
     eng = engine(tiny_loaded)
     got = [run_one(eng, p) for p in prompts] + [run_one(eng, prompts[2])]
     assert [g[0] for g in got] == want
-    # the first request computes everything; the others reuse the system prompt from the freed slot
-    # (one request at a time: each takes slot 0, the lowest free), and the repeat of prompt 2 reuses
-    # all of it but the last token (whose logits make the first output token)
-    assert [g[1] for g in got] == [0, len(SYSTEM), len(SYSTEM), len(prompts[2]) - 1]
-    assert eng.prefix_cache_hits == 2 * len(SYSTEM) + len(prompts[2]) - 1
+    # the first request computes everything; the others reuse the system prompt's full blocks, freed
+    # but still cached, and the repeat of prompt 2 reuses every full block of it but the last token's
+    # (whose logits make the first output token)
+    assert [g[1] for g in got] == [0, full(len(SYSTEM)), full(len(SYSTEM)), full(len(prompts[2]) - 1)]
+    assert eng.prefix_cache_hits == 2 * full(len(SYSTEM)) + full(len(prompts[2]) - 1)
     assert eng.prefix_cache_queries == sum(map(len, prompts)) + len(prompts[2])
 
 
 def test_prefix_copied_from_a_running_request(tiny_loaded, one_thread, prompts):
-    """B arrives while A decodes: B's (empty) slot gets A's system-prompt KV copied in."""
+    """B arrives while A decodes: B's table shares A's system-prompt blocks (no copy)."""
     ref = engine(tiny_loaded, caching=False)
     want = ref.generate(prompts[:2], {"max_tokens": 20, "ignore_eos": True})
 
@@ -81,7 +87,7 @@ def test_prefix_copied_from_a_running_request(tiny_loaded, one_thread, prompts):
             outs[o.request_id] += o.token_ids
             cached[o.request_id] = o.num_cached_tokens
     assert [outs["a"], outs["b"]] == want
-    assert cached == {"a": 0, "b": len(SYSTEM)}
+    assert cached == {"a": 0, "b": full(len(SYSTEM))}
 
 
 def test_rejected_drafts_are_never_reused(tiny_loaded, tiny_draft_dir, one_thread, prompts):
@@ -119,8 +125,8 @@ def test_rejected_drafts_are_never_reused(tiny_loaded, tiny_draft_dir, one_threa
     (f0, s0, c0), (f1, s1, c1) = results
     assert (f1, s1) == (f0, s0)
     assert c0 == 0
-    # all of turn 1 but its last output token (committed, never fed, so it has no KV)
-    assert c1 == len(prompts[0]) + len(f0) - 1
+    # the full blocks of turn 1 but its last output token (committed, never fed, so it has no KV)
+    assert c1 == full(len(prompts[0]) + len(f0) - 1)
 
 
 def test_caching_off_and_eagle_requests_prefill_in_full(tiny_loaded, one_thread, prompts):

@@ -14,6 +14,7 @@ from workers.config import EngineConfig
 from workers.cost_model import StepCostModel
 from workers.decision import fixed_k
 from workers.engine import LLMEngine
+from workers.kv_blocks import KVCacheManager
 from workers.request import Request
 from workers.sampling_params import SamplingParams
 from workers.scheduler import PrefillDemand, Scheduler, SchedulerConfig, prefill_chunks
@@ -89,7 +90,7 @@ def _scheduler(cfg: SchedulerConfig, cost: StepCostModel, ks: int = 0, cap: int 
         max_num_batched_tokens=cap,
         cost_model=cost,
         decide_k=lambda reqs, budget: [ks] * len(reqs),
-        reuse_prefix=lambda r: None,
+        kv=KVCacheManager(1000, 16),
         clock=lambda: 10.0,
     )
 

@@ -105,8 +105,31 @@ class EngineConfig(BaseModel):
         "(cluster/cpu_priority.py): with every core running an engine thread, another process waking up "
         "otherwise stalls a whole parallel op. 'inherit': whatever Ray started the worker with.",
     )
-    max_num_seqs: int = Field(32, ge=1, le=1024, description="Running requests (KV slots); more wait in the queue.")
-    max_model_len: int = Field(2048, ge=16, description="Context length per request (prompt + output + drafts).")
+    max_num_seqs: int = Field(32, ge=1, le=1024, description="Running requests; more wait in the queue.")
+    max_model_len: int = Field(
+        2048,
+        ge=16,
+        description="Context length per request (prompt + output + drafts), up to the model's own "
+        "limit. Memory comes from the KV block pool (kv_cache_memory_gb), not from this times max_num_seqs.",
+    )
+    kv_cache_memory_gb: float = Field(
+        4.0,
+        gt=0,
+        le=4096,
+        description="GiB of the paged KV cache's block pool, shared by every request (vLLM's VLLM_CPU_KVCACHE_SPACE). "
+        "4 GiB holds ~93k tokens of SmolLM2 (30 layers x 2 x 3 kv heads x 64 x fp32 = 45 KiB per token), e.g. 11 "
+        "requests of 8192 tokens or 45 of 2048; requests beyond what the pool holds wait, and a running request is "
+        "preempted (recomputed later, output unchanged) when decoding runs out of blocks. Capped at what max_num_seqs "
+        "requests of max_model_len can use. Must hold one request of max_model_len (an error naming this key).",
+    )
+    block_size: int = Field(
+        16,
+        ge=16,
+        le=256,
+        multiple_of=16,
+        description="Tokens per KV cache block: the unit of allocation and of prefix caching (only full blocks are "
+        "cached). A multiple of 16, the native attention kernel's key-vector width.",
+    )
     max_num_batched_tokens: int = Field(
         256,
         ge=16,
@@ -122,7 +145,8 @@ class EngineConfig(BaseModel):
         True,
         description="Reuse the KV of a prompt prefix another request already computed (the chat template's system "
         "prompt, a shared few-shot header, a repeated prompt) instead of prefilling it again: vLLM's automatic prefix "
-        "caching, over whole slots. Output is unchanged; the prefill work saved shows in usage.prompt_tokens_details."
+        "caching over hashed full blocks (block_size tokens), reference-counted, least recently used evicted first. "
+        "Output is unchanged; the prefill work saved shows in usage.prompt_tokens_details."
         "cached_tokens. Requests whose proposer reads the target's hidden states (eagle) always prefill in full.",
     )
     stream_interval: int = Field(

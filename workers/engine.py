@@ -1,7 +1,7 @@
 """The decoding engine: iteration-level continuous batching of plain and speculative steps.
 
 One ``step()``, in three parts that can each be read and tested alone (as in vLLM v1):
-  1. schedule (workers/scheduler.py): admit waiting requests into free KV slots, ask the routing
+  1. schedule (workers/scheduler.py): admit waiting requests into free KV blocks, ask the routing
      policy for every decoding request's K (0 = plain step), and size each prompt chunk from the
      step-cost model within the step's latency budget;
   2. execute (``_execute``): the proposers' drafts, then one target forward over a ragged batch:
@@ -9,7 +9,7 @@ One ``step()``, in three parts that can each be read and tested alone (as in vLL
      requests their chunk;
   3. process outputs (workers/output_processor.py): verify every request at its frontier, roll the
      KV length back to the accepted prefix (just a number), commit, detokenize, check EOS / stop
-     strings / max_tokens, free finished requests' slots.
+     strings / max_tokens, free finished requests' blocks (their full blocks stay in the prefix cache).
 
 Nothing here imports Ray; the Serve target worker drives it through ``AsyncEngine``.
 """
@@ -31,11 +31,11 @@ from workers.detokenizer import IncrementalDetokenizer
 from workers.errors import InvalidRequestError
 from workers.grammar import Grammar, GrammarRuntime
 from workers.hardware import resolve_dtype
+from workers.kv_blocks import KVCacheManager
 from workers.logprobs import token_logprobs
 from workers.model_loader import LoadedModel
 from workers.output_processor import FrontierRow, OutputProcessor, output
 from workers.proposers.base import ProposalRequest, Proposer
-from workers.proposers.draft_model import common_prefix_len
 from workers.request import Request, RequestOutput, Status, StepEvent
 from workers.runner import ModelRunner, StepBatch, pick_device
 from workers.sampler import make_generator
@@ -80,6 +80,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len, getattr(hf_cfg, "max_position_embeddings", 1 << 30))
         device = pick_device(config.device)
         self.dtype = resolve_dtype(config.dtype, device)
+        num_blocks = self._num_kv_blocks(hf_cfg)
         self.runner = ModelRunner(
             loaded.model,
             config.max_num_seqs,
@@ -88,7 +89,10 @@ class LLMEngine:
             device,
             cpu_gemm=config.cpu_gemm,
             batch_invariant=config.batch_invariant,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
         )
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         eos = getattr(hf_cfg, "eos_token_id", None)
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
@@ -122,24 +126,47 @@ class LLMEngine:
             config.max_num_batched_tokens,
             self.cost_model,
             self._decide_k,
-            self._reuse_prefix,
+            self.kv,
             time.monotonic,
+            self._may_read_cache,
         )
         self.processor = OutputProcessor(
             config.verification, self.max_model_len, self.proposers, self._finish, on_verify, self.grammars
         )
         self.requests: dict[str, Request] = {}
-        # per slot: the tokens whose KV a *free* slot still holds, from the request that last used it
-        # (a running request's valid KV is its own all_ids()[:num_computed]); read by _reuse_prefix
-        self._slot_tokens: list[list[int]] = [[] for _ in range(config.max_num_seqs)]
-        self.prefix_cache_queries = 0  # prompt tokens admitted with prefix caching on
-        self.prefix_cache_hits = 0  # of those, reused from cached KV instead of prefilled
         self.step_time_ema = Ema(0.1)
         self.tokens_per_step_ema = Ema(0.1)
         self.num_steps = 0
         self.last_plan: SchedulerOutput | None = None  # the last step's schedule (traces, tests)
         self._tokens_last_step = 0
         self._num_recording = 0  # requests in flight that record per-step events (tracing); 0: no event work
+
+    def _num_kv_blocks(self, hf_cfg: Any) -> int:
+        """Blocks of the KV pool: ``kv_cache_memory_gb`` over one block's bytes in every layer, capped at
+        what ``max_num_seqs`` requests of ``max_model_len`` can hold; at least one such request."""
+        cfg = self.config
+        head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
+        kv_elt = 4 if cfg.batch_invariant else torch.tensor([], dtype=self.dtype).element_size()  # see ModelRunner
+        block_bytes = hf_cfg.num_hidden_layers * 2 * hf_cfg.num_key_value_heads * head_dim * cfg.block_size * kv_elt
+        per_seq = -(-self.max_model_len // cfg.block_size)
+        fit = int(cfg.kv_cache_memory_gb * 2**30 // block_bytes)
+        if fit < per_seq:
+            raise ValueError(
+                f"engine.kv_cache_memory_gb={cfg.kv_cache_memory_gb} holds {fit} blocks of {cfg.block_size} tokens; "
+                f"one request of max_model_len={self.max_model_len} needs {per_seq} "
+                f"({per_seq * block_bytes / 2**30:.3f} GiB): raise kv_cache_memory_gb or lower max_model_len"
+            )
+        return min(fit, cfg.max_num_seqs * per_seq)
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens admitted that could read the prefix cache (vLLM's prefix_cache_queries)."""
+        return self.kv.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of those, read from cached blocks instead of prefilled (vLLM's prefix_cache_hits)."""
+        return self.kv.prefix_cache_hits
 
     # ----------------------------------------------------------------- requests in / out
 
@@ -201,6 +228,12 @@ class LLMEngine:
                 f"{self.max_model_len} tokens",
                 param="max_tokens",
             )
+        if self.kv.blocks_for(len(prompt) + params.max_tokens) > self.kv.num_blocks:  # never, while the pool holds
+            raise InvalidRequestError(  # one full-length request
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the KV cache of "
+                f"{self.kv.num_blocks * self.kv.block_size} tokens",
+                param="max_tokens",
+            )
         resumed = list(resume_output_ids)
         if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in resumed):
             raise InvalidRequestError(
@@ -252,7 +285,7 @@ class LLMEngine:
         self.scheduler.add(req)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Cancel a request: its KV slot and its proposers' state are freed at once."""
+        """Cancel a request: its KV blocks and its proposers' state are freed at once."""
         req = self.requests.get(request_id)
         if req is None:
             return None
@@ -262,7 +295,7 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    # The scheduler owns the queues and slots; these read them.
+    # The scheduler owns the queues and the requests' blocks; these read them.
     @property
     def waiting(self) -> collections.deque[Request]:
         return self.scheduler.waiting
@@ -272,8 +305,8 @@ class LLMEngine:
         return self.scheduler.running
 
     @property
-    def free_slots(self) -> list[int]:
-        return self.scheduler.free_slots
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
 
     @property
     def stats(self) -> dict[str, SpecDecodeStats]:
@@ -320,6 +353,10 @@ class LLMEngine:
                 if rec and r.events is not None:
                     r.events.append(StepEvent(t0_ns, time.time_ns(), "prefill", 0, 0, t_prop_ns))
         outputs = self.processor.process(frontier, logits, (t0_ns, t_prop_ns) if rec else None)
+        if self.kv.enable_caching:  # newly full blocks of committed positions become prefix-cache entries
+            for r in reqs:
+                if r.status is Status.RUNNING:
+                    self.kv.cache_full_blocks(r)
 
         self.num_steps += 1
         self._tokens_last_step = sum(len(t) for t in fed)
@@ -339,7 +376,9 @@ class LLMEngine:
     ) -> torch.Tensor:  # [sum over frontier requests of (drafts + 1), vocab] the rows verify decides from
         """The runner call: logits at each frontier (the last fed token plus one row per draft), and every
         prompt row of a request that scores its prompt (prompt_logprobs), which are taken out here."""
-        scoring = [r.prompt_logprobs is not None and r.in_prefill for r in reqs]
+        scoring = [
+            r.prompt_logprobs is not None and r.in_prefill and len(r.prompt_logprobs) < len(r.prompt_ids) for r in reqs
+        ]  # a request preempted after its prompt was scored is not scored again
         logits_rows = [
             list(range(len(toks)))
             if sc
@@ -349,10 +388,11 @@ class LLMEngine:
             for r, toks, sc in zip(reqs, fed, scoring)
         ]
         batch = StepBatch(
-            slots=[r.slot for r in reqs],
+            slots=[-1] * len(reqs),
             start_pos=[r.num_computed for r in reqs],
             token_ids=fed,
             logits_rows=logits_rows,
+            block_tables=[r.block_table for r in reqs],
         )
         want_hidden = [r.proposer in self._hidden_proposers for r in reqs] if self._hidden_proposers else []
         if any(want_hidden):
@@ -364,36 +404,11 @@ class LLMEngine:
             return self._score_prompts(reqs, scoring, logits_rows, [id(r) in frontier_drafts for r in reqs], out.logits)
         return out.logits
 
-    def _reuse_prefix(self, r: Request) -> None:
-        """Start ``r`` after the longest prefix of its prompt whose KV some slot already holds.
-
-        Candidates: every free slot (the KV of the request that last used it stays until
-        overwritten) and every running request (its KV up to ``num_computed``). The request keeps
-        the lowest free slot it was given, which keeps the attention slot range tight; when the
-        best match lives elsewhere, that prefix's KV is copied in (``ModelRunner.copy_kv``). The
-        last prompt token is always fed, since its logits give the first output token. Why whole
-        slots and not vLLM's hashed blocks: our cache is slot-based, and a closed loop of chat
-        requests hands each arrival the slot just freed by a request with the same system prompt.
-        """
-        if (
-            not self.config.enable_prefix_caching
-            or r.proposer in self._hidden_proposers
-            or r.params.prompt_logprobs is not None
-        ):  # scoring needs every prompt row computed
-            return
-        prompt = r.all_ids()[: r.prefill_len - 1]
-        cands = [(s, self._slot_tokens[s]) for s in [r.slot, *self.free_slots]]
-        cands += [(o.slot, o.all_ids()[: o.num_computed]) for o in self.running]
-        best, src = 0, r.slot
-        for s, toks in cands:
-            n = common_prefix_len(toks, prompt)
-            if n > best:  # strict: on a tie the request's own slot (first) wins and nothing is copied
-                best, src = n, s
-        if best and src != r.slot:
-            self.runner.copy_kv(src, r.slot, best)
-        r.num_computed = r.num_cached_tokens = best
-        self.prefix_cache_queries += len(r.prompt_ids)
-        self.prefix_cache_hits += best
+    def _may_read_cache(self, r: Request) -> bool:
+        """Whether ``r`` may start after the cached blocks of its prompt. Not when its proposer reads the
+        target's hidden state at every prompt position (eagle), which a cached block lacks, nor when it
+        scores its prompt (prompt_logprobs needs every prompt row computed)."""
+        return r.proposer not in self._hidden_proposers and r.params.prompt_logprobs is None
 
     def _decide_k(self, decoding: list[Request], budget: int) -> list[int]:
         if not decoding:
@@ -529,7 +544,6 @@ class LLMEngine:
         if r.status is Status.FINISHED:
             return
         if r.status is Status.RUNNING:
-            self._slot_tokens[r.slot] = r.all_ids()[: r.num_computed]
             for p in self.proposers.values():
                 p.finish(r.request_id, r.all_ids())
         self.scheduler.free(r)
@@ -549,8 +563,8 @@ class LLMEngine:
                 decoding=sum(1 for r in self.running if not r.in_prefill),
                 waiting=len(self.waiting),
                 tokens_last_step=self._tokens_last_step,
-                kv_tokens_in_use=sum(r.num_computed for r in self.running),
-                kv_tokens_capacity=self.config.max_num_seqs * self.max_model_len,
+                kv_tokens_in_use=self.kv.num_used * self.kv.block_size,
+                kv_tokens_capacity=self.kv.num_blocks * self.kv.block_size,
                 step_time_ema_s=self.step_time_ema.value or 0.0,
                 tokens_per_step_ema=self.tokens_per_step_ema.value or 0.0,
                 num_steps=self.num_steps,

@@ -116,18 +116,39 @@ def _check_caches(kt_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError("the key and value caches must be contiguous fp32")
 
 
-LANES = 16  # the kernel's key block (LANES in the C source): the key axis is a multiple of it
-ROWS = 4  # query rows of one slot per tile (ROWS in the C source)
+LANES = 16  # the kernel's key block (LANES in the C source): a cache block holds a multiple of it
+ROWS = 4  # query rows of one request per tile (ROWS in the C source)
 
 
 class NativeAttention:
-    """``attention(q, kt_cache, v_cache, slots, nvis, max_nvis, scale)`` over the compiled kernel. Keys
-    are cached transposed (``[slots, Hkv, D, L]``): see the C source for why."""
+    """``attention(q, kt_cache, v_cache, block_table, req, nvis, max_nvis, scale)`` over the compiled kernel,
+    reading a paged cache through each request's block table. Keys are cached transposed per block
+    (``[num_blocks, Hkv, D, BS]``): see the C source for why."""
 
     def __init__(self, dll: ctypes.CDLL) -> None:
         fn = dll.invariant_attention
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [p, i64, p, p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float, p, i64, ctypes.c_int]
+        fn.argtypes = [
+            p,
+            i64,
+            p,
+            p,
+            p,
+            i64,
+            p,
+            p,
+            p,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            ctypes.c_float,
+            p,
+            i64,
+            ctypes.c_int,
+        ]
         fn.restype = ctypes.c_int
         self._fn = fn
         self._local = threading.local()  # scratch per thread: engines in one process may step concurrently
@@ -135,24 +156,21 @@ class NativeAttention:
     def __call__(
         self,
         q: torch.Tensor,  # [T, H, D] fp32, each row's heads contiguous (any row stride)
-        kt_cache: torch.Tensor,  # [slots, Hkv, D, L] fp32, contiguous: keys transposed
-        v_cache: torch.Tensor,  # [slots, Hkv, L, D] fp32, contiguous
-        slots: torch.Tensor,  # [T] int64: each query row's slot
+        kt_cache: torch.Tensor,  # [num_blocks, Hkv, D, BS] fp32, contiguous: keys transposed within a block
+        v_cache: torch.Tensor,  # [num_blocks, Hkv, BS, D] fp32, contiguous
+        block_table: torch.Tensor,  # [num_reqs, max_blocks] int64: block ids of each request's positions
+        req: torch.Tensor,  # [T] int64: each query row's request (row of block_table)
         nvis: torch.Tensor,  # [T] int64: each query row's visible keys (its position + 1)
         max_nvis: int,  # max(nvis), known to the caller without reading the tensor
         scale: float,
     ) -> torch.Tensor:  # [T, H, D] fp32
         T, H, D = q.shape
-        _, Hkv, _, L = kt_cache.shape
+        num_blocks, Hkv, _, BS = kt_cache.shape
         if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != D:
             raise ValueError("q must be fp32 with each row's heads contiguous")
         _check_caches(kt_cache, v_cache)
-        if (
-            slots.dtype != torch.int64
-            or nvis.dtype != torch.int64
-            or not (slots.is_contiguous() and nvis.is_contiguous())
-        ):
-            raise ValueError("slots and nvis must be contiguous int64")
+        if not all(t.dtype == torch.int64 and t.is_contiguous() for t in (block_table, req, nvis)):
+            raise ValueError("block_table, req and nvis must be contiguous int64")
         threads = torch.get_num_threads()
         n_pad = -(-max_nvis // LANES) * LANES + 2 * LANES
         need = threads * ROWS * (H // Hkv) * n_pad
@@ -165,14 +183,17 @@ class NativeAttention:
             q.stride(0),
             kt_cache.data_ptr(),
             v_cache.data_ptr(),
-            slots.data_ptr(),
+            block_table.data_ptr(),
+            block_table.shape[1],
+            req.data_ptr(),
             nvis.data_ptr(),
             out.data_ptr(),
             T,
             H,
             Hkv,
             D,
-            L,
+            BS,
+            num_blocks,
             scale,
             scratch.data_ptr(),
             n_pad,
@@ -180,7 +201,8 @@ class NativeAttention:
         )
         if rc != 0:
             raise ValueError(
-                f"attention shapes outside the kernel: T={T} H={H} Hkv={Hkv} D={D} L={L} max visible keys {max_nvis}"
+                f"attention shapes outside the kernel: T={T} H={H} Hkv={Hkv} D={D} block_size={BS} "
+                f"max visible keys {max_nvis}, or a block id outside the pool of {num_blocks}"
             )
         return out
 
@@ -194,7 +216,7 @@ class NativeLayerOps:
         self._rms = dll.rms_norm
         self._rms.argtypes = [p, p, p, p, i64, i64, ctypes.c_float, i32, i32]
         self._rope = dll.rope_kv
-        self._rope.argtypes = [p, i64, p, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i32, i32]
+        self._rope.argtypes = [p, i64, p, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i32, i32]
         self._silu = dll.silu_mul
         self._silu.argtypes = [p, p, i64, i64, i32, i32]
         for fn in (self._rms, self._rope, self._silu):
@@ -235,28 +257,30 @@ class NativeLayerOps:
     def rope_kv(
         self,
         qkv: torch.Tensor,  # [T, (H + 2 Hkv) * D] the fused projection
-        positions: torch.Tensor,  # [T] int64
-        slots: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64: RoPE positions
+        kv_index: torch.Tensor,  # [T] int64: block * BS + offset where each row's key and value go
         cos: torch.Tensor,  # [max_len, D]
         sin: torch.Tensor,  # [max_len, D]
-        kt_cache: torch.Tensor,  # [slots, Hkv, D, L] fp32: keys written at (slot, :, :, pos), transposed
-        v_cache: torch.Tensor,  # [slots, Hkv, L, D] fp32: values written at (slot, :, pos)
+        kt_cache: torch.Tensor,  # [num_blocks, Hkv, D, BS] fp32: keys written at (block, :, :, offset), transposed
+        v_cache: torch.Tensor,  # [num_blocks, Hkv, BS, D] fp32: values written at (block, :, offset)
         num_heads: int,
     ) -> torch.Tensor:  # [T, H, D] fp32: the rotated queries
         T = qkv.shape[0]
-        _, Hkv, D, L = kt_cache.shape
+        num_blocks, Hkv, D, BS = kt_cache.shape
         bf16 = self._bf16(qkv, cos, sin)
         if qkv.shape[1] != (num_heads + 2 * Hkv) * D or cos.shape[1] != D or sin.shape != cos.shape:
             raise ValueError("rope_kv shapes disagree")
         _check_caches(kt_cache, v_cache)
-        if not (positions.dtype == slots.dtype == torch.int64 and positions.is_contiguous() and slots.is_contiguous()):
-            raise ValueError("positions and slots must be contiguous int64")
+        if not (
+            positions.dtype == kv_index.dtype == torch.int64 and positions.is_contiguous() and kv_index.is_contiguous()
+        ):
+            raise ValueError("positions and kv_index must be contiguous int64")
         q = torch.empty(T, num_heads, D, dtype=torch.float32)
         rc = self._rope(
             qkv.data_ptr(),
             qkv.stride(0),
             positions.data_ptr(),
-            slots.data_ptr(),
+            kv_index.data_ptr(),
             cos.data_ptr(),
             sin.data_ptr(),
             q.data_ptr(),
@@ -266,13 +290,17 @@ class NativeLayerOps:
             num_heads,
             Hkv,
             D,
-            L,
+            BS,
+            num_blocks,
             cos.shape[0],
             bf16,
             torch.get_num_threads(),
         )
         if rc != 0:
-            raise ValueError(f"rope_kv: a position outside 0..{min(L, cos.shape[0]) - 1} or head_dim {D} unsupported")
+            raise ValueError(
+                f"rope_kv: a position outside 0..{cos.shape[0] - 1}, a cache index outside the pool "
+                f"of {num_blocks} blocks, or head_dim {D} unsupported"
+            )
         return q
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:

@@ -30,8 +30,8 @@ class StepEvent(NamedTuple):
 
 
 class Status(enum.Enum):
-    WAITING = "waiting"  # no KV slot yet
-    RUNNING = "running"  # holds a slot: prefilling or decoding
+    WAITING = "waiting"  # no KV blocks yet (new, or preempted: recomputed when admitted again)
+    RUNNING = "running"  # holds KV blocks: prefilling or decoding
     FINISHED = "finished"
 
 
@@ -81,9 +81,13 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose KV is valid in the slot (the rest of all_ids is pending)
+    num_computed: int = 0  # tokens whose KV is valid in the blocks (the rest of all_ids is pending)
     num_cached_tokens: int = 0  # prompt tokens whose KV was reused at admission rather than computed
-    slot: int = -1
+    # The paged KV cache (workers/kv_blocks.py): position p's KV lives in block block_table[p // block_size];
+    # block_hashes[i] is the prefix-cache hash of full block i, for the committed full blocks entered so far.
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_preemptions: int = 0  # times its blocks were taken back and its KV recomputed later
     finish_reason: str | None = None
     first_token_time: float | None = None
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)

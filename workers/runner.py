@@ -1,17 +1,24 @@
-"""A lean Llama forward over a ragged batch with a preallocated, slot-based KV cache.
+"""A lean Llama forward over a ragged batch with a preallocated, paged KV cache.
 
 Why not call the HF model: HF's cache grows by concatenation and its batch is
 rectangular. Here every request in a step contributes its own number of new
 tokens (a prefill chunk, 1 token for a plain decode step, K+1 for a verify step),
 the linear layers run on the flat ``[num_tokens, hidden]`` matrix with no
-padding, and keys/values are written in place into the request's cache slot.
+padding, and keys/values are written in place into the request's cache blocks.
 Rolling back rejected draft tokens is only moving the request's length back:
 the stale entries are overwritten by the next write (see ``ModelRunner.forward``).
 
-KV layout: per layer ``[num_slots, num_kv_heads, max_model_len, head_dim]``. A
-step's attention reads the contiguous slot range ``[lo, hi)`` its requests
-occupy, sliced to the longest context, so no copy of the cache is ever made;
-the engine hands out the lowest free slot to keep that range tight.
+KV layout: a pool of ``num_blocks`` blocks of ``block_size`` positions, per layer
+``[num_blocks, num_kv_heads, block_size, head_dim]`` (keys transposed within a block,
+``[.., head_dim, block_size]``, for the native kernel). A request's position p lives in
+block ``block_table[p // block_size]`` at offset ``p % block_size``; the engine's block
+manager (workers/kv_blocks.py) hands out the blocks, shares cached prefix blocks between
+requests and takes them back. The native attention reads keys through the block table in
+place; the torch attention gathers each call's blocks into one key axis first.
+
+Slot mode (``StepBatch.block_tables`` None): slot s owns the blocks
+``[s * blocks_per_seq, (s + 1) * blocks_per_seq)``, so callers that think in slots (the draft
+model proposer, benchmarks, tests) run on the same kernels.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from workers import native_attention
 class StepBatch:
     """One forward's worth of work, built by the engine."""
 
-    slots: list[int]  # [num_requests] KV slot of each request
+    slots: list[int]  # [num_requests] KV slot of each request (slot mode; ignored when block_tables is given)
     start_pos: list[int]  # [num_requests] tokens already in the request's KV = position of its first new token
     token_ids: list[list[int]]  # [num_requests][num_new_i] new tokens per request (num_new_i >= 1)
     logits_rows: list[list[int]]  # [num_requests][*] offsets within the request's new tokens that need logits
@@ -40,6 +47,9 @@ class StepBatch:
     # proposers read the target's features at every committed position; the LM head on all prompt
     # rows would be expensive). None: no extra rows, no extra work.
     hidden_rows: list[list[int]] | None = None
+    # [num_requests][*] cache block of each request's positions, position p in block_tables[i][p // block_size];
+    # must cover start_pos + num_new positions. None: slot mode (each slot a fixed run of blocks).
+    block_tables: list[list[int]] | None = None
 
 
 @dataclass
@@ -53,18 +63,12 @@ class StepOutput:
 class _AttnGroup:
     """The requests of one step with the same number of new tokens, attended in one SDPA call."""
 
-    lo: int  # slot range [lo, hi) covering the group's requests
-    hi: int
+    reqs: torch.Tensor  # [S_g] the group's requests (rows of the step's block table), in step order
     n: int  # new tokens per request (query rows)
-    max_kv: int  # longest context in the group, after this step's tokens
-    mask: (
-        torch.Tensor
-    )  # [hi - lo, 1, n, max_kv] bool, True = visible; with pad_keys [hi - lo, 1, 1, n, max_kv], True = hidden
-    tok: torch.Tensor  # [T_g] rows of the step's flat token matrix that belong to the group
-    sl: torch.Tensor  # [T_g] slot - lo of each of those rows
-    qrow: torch.Tensor  # [T_g] query row of each within its request
-    # The group's rows are rows [row0, row0 + (hi - lo) * n) of the flat matrix, slot by slot from lo
-    # (every slot in the range is the group's, in order): queries and outputs are views, no gather.
+    max_kv: int  # key axis of the call: longest context in the group after this step (padded with pad_keys)
+    mask: torch.Tensor  # [S_g, 1, n, max_kv] bool, True = visible; with pad_keys [S_g, 1, 1, n, max_kv], True = hidden
+    tok: torch.Tensor  # [S_g * n] rows of the step's flat token matrix, request by request
+    # The group's rows are rows [row0, row0 + S_g * n) of the flat matrix: queries and outputs are views.
     dense_row0: int | None = None
 
 
@@ -115,8 +119,12 @@ class ModelRunner:
         cpu_gemm: str = "onednn",
         head_rows: Sequence[int] | None = None,
         batch_invariant: bool = False,
+        num_blocks: int | None = None,
+        block_size: int = 16,
     ) -> None:
-        """``head_rows``: compute logits only for these vocabulary rows (a draft model's trained
+        """``num_blocks`` x ``block_size``: the paged KV pool; None sizes it for ``num_slots`` requests of
+        ``max_model_len`` (slot mode). ``block_size`` is a multiple of the native kernel's 16 lanes.
+        ``head_rows``: compute logits only for these vocabulary rows (a draft model's trained
         vocabulary); ``StepOutput.logits`` then has ``len(head_rows)`` columns, in that order.
         ``batch_invariant``: every position's logits and hidden states are bit-identical whatever
         else the step holds (workers/batch_invariant.py); ``False`` runs the library's kernels as chosen by shape."""
@@ -127,6 +135,13 @@ class ModelRunner:
         self.dtype = dtype
         self.num_slots = num_slots
         self.max_model_len = max_model_len
+        if block_size < native_attention.LANES or block_size % native_attention.LANES:
+            raise ValueError(f"block_size must be a multiple of {native_attention.LANES}, got {block_size}")
+        self.block_size = block_size
+        self.blocks_per_seq = -(-max_model_len // block_size)  # blocks one full-length request holds
+        self.num_blocks = num_blocks if num_blocks is not None else num_slots * self.blocks_per_seq
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -216,15 +231,13 @@ class ModelRunner:
         # With it come the layer's row-wise ops (residual + RMSNorm, RoPE + cache write, SiLU * up) as
         # three native calls, where torch makes ~35 small ones (workers/kernels/invariant_layer.c).
         self.native_ops = native_attention.load_layer_ops() if self.native_attn else None
-        # The invariant attention reads whole KEY_BLOCKs of keys, so the cache is that much longer.
-        kv_len = bi.padded_keys(max_model_len) if batch_invariant else max_model_len
-        kv_shape = (num_slots, self.num_kv_heads, kv_len, self.head_dim)
+        kv_shape = (self.num_blocks, self.num_kv_heads, block_size, self.head_dim)
         # The invariant attention computes in fp32; a bf16 runner then keeps its (bf16-rounded) keys and
         # values in fp32 too, so no step converts the whole context again in every layer.
         kv_dtype = torch.float32 if batch_invariant else dtype
-        # Every path reads and writes keys as [slots, Hkv, L, D]; for the native kernel that is a view of
-        # keys stored transposed ([slots, Hkv, D, L], contiguous), the layout it reads.
-        k_storage = (num_slots, self.num_kv_heads, self.head_dim, kv_len) if self.native_attn else kv_shape
+        # Every path reads and writes keys as [blocks, Hkv, BS, D]; for the native kernel that is a view of
+        # keys stored transposed within a block ([blocks, Hkv, D, BS], contiguous), the layout it reads.
+        k_storage = (self.num_blocks, self.num_kv_heads, self.head_dim, block_size) if self.native_attn else kv_shape
         self._k_storage = [torch.zeros(k_storage, dtype=kv_dtype, device=self.device) for _ in range(self.num_layers)]
         self.k_cache = [kt.transpose(2, 3) for kt in self._k_storage] if self.native_attn else self._k_storage
         self.v_cache = [torch.zeros(kv_shape, dtype=kv_dtype, device=self.device) for _ in range(self.num_layers)]
@@ -266,16 +279,30 @@ class ModelRunner:
     def kv_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache)
 
-    def copy_kv(self, src: int, dst: int, n: int) -> None:
-        """Copy the first ``n`` positions of slot ``src``'s keys and values into slot ``dst`` (prefix reuse).
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return self.kv_bytes // self.num_blocks
 
-        KV at position i depends only on tokens 0..i, so a request whose prompt starts with the same
-        n tokens can start at position n. ~1 MB for a 22-token system prompt on SmolLM2: far cheaper
-        than the prefill it replaces.
-        """
+    def slot_block_table(self, slot: int) -> list[int]:
+        """Slot mode: the fixed run of blocks slot ``slot`` owns."""
+        if not 0 <= slot < self.num_blocks // self.blocks_per_seq:
+            raise ValueError(f"slot {slot} outside the {self.num_blocks // self.blocks_per_seq} slots of the pool")
+        return list(range(slot * self.blocks_per_seq, (slot + 1) * self.blocks_per_seq))
+
+    def copy_kv(self, src: int, dst: int, n: int) -> None:
+        """Slot mode: copy the blocks holding slot ``src``'s first ``n`` positions into slot ``dst``'s."""
+        nb = -(-n // self.block_size)
+        a, b = self.slot_block_table(src)[:nb], self.slot_block_table(dst)[:nb]
         for kc, vc in zip(self.k_cache, self.v_cache):
-            kc[dst, :, :n] = kc[src, :, :n]  # [Hkv, n, D]
-            vc[dst, :, :n] = vc[src, :, :n]
+            kc[b] = kc[a]  # [nb, Hkv, BS, D]
+            vc[b] = vc[a]
+
+    def _gather(self, cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
+        """``cache [num_blocks, Hkv, BS, D]``, ``tables [S, nb]`` -> ``[S, Hkv, length, D]``: each request's
+        keys (or values) in position order, one copy (the torch attention's key axis)."""
+        S, nb = tables.shape
+        g = cache[tables]  # [S, nb, Hkv, BS, D]
+        return g.transpose(1, 2).reshape(S, self.num_kv_heads, nb * self.block_size, self.head_dim)[:, :, :length]
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]; computed in fp32 like HF's LlamaRMSNorm, then cast back
@@ -317,14 +344,27 @@ class ModelRunner:
         positions = torch.tensor(
             [p for s, n in zip(batch.start_pos, num_new) for p in range(s, s + n)], dtype=torch.long, device=dev
         )  # [T]
-        lo, hi = min(batch.slots), max(batch.slots) + 1
-        slot_of_tok = torch.tensor(
-            [s for s, n in zip(batch.slots, num_new) for _ in range(n)], dtype=torch.long, device=dev
-        )  # [T]
         max_q = max(num_new)
         max_kv = max(s + n for s, n in zip(batch.start_pos, num_new))
         if max_kv > self.max_model_len:
             raise ValueError(f"sequence of {max_kv} tokens exceeds max_model_len={self.max_model_len}")
+        BS = self.block_size
+        tables = (
+            batch.block_tables if batch.block_tables is not None else [self.slot_block_table(s) for s in batch.slots]
+        )
+        for t, s, n in zip(tables, batch.start_pos, num_new):
+            if len(t) * BS < s + n:
+                raise ValueError(f"a block table of {len(t)} blocks cannot hold {s + n} positions")
+        # [num_requests, nb] block ids, padded with block 0 (finite, never visible) to the step's key axis
+        width = -(-(bi.padded_keys(max_kv) if self.batch_invariant else max_kv) // BS)
+        bt = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.long, device=dev)
+        if int(bt.min()) < 0 or int(bt.max()) >= self.num_blocks:
+            raise ValueError(f"a block id outside the pool of {self.num_blocks} blocks")
+        req_of_tok = torch.tensor(
+            [i for i, n in enumerate(num_new) for _ in range(n)], dtype=torch.long, device=dev
+        )  # [T]
+        kv_index = bt[req_of_tok, positions // BS] * BS + positions % BS  # [T] block * BS + offset of each row
+        blk_of_tok, off_of_tok = kv_index // BS, kv_index % BS
 
         # One request decoding one token sees every cached key: no mask needed (the common c=1 step).
         # One request with several tokens: a causal mask offset by its start. Several requests: one
@@ -348,12 +388,14 @@ class ModelRunner:
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         h = self.embed[flat_ids]  # [T, hidden]
         if self.native_ops:
-            h = self._layers_native(h, positions, slot_of_tok, nvis, max_kv)
+            h = self._layers_native(h, positions, kv_index, bt, req_of_tok, nvis, max_kv)
         else:
             # The layers as torch ops: no C compiler, a non-invariant runner, or (tests isolating the
             # row-wise ops) the native attention with native_ops switched off.
             cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
             sin = self.sin[positions].unsqueeze(1)
+            if nreq == 1 and not self.batch_invariant:
+                bt_one = bt[:, : -(-max_kv // BS)]  # [1, nb] the lone request's blocks, for the SDPA path
             for li, L in enumerate(self.layers):
                 x = self._rms_norm(h, L["in_norm"])
                 qkv = self._linear(x, L, "qkv")  # [T, (H + 2 Hkv) * D]
@@ -361,64 +403,58 @@ class ModelRunner:
                 qk = qk * cos + self._rotate_half(qk) * sin  # [T, H + Hkv, D]: RoPE on q and k in one pass
                 q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D]
                 v = qkv[:, (H + Hkv) * D :].view(total, Hkv, D)
-                kc, vc = self.k_cache[li], self.v_cache[li]
-                if single:
-                    p0 = batch.start_pos[0]
-                    kc[lo, :, p0] = k[0]  # plain slice write, [Hkv, D]
-                    vc[lo, :, p0] = v[0]
-                else:
-                    kc[slot_of_tok, :, positions] = k.to(kc.dtype)  # in-place write, [T, Hkv, D] at (slot, :, pos)
-                    vc[slot_of_tok, :, positions] = v.to(vc.dtype)
+                kc, vc = self.k_cache[li], self.v_cache[li]  # [num_blocks, Hkv, BS, D] each
+                kc[blk_of_tok, :, off_of_tok] = k.to(kc.dtype)  # in-place write, [T, Hkv, D] at (block, :, offset)
+                vc[blk_of_tok, :, off_of_tok] = v.to(vc.dtype)
                 if self.native_attn:
                     o = self.native_attn(
-                        q.float(), self._k_storage[li], vc, slot_of_tok, nvis, max_kv, D**-0.5
+                        q.float(), self._k_storage[li], vc, bt, req_of_tok, nvis, max_kv, D**-0.5
                     )  # [T, H, D] fp32
                     o = o.reshape(total, H * D).to(self.dtype)
                 elif self.batch_invariant:
-                    if len(groups) == 1 and groups[0].dense_row0 == 0 and groups[0].tok.numel() == total:
-                        g = groups[0]  # every row in one dense group (a decode batch, a lone prefill): views only
-                        o = bi.attention(
-                            q.reshape(g.hi - g.lo, g.n, H, D),
-                            kc[g.lo : g.hi, :, : g.max_kv],
-                            vc[g.lo : g.hi, :, : g.max_kv],
+                    o = q.new_empty(total, H, D)
+                    for g in groups:
+                        S = g.reqs.shape[0]
+                        qg = (
+                            q[g.dense_row0 : g.dense_row0 + S * g.n] if g.dense_row0 is not None else q[g.tok]
+                        ).reshape(S, g.n, H, D)
+                        tg = bt[g.reqs, : -(-g.max_kv // BS)]  # [S_g, nb]
+                        attn = bi.attention(
+                            qg,
+                            self._gather(kc, tg, g.max_kv),
+                            self._gather(vc, tg, g.max_kv),
                             g.mask,
                             D**-0.5,
                             self.attn_blocking,
-                        ).reshape(total, H * D)
-                    else:
-                        o = q.new_empty(total, H, D)
-                        for g in groups:
-                            qp = q.new_zeros(g.hi - g.lo, g.n, H, D)
-                            qp[g.sl, g.qrow] = q[g.tok]
-                            attn = bi.attention(
-                                qp,
-                                kc[g.lo : g.hi, :, : g.max_kv],
-                                vc[g.lo : g.hi, :, : g.max_kv],
-                                g.mask,
-                                D**-0.5,
-                                self.attn_blocking,
-                            )  # [S_g, n_g, H, D]
-                            o[g.tok] = attn[g.sl, g.qrow]
-                        o = o.reshape(total, H * D)
+                        )  # [S_g, n_g, H, D]
+                        if g.dense_row0 is not None:
+                            o[g.dense_row0 : g.dense_row0 + S * g.n] = attn.reshape(S * g.n, H, D)
+                        else:
+                            o[g.tok] = attn.reshape(S * g.n, H, D)
+                    o = o.reshape(total, H * D)
                 elif nreq == 1:
                     qp = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
                     attn = F.scaled_dot_product_attention(
-                        qp, kc[lo:hi, :, :max_kv], vc[lo:hi, :, :max_kv], attn_mask=mask, enable_gqa=True
+                        qp,
+                        self._gather(kc, bt_one, max_kv),
+                        self._gather(vc, bt_one, max_kv),
+                        attn_mask=mask,
+                        enable_gqa=True,
                     )  # [1, H, T, D]
                     o = attn[0].transpose(0, 1).reshape(total, H * D)
                 else:
                     o = q.new_empty(total, H, D)
                     for g in groups:
-                        qp = q.new_zeros(g.hi - g.lo, g.n, H, D)
-                        qp[g.sl, g.qrow] = q[g.tok]
+                        S = g.reqs.shape[0]
+                        tg = bt[g.reqs, : -(-g.max_kv // BS)]  # [S_g, nb]
                         attn = F.scaled_dot_product_attention(
-                            qp.transpose(1, 2),
-                            kc[g.lo : g.hi, :, : g.max_kv],
-                            vc[g.lo : g.hi, :, : g.max_kv],
+                            q[g.tok].reshape(S, g.n, H, D).transpose(1, 2),
+                            self._gather(kc, tg, g.max_kv),
+                            self._gather(vc, tg, g.max_kv),
                             attn_mask=g.mask,
                             enable_gqa=True,
                         )  # [S_g, H, n_g, D]
-                        o[g.tok] = attn.transpose(1, 2)[g.sl, g.qrow]
+                        o[g.tok] = attn.transpose(1, 2).reshape(S * g.n, H, D)
                     o = o.reshape(total, H * D)
                 h = h + self._linear(o, L, "o")
                 x = self._rms_norm(h, L["post_norm"])
@@ -439,22 +475,31 @@ class ModelRunner:
         return StepOutput(logits=self._lm_head(hs), hidden=hs, extra_hidden=extra)
 
     def _layers_native(
-        self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, nvis: torch.Tensor, max_kv: int
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        kv_index: torch.Tensor,
+        bt: torch.Tensor,
+        req_of_tok: torch.Tensor,
+        nvis: torch.Tensor,
+        max_kv: int,
     ) -> torch.Tensor:
         """Every decoder layer with the native row-wise ops and attention; the GEMMs stay oneDNN's.
 
         Each residual add is fused into the RMSNorm after it, so ``h`` is updated in place there.
         """
-        # h: [T, hidden] (a fresh tensor, never the embedding table) -> [T, hidden]
+        # h: [T, hidden] (a fresh tensor, never the embedding table) -> [T, hidden]; kv_index: [T] where each
+        # row's key and value go; bt: [num_requests, nb] block tables; req_of_tok, nvis: [T] each row's request
+        # and visible keys
         ops, attn, H, D = self.native_ops, self.native_attn, self.num_heads, self.head_dim
         assert ops is not None and attn is not None  # the caller checked: the native library loaded
-        x = torch.empty_like(h)  # [T, hidden] the normalized rows each GEMM reads; nvis: [T] keys each row sees
+        x = torch.empty_like(h)  # [T, hidden] the normalized rows each GEMM reads
         delta = None
         for li, L in enumerate(self.layers):
             ops.add_rms_norm(h, delta, L["in_norm"], x, self.eps)
             qkv = self._linear(x, L, "qkv")  # [T, (H + 2 Hkv) * D]
-            q = ops.rope_kv(qkv, positions, slots, self.cos, self.sin, self._k_storage[li], self.v_cache[li], H)
-            o = attn(q, self._k_storage[li], self.v_cache[li], slots, nvis, max_kv, D**-0.5)  # [T, H, D] fp32
+            q = ops.rope_kv(qkv, positions, kv_index, self.cos, self.sin, self._k_storage[li], self.v_cache[li], H)
+            o = attn(q, self._k_storage[li], self.v_cache[li], bt, req_of_tok, nvis, max_kv, D**-0.5)  # [T, H, D] fp32
             delta = self._linear(o.view(-1, H * D).to(self.dtype), L, "o")  # [T, hidden]
             ops.add_rms_norm(h, delta, L["post_norm"], x, self.eps)
             gu = self._linear(x, L, "gate_up")  # [T, 2 * inter]
@@ -465,15 +510,13 @@ class ModelRunner:
     def _attention_groups(
         self, batch: StepBatch, num_new: list[int], offsets: list[int], pad_keys: bool = False
     ) -> list[_AttnGroup]:
-        """One attention call per distinct new-token count, each over its own slot range.
+        """One attention call per distinct new-token count, over its requests' gathered blocks.
 
         Why: one call padded to the longest query would make every decoding request (1 new token)
         attend with as many query rows as a 32-token prefill chunk riding in the same step; that
         padding cost a batch-16 step 78 ms of its 275 ms (measured). Grouping by count keeps each
-        call dense. Within a group's slot range, key j is visible to query row i of slot s iff
-        j <= start_s + i; slots of other groups (or unused) keep key 0 visible, so no row is all
-        -inf, and their outputs are never read. ``pad_keys``: the key axis is rounded up to whole
-        KEY_BLOCKs for the batch-invariant attention.
+        call dense. Key j is visible to query row i of a request iff j <= start + i. ``pad_keys``: the
+        key axis is rounded up to whole KEY_BLOCKs for the batch-invariant attention.
         """
         dev = self.device
         by_n: dict[int, list[int]] = {}
@@ -481,31 +524,23 @@ class ModelRunner:
             by_n.setdefault(n, []).append(i)
         groups = []
         for n, idxs in by_n.items():
-            slots = [batch.slots[i] for i in idxs]
-            lo, hi = min(slots), max(slots) + 1
             max_kv = max(batch.start_pos[i] + n for i in idxs)
             if pad_keys:
                 max_kv = bi.padded_keys(max_kv)
-            start = torch.zeros(hi - lo, dtype=torch.long, device=dev)
-            start[torch.tensor(slots, device=dev) - lo] = torch.tensor([batch.start_pos[i] for i in idxs], device=dev)
+            start = torch.tensor([batch.start_pos[i] for i in idxs], dtype=torch.long, device=dev)  # [S_g]
             qpos = start[:, None] + torch.arange(n, device=dev)[None, :]  # [S_g, n]
             mask = (torch.arange(max_kv, device=dev)[None, None, :] <= qpos[:, :, None]).unsqueeze(1)  # [S_g, 1, n, kv]
             if pad_keys:
                 mask = ~mask.unsqueeze(1)  # [S_g, 1, 1, n, kv]: the form bi.attention masks with
-            dense = slots == list(range(lo, hi)) and idxs == list(range(idxs[0], idxs[0] + len(idxs)))
+            dense = idxs == list(range(idxs[0], idxs[0] + len(idxs)))
             groups.append(
                 _AttnGroup(
-                    lo=lo,
-                    hi=hi,
+                    reqs=torch.tensor(idxs, dtype=torch.long, device=dev),
                     n=n,
                     max_kv=max_kv,
                     mask=mask,
-                    dense_row0=offsets[idxs[0]] if dense else None,
                     tok=torch.tensor([offsets[i] + r for i in idxs for r in range(n)], dtype=torch.long, device=dev),
-                    sl=torch.tensor(
-                        [batch.slots[i] - lo for i in idxs for _ in range(n)], dtype=torch.long, device=dev
-                    ),
-                    qrow=torch.tensor([r for _ in idxs for r in range(n)], dtype=torch.long, device=dev),
+                    dense_row0=offsets[idxs[0]] if dense else None,
                 )
             )
         return groups

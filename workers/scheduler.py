@@ -19,6 +19,14 @@ gives prompt chunks what the chosen K leaves within the step's latency budget. S
 decided first: a verify's tokens are committed output for running streams, a prompt chunk only
 brings a first token closer, and the TTFT deadline is what keeps prompts from waiting behind it.
 
+KV memory is a pool of blocks (workers/kv_blocks.py). A waiting request is admitted, first come first
+served, when the pool holds its whole prefill (less the cached prefix it shares); a decoding request's
+table grows by the blocks its pending token and its K drafts need (lookahead). When a decoding request
+cannot get a block even for its pending token, the youngest running request is preempted: its blocks
+go back to the pool and it waits at the head of the queue, to be recomputed (vLLM's recompute
+preemption; the batch-invariant kernels make the recomputed KV, and so the output, exactly the same).
+Drafts are cut to what the free blocks hold rather than preempting anyone for them.
+
 Nothing here imports Ray or torch; the engine (workers/engine.py) runs what this returns.
 """
 
@@ -32,6 +40,7 @@ from typing import Callable, Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from workers.cost_model import StepCostModel
+from workers.kv_blocks import KVCacheManager
 from workers.request import Request, Status
 
 AGING_ROUNDS = 3  # fixed-point rounds for an aging prompt's chunk (chunk -> step time -> steps left -> chunk)
@@ -121,11 +130,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Owns the queues and the KV slots; ``schedule`` says who feeds what this step.
+    """Owns the queues and the requests' KV blocks; ``schedule`` says who feeds what this step.
 
     ``decide_k(decoding, token_cap)`` is the routing policy's K per decoding request (the engine
-    clamps it to each request's room); ``reuse_prefix(request)`` starts an admitted request after
-    the longest cached prefix of its prompt (prefix caching, owned by the engine).
+    clamps it to each request's room); ``may_read_cache(request)`` says whether an admitted request may
+    start after the cached prefix of its prompt (the engine's rule: not when its proposer needs the
+    target's hidden state at every prompt position, nor when it scores its prompt).
     """
 
     def __init__(
@@ -135,30 +145,47 @@ class Scheduler:
         max_num_batched_tokens: int,
         cost_model: StepCostModel,
         decide_k: Callable[[list[Request], int], list[int]],
-        reuse_prefix: Callable[[Request], None],
+        kv: KVCacheManager,
         clock: Callable[[], float],
+        may_read_cache: Callable[[Request], bool] = lambda r: True,
     ) -> None:
         self.config = config
+        self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.cost_model = cost_model
         self.decide_k = decide_k
-        self.reuse_prefix = reuse_prefix
+        self.kv = kv
+        self.may_read_cache = may_read_cache
         self.clock = clock  # the clock Request.arrival_time is read with (time.monotonic)
         self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []
-        self.free_slots = list(range(max_num_seqs))
+        self.running: list[Request] = []  # in admission order: the last is the youngest
+        self.num_preemptions = 0
 
     def add(self, r: Request) -> None:
         self.waiting.append(r)
 
     def free(self, r: Request) -> None:
-        """Take ``r`` out of the queues, and its slot back if it held one."""
+        """Take ``r`` out of the queues, and its blocks back if it held any."""
         if r.status is Status.WAITING:
             self.waiting.remove(r)
         elif r.status is Status.RUNNING:
             self.running.remove(r)
-            self.free_slots.append(r.slot)
-            r.slot = -1
+            self.kv.free(r)
+
+    def preempt(self, r: Request) -> None:
+        """Give ``r``'s blocks back and queue it first, to be recomputed: its output so far is fed as a
+        resumed stream's is (prefilled after the prompt, never sent again), so the next token it writes
+        comes from the same logits at the same output position as if it had never stopped."""
+        self.running.remove(r)
+        self.kv.free(r)
+        if r.prompt_logprobs is not None and r.in_prefill:
+            r.prompt_logprobs = [None]  # scored again from the first chunk
+        r.num_computed = 0
+        r.num_resumed = len(r.output_ids)
+        r.status = Status.WAITING
+        r.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(r)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -167,6 +194,7 @@ class Scheduler:
         self._admit()
         decoding = [r for r in self.running if not r.in_prefill]
         ks = self.decide_k(decoding, self.max_num_batched_tokens) if decoding else []
+        decoding, ks = self._reserve(decoding, ks)
         decode_tokens = len(decoding) + sum(ks)
         prefilling = sorted((r for r in self.running if r.in_prefill), key=lambda r: r.arrival_time)
         if not prefilling:
@@ -195,10 +223,33 @@ class Scheduler:
         return SchedulerOutput(list(zip(decoding, ks)), prefill, budget_s)
 
     def _admit(self) -> None:
-        while self.waiting and self.free_slots:
-            r = self.waiting.popleft()
-            self.free_slots.sort()
-            r.slot = self.free_slots.pop(0)  # lowest slot first keeps the attention range tight
+        """First come, first served: the head of the queue waits until the pool holds its prefill."""
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            r = self.waiting[0]
+            if not self.kv.admit(r, r.prefill_len, self.may_read_cache(r)):
+                break
+            self.waiting.popleft()
             r.status = Status.RUNNING
-            self.reuse_prefix(r)
             self.running.append(r)
+
+    def _reserve(self, decoding: list[Request], ks: list[int]) -> tuple[list[Request], list[int]]:
+        """Blocks for each decoding request's pending token and drafts, oldest first: drafts are cut to
+        what is free; a request that cannot get even its pending token's block preempts the youngest
+        running request (itself, if it is the youngest) until it can."""
+        kept, kept_ks = [], []
+        for r, k in zip(decoding, ks):
+            if r.status is not Status.RUNNING:  # preempted for an older request this step
+                continue
+            while not self.kv.grow(r, r.num_computed + 1):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is r:
+                    break
+            if r.status is not Status.RUNNING:
+                continue
+            k = max(0, min(k, self.kv.room(r) - r.num_computed - 1))  # lookahead for the drafts: what fits
+            self.kv.grow(r, r.num_computed + 1 + k)
+            kept.append(r)
+            kept_ks.append(k)
+        live = [i for i, r in enumerate(kept) if r.status is Status.RUNNING]  # a later preemption never hits
+        return [kept[i] for i in live], [kept_ks[i] for i in live]  # an older request; checked anyway

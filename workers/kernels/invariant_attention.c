@@ -1,13 +1,19 @@
-/* Batch-invariant causal GQA attention for one engine step, on the CPU.
+/* Batch-invariant causal GQA attention for one engine step, on the CPU, over a paged KV cache.
  *
- * Every query row reads only its own visible keys (0 .. nvis-1 of its slot) in one fixed order, and
+ * Every query row reads only its own visible keys (0 .. nvis-1 of its request) in one fixed order, and
  * every sum runs in one fixed order: a score adds its head_dim products from d = 0 up, a softmax
  * denominator adds its terms in LANES fixed lanes and then a fixed tree, an output dimension adds
  * its keys from key 0 up. The result for a row is then a function of that row's query, keys and
- * values alone: not of the other rows in the step, how many there are, the slot, or how far any key
- * axis is padded. Threads split (tile of rows, kv head) items, whose outputs are independent.
+ * values alone: not of the other rows in the step, how many there are, which cache blocks hold its
+ * keys, or how far any key axis is padded. Threads split (tile of rows, kv head) items, whose outputs
+ * are independent.
  *
- * Keys are stored transposed, [D, L] per (slot, kv head), so one vector holds LANES keys' partial
+ * Paging: the cache is a pool of blocks of BS positions (BS a multiple of LANES); a request's key j
+ * lives in block block_table[j / BS] at offset j % BS. Only the address of a key changes with the
+ * blocks a request lands in, never the order of any sum, so a row's result is the same whether its
+ * keys are contiguous, scattered, or shared with another request (a prefix-cache hit).
+ *
+ * Keys are stored transposed, [D, BS] per (block, kv head), so one vector holds LANES keys' partial
  * scores and each lane is its own sequential chain over d: the vector code computes exactly what
  * the scalar code would, and a key's score does not depend on which lane or block it falls in.
  *
@@ -28,9 +34,11 @@
 
 #include "vec_math.h"
 
-/* A tile: R query rows of one slot (R = 1, or ROWS for rows of a prompt chunk, which share their
- * keys) times the G query heads of one kv head, against the slot's first n[r] keys each.
- * q[r * G + g]: [D]. kt: [D, L] (keys transposed). v: [L, D]. s: [R * G, n_pad] scratch.
+/* A tile: R query rows of one request (R = 1, or ROWS for rows of a prompt chunk, which share their
+ * keys) times the G query heads of one kv head, against the request's first n[r] keys each.
+ * q[r * G + g]: [D]. bt: the request's block table. kt: the pool's keys at this kv head, block b's
+ * [D, BS] at kt + b * kv_stride (keys transposed). v: likewise, block b's [BS, D] at v + b * kv_stride.
+ * s: [R * G, n_pad] scratch.
  * out[r * G + g]: [D]. Inlined with R, G and DB (LANES-wide blocks of head_dim) as constants
  * (attend_tile), so the accumulators stay in registers.
  *
@@ -39,9 +47,9 @@
  * see (up to the tile's longest row) get weight exactly 0, and adding 0 * v (a signed zero, v finite)
  * to an accumulator that started at +0 never changes it. */
 static inline __attribute__((always_inline)) void attend_tile_g(
-        const float *const *q, const int R, const int G, const int DB, const int *n, const float *restrict kt,
-        const float *restrict v, int64_t L, int D, float scale, float *restrict s, int64_t n_pad,
-        float *const *out) {
+        const float *const *q, const int R, const int G, const int DB, const int *n, const int64_t *bt,
+        const float *restrict kt, const float *restrict v, int64_t BS, int64_t kv_stride, int D, float scale,
+        float *restrict s, int64_t n_pad, float *const *out) {
     int n_max = 0;
     for (int r = 0; r < R; r++) n_max = n[r] > n_max ? n[r] : n_max;
     const int nb = (n_max + LANES - 1) / LANES * LANES;
@@ -49,8 +57,9 @@ static inline __attribute__((always_inline)) void attend_tile_g(
     for (int j0 = 0; j0 < nb; j0 += LANES) {
         vlanes acc[ROWS * MAX_GROUP];
         for (int i = 0; i < R * G; i++) acc[i] = (vlanes){0};
+        const float *restrict kb = kt + bt[j0 / BS] * kv_stride + j0 % BS;  /* LANES keys, never across blocks */
         for (int d = 0; d < D; d++) {
-            const vlanes k = load_lanes(kt + (int64_t)d * L + j0);
+            const vlanes k = load_lanes(kb + (int64_t)d * BS);
             for (int i = 0; i < R * G; i++) acc[i] = acc[i] + q[i][d] * k;
         }
         for (int i = 0; i < R * G; i++) {
@@ -85,11 +94,15 @@ static inline __attribute__((always_inline)) void attend_tile_g(
         for (int i = 0; i < rr * G; i++)
             for (int b = 0; b < DB; b++) acc[i][b] = (vlanes){0};
         const float *sp = s + (int64_t)r0 * G * n_pad;
-        for (int j = 0; j < n_max; j++) {
-            const float *restrict vj = v + (int64_t)j * D;
-            for (int b = 0; b < DB; b++) {
-                const vlanes x = load_lanes(vj + b * LANES);
-                for (int i = 0; i < rr * G; i++) acc[i][b] = acc[i][b] + sp[i * n_pad + j] * x;
+        for (int j0 = 0; j0 < n_max; j0 += (int)BS) {  /* block by block, key by key within: key 0 up */
+            const float *restrict vb = v + bt[j0 / BS] * kv_stride;
+            const int jn = n_max - j0 < BS ? n_max - j0 : (int)BS;
+            for (int jj = 0; jj < jn; jj++) {
+                const float *restrict vj = vb + (int64_t)jj * D;
+                for (int b = 0; b < DB; b++) {
+                    const vlanes x = load_lanes(vj + b * LANES);
+                    for (int i = 0; i < rr * G; i++) acc[i][b] = acc[i][b] + sp[i * n_pad + j0 + jj] * x;
+                }
             }
         }
         for (int i = 0; i < rr * G; i++)
@@ -101,16 +114,17 @@ static inline __attribute__((always_inline)) void attend_tile_g(
     for (int d0 = DB * LANES; d0 < D; d0++) {  /* head_dim not a multiple of LANES: the same chains */
         for (int i = 0; i < R * G; i++) {
             float a = 0.0f;
-            for (int j = 0; j < n_max; j++) a = a + s[i * n_pad + j] * v[(int64_t)j * D + d0];
+            for (int j = 0; j < n_max; j++) a = a + s[i * n_pad + j] * v[bt[j / BS] * kv_stride + (j % BS) * D + d0];
             out[i][d0] = a * s[i * n_pad + n_pad - 1];
         }
     }
 }
 
-static void attend_tile(const float *const *q, int R, int G, const int *n, const float *kt, const float *v,
-                        int64_t L, int D, float scale, float *s, int64_t n_pad, float *const *out) {
+static void attend_tile(const float *const *q, int R, int G, const int *n, const int64_t *bt, const float *kt,
+                        const float *v, int64_t BS, int64_t kv_stride, int D, float scale, float *s, int64_t n_pad,
+                        float *const *out) {
     const int DB = D / LANES;
-#define ATTEND(RC, GC, DBC) attend_tile_g(q, RC, GC, DBC, n, kt, v, L, D, scale, s, n_pad, out)
+#define ATTEND(RC, GC, DBC) attend_tile_g(q, RC, GC, DBC, n, bt, kt, v, BS, kv_stride, D, scale, s, n_pad, out)
 #define SHAPES(RC)                                                      \
     if (G == 3 && DB == 4) ATTEND(RC, 3, 4);      /* e.g. SmolLM2 */    \
     else if (G == 1 && DB == 4) ATTEND(RC, 1, 4);                       \
@@ -123,32 +137,38 @@ static void attend_tile(const float *const *q, int R, int G, const int *n, const
 #undef ATTEND
 }
 
-/* q: [T, H, D] at q + t * q_row_stride + h * D. kt: [slots, Hkv, D, L] and v: [slots, Hkv, L, D],
- * contiguous, L a multiple of LANES. slot, nvis: [T] (the row's slot and its visible keys, 1 .. L).
+/* q: [T, H, D] at q + t * q_row_stride + h * D. kt: [num_blocks, Hkv, D, BS] (keys transposed) and
+ * v: [num_blocks, Hkv, BS, D], contiguous, BS a multiple of LANES. block_table: [num_reqs, bt_stride]
+ * block ids; req, nvis: [T] (the row's request and its visible keys, 1 .. bt_stride * BS).
  * out: [T, H, D] contiguous. scratch: nthreads * ROWS * G * n_pad floats, n_pad = max(nvis) rounded
- * up to LANES plus LANES. Returns 0, or -1 if the shapes are outside what the kernel handles. */
-int invariant_attention(const float *q, int64_t q_row_stride, const float *kt, const float *v, const int64_t *slot,
-                        const int64_t *nvis, float *out, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t L,
+ * up to LANES plus LANES. Returns 0, or -1 if the shapes are outside what the kernel handles or a
+ * block id a row would read is outside the pool (nothing is read then). */
+int invariant_attention(const float *q, int64_t q_row_stride, const float *kt, const float *v,
+                        const int64_t *block_table, int64_t bt_stride, const int64_t *req, const int64_t *nvis,
+                        float *out, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t BS, int64_t num_blocks,
                         float scale, float *scratch, int64_t n_pad, int nthreads) {
-    if (Hkv <= 0 || H % Hkv || H / Hkv > MAX_GROUP || D / LANES > MAX_DBLOCKS || L % LANES) return -1;
+    if (Hkv <= 0 || H % Hkv || H / Hkv > MAX_GROUP || D / LANES > MAX_DBLOCKS || BS <= 0 || BS % LANES) return -1;
     const int64_t G = H / Hkv;
     int64_t work = 0;
     for (int64_t t = 0; t < T; t++) {
-        if (nvis[t] < 1 || nvis[t] > L || nvis[t] + LANES >= n_pad) return -1;
+        if (nvis[t] < 1 || nvis[t] > bt_stride * BS || nvis[t] + LANES >= n_pad || req[t] < 0) return -1;
+        const int64_t *bt = block_table + req[t] * bt_stride;
+        for (int64_t b = 0; b * BS < nvis[t]; b++)
+            if (bt[b] < 0 || bt[b] >= num_blocks) return -1;
         work += nvis[t];
     }
-    /* tiles: runs of consecutive rows in one slot, cut into ROWS rows (and single rows at a run's end) */
+    /* tiles: runs of consecutive rows of one request, cut into ROWS rows (and single rows at a run's end) */
     int64_t *first = (int64_t *)__builtin_alloca((size_t)(T + 1) * sizeof(int64_t));
     int64_t tiles = 0;
     for (int64_t t = 0; t < T;) {
         int64_t end = t + 1;
-        while (end < T && slot[end] == slot[t] && end - t < ROWS) end++;
+        while (end < T && req[end] == req[t] && end - t < ROWS) end++;
         if (end - t < ROWS) end = t + 1;
         first[tiles++] = t;
         t = end;
     }
     first[tiles] = T;
-    const int64_t items = tiles * Hkv;
+    const int64_t items = tiles * Hkv, kv_stride = Hkv * D * BS;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && work * H * D > 200000)
     for (int64_t it = 0; it < items; it++) {
         int tid = 0;
@@ -156,7 +176,6 @@ int invariant_attention(const float *q, int64_t q_row_stride, const float *kt, c
         tid = omp_get_thread_num();
 #endif
         const int64_t t0 = first[it / Hkv], R = first[it / Hkv + 1] - t0, g = it % Hkv;
-        const int64_t base = slot[t0] * Hkv + g;
         const float *qs[ROWS * MAX_GROUP];
         float *os[ROWS * MAX_GROUP];
         int n[ROWS];
@@ -167,8 +186,8 @@ int invariant_attention(const float *q, int64_t q_row_stride, const float *kt, c
                 os[r * G + i] = out + ((t0 + r) * H + g * G + i) * D;
             }
         }
-        attend_tile(qs, (int)R, (int)G, n, kt + base * D * L, v + base * L * D, L, (int)D, scale,
-                    scratch + (int64_t)tid * ROWS * G * n_pad, n_pad, os);
+        attend_tile(qs, (int)R, (int)G, n, block_table + req[t0] * bt_stride, kt + g * D * BS, v + g * BS * D, BS,
+                    kv_stride, (int)D, scale, scratch + (int64_t)tid * ROWS * G * n_pad, n_pad, os);
     }
     return 0;
 }

@@ -104,20 +104,21 @@ int rms_norm(void *h, const void *delta, const void *w, void *out, int64_t T, in
 
 /* RoPE on the query and key heads of a fused qkv projection, as HF's rotate_half form:
  * y = x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype.
- * qkv: [T, (H + 2 Hkv) * D] with row stride qkv_stride. pos, slot: [T]. cos, sin: [max_len, D].
- * Returns -1 (nothing written) if a position lies outside the tables or the cache.
- * Writes q_out [T, H, D] (fp32), keys into kt [slots, Hkv, D, L] (transposed) and values into
- * v [slots, Hkv, L, D], both fp32, at (slot, head, pos). */
-int rope_kv(const void *qkv, int64_t qkv_stride, const int64_t *pos, const int64_t *slot, const void *cos,
+ * qkv: [T, (H + 2 Hkv) * D] with row stride qkv_stride. pos: [T] (for RoPE). cos, sin: [max_len, D].
+ * kv_index: [T] where the row's key and value go in the paged cache: block * BS + offset.
+ * Returns -1 (nothing written) if a position lies outside the tables or an index outside the pool.
+ * Writes q_out [T, H, D] (fp32), keys into kt [num_blocks, Hkv, D, BS] (transposed) and values into
+ * v [num_blocks, Hkv, BS, D], both fp32, at (block, head, offset). */
+int rope_kv(const void *qkv, int64_t qkv_stride, const int64_t *pos, const int64_t *kv_index, const void *cos,
             const void *sin, float *q_out, float *kt, float *v, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-            int64_t L, int64_t max_len, int bf16, int nthreads) {
-    if (D % 2 || D > 1024 || Hkv <= 0) return -1;
+            int64_t BS, int64_t num_blocks, int64_t max_len, int bf16, int nthreads) {
+    if (D % 2 || D > 1024 || Hkv <= 0 || BS <= 0) return -1;
     for (int64_t t = 0; t < T; t++)
-        if (pos[t] < 0 || pos[t] >= L || pos[t] >= max_len) return -1;
+        if (pos[t] < 0 || pos[t] >= max_len || kv_index[t] < 0 || kv_index[t] >= num_blocks * BS) return -1;
     const int64_t half = D / 2;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T >= 64)
     for (int64_t t = 0; t < T; t++) {
-        const int64_t p = pos[t], row = t * qkv_stride;
+        const int64_t p = pos[t], row = t * qkv_stride, blk = kv_index[t] / BS, off = kv_index[t] % BS;
         float c[1024], s[1024], x[1024], y[1024];
         for (int64_t d = 0; d < D; d += LANES) {
             const int n = CHUNK(D, d);
@@ -143,12 +144,12 @@ int rope_kv(const void *qkv, int64_t qkv_stride, const int64_t *pos, const int64
             if (hh < H) {
                 __builtin_memcpy(q_out + (t * H + hh) * D, y, (size_t)D * sizeof(float));
             } else {
-                float *k = kt + ((slot[t] * Hkv + (hh - H)) * D) * L + p;
-                for (int64_t d = 0; d < D; d++) k[d * L] = y[d];
+                float *k = kt + ((blk * Hkv + (hh - H)) * D) * BS + off;
+                for (int64_t d = 0; d < D; d++) k[d * BS] = y[d];
             }
         }
         for (int64_t g = 0; g < Hkv; g++) {
-            float *dst = v + ((slot[t] * Hkv + g) * L + p) * D;
+            float *dst = v + ((blk * Hkv + g) * BS + off) * D;
             for (int64_t d = 0; d < D; d += LANES) {
                 const int n = CHUNK(D, d);
                 store(dst, d, load(qkv, row + (H + Hkv + g) * D + d, n, bf16), n, 0);

@@ -1,0 +1,177 @@
+"""The paged KV cache's bookkeeping: a pool of fixed-size blocks, each request's block table, and a
+prefix cache over hashed full blocks.
+
+As vLLM v1 (``KVCacheManager`` / ``BlockPool``) and nano-vllm's ``BlockManager`` do it:
+- a request holds ``Request.block_table`` (position p in block ``block_table[p // block_size]``);
+- a block is reference-counted; a block nobody holds sits in a free queue in LRU order, and keeps
+  its KV (and its hash, if it was cached) until it is handed out again: allocation evicts from the
+  front, so a cached prefix survives as long as the pool has older free blocks;
+- only *full* blocks of *committed* positions (below ``num_computed``) are hashed, by
+  ``hash((parent block's hash, the block's token ids))``, so a hit means the same tokens at the same
+  positions after the same prefix; drafts sit past ``num_computed`` and are never entered;
+- a request whose prompt starts with cached blocks shares them (reference +1) instead of prefilling
+  them again; the KV at a position depends only on the tokens up to it, and the batch-invariant
+  kernels make a shared block's KV exactly what the request would have computed.
+
+Nothing here imports torch: the runner (workers/runner.py) owns the tensors, this owns the numbers.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Sequence
+
+from workers.request import Request
+
+BlockKey = tuple[int, tuple[int, ...]]  # (parent block's hash, 0 for the first; the block's token ids)
+
+
+class BlockPool:
+    """``num_blocks`` blocks: reference counts, the LRU free queue and the hash -> block map."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.ref = [0] * num_blocks
+        self.free_q: collections.OrderedDict[int, None] = collections.OrderedDict((b, None) for b in range(num_blocks))
+        self.key_of: list[BlockKey | None] = [None] * num_blocks  # set while the block is in the cache
+        self.cached: dict[int, int] = {}  # hash -> block
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_q)
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` blocks from the front of the free queue (least recently freed), evicted from the cache."""
+        if n > len(self.free_q):
+            raise RuntimeError(f"{n} blocks asked, {len(self.free_q)} free")
+        out = []
+        for _ in range(n):
+            b, _ = self.free_q.popitem(last=False)
+            key = self.key_of[b]
+            if key is not None:
+                del self.cached[hash(key)]
+                self.key_of[b] = None
+            self.ref[b] = 1
+            out.append(b)
+        return out
+
+    def take(self, b: int) -> None:
+        """One more holder of a cached block (a prefix hit); out of the free queue if nobody held it."""
+        if self.ref[b] == 0:
+            del self.free_q[b]
+        self.ref[b] += 1
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Drop one holder of each block. A request's last block goes to the free queue first, so it is
+        evicted before the prefix blocks other requests are likelier to share (vLLM's order)."""
+        for b in reversed(blocks):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free_q[b] = None
+
+    def lookup(self, key: BlockKey) -> int | None:
+        b = self.cached.get(hash(key))
+        return b if b is not None and self.key_of[b] == key else None  # the tokens checked: no hash collision
+
+    def register(self, b: int, key: BlockKey) -> None:
+        """Enter a full block into the cache, unless an equal block is there already."""
+        h = hash(key)
+        if h not in self.cached and self.key_of[b] is None:
+            self.cached[h] = b
+            self.key_of[b] = key
+
+
+class KVCacheManager:
+    """Hands out blocks to requests, shares cached prefixes, and counts what the prefix cache saved."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks)
+        self.prefix_cache_queries = 0  # prompt tokens admitted that may read the cache
+        self.prefix_cache_hits = 0  # of those, read from cached blocks instead of prefilled
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_used(self) -> int:
+        return self.pool.num_blocks - self.pool.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _key(self, parent: int, ids: Sequence[int], i: int) -> BlockKey:
+        return parent, tuple(ids[i * self.block_size : (i + 1) * self.block_size])
+
+    def admit(self, r: Request, num_tokens: int, use_cache: bool) -> bool:
+        """Give ``r`` blocks for its first ``num_tokens`` positions, the cached prefix of its prefill
+        shared; ``False`` (nothing taken) if the pool cannot hold them now. Sets ``num_computed`` and
+        ``num_cached_tokens`` to the positions the hit covers. The last prefill token is always fed (its
+        logits make the first output token), so at most ``prefill_len - 1`` positions are hit."""
+        ids = r.all_ids()
+        hits: list[int] = []
+        hashes: list[int] = []
+        if use_cache and self.enable_caching:
+            parent = 0
+            for i in range((r.prefill_len - 1) // self.block_size):
+                key = self._key(parent, ids, i)
+                b = self.pool.lookup(key)
+                if b is None:
+                    break
+                hits.append(b)
+                parent = hash(key)
+                hashes.append(parent)
+        new = self.blocks_for(num_tokens) - len(hits)
+        if new + sum(1 for b in hits if self.pool.ref[b] == 0) > self.pool.num_free:
+            return False
+        for b in hits:
+            self.pool.take(b)
+        r.block_table = hits + self.pool.allocate(max(0, new))
+        r.block_hashes = hashes
+        r.num_computed = r.num_cached_tokens = len(hits) * self.block_size
+        if use_cache and self.enable_caching:
+            self.prefix_cache_queries += len(r.prompt_ids)
+            self.prefix_cache_hits += r.num_cached_tokens
+        return True
+
+    def room(self, r: Request) -> int:
+        """Positions ``r`` could hold now: its blocks and every free one."""
+        return (len(r.block_table) + self.pool.num_free) * self.block_size
+
+    def grow(self, r: Request, num_tokens: int) -> bool:
+        """Extend ``r``'s table to ``num_tokens`` positions; ``False`` (nothing taken) if too few are free."""
+        need = self.blocks_for(num_tokens) - len(r.block_table)
+        if need <= 0:
+            return True
+        if need > self.pool.num_free:
+            return False
+        r.block_table += self.pool.allocate(need)
+        return True
+
+    def cache_full_blocks(self, r: Request) -> None:
+        """Enter ``r``'s newly full blocks of committed positions (below ``num_computed``) into the cache."""
+        if not self.enable_caching:
+            return
+        full = min(r.num_computed // self.block_size, len(r.block_table))
+        if len(r.block_hashes) >= full:
+            return
+        ids = r.all_ids()
+        parent = r.block_hashes[-1] if r.block_hashes else 0
+        for i in range(len(r.block_hashes), full):
+            key = self._key(parent, ids, i)
+            self.pool.register(r.block_table[i], key)
+            parent = hash(key)
+            r.block_hashes.append(parent)
+
+    def free(self, r: Request) -> None:
+        """Take ``r``'s blocks back (its committed full blocks stay cached until evicted)."""
+        self.cache_full_blocks(r)
+        self.pool.release(r.block_table)
+        r.block_table = []
+        r.block_hashes = []
