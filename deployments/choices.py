@@ -9,7 +9,7 @@ way OpenAI counts it (prompt tokens once per prompt, completion tokens over ever
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from deployments import protocol as P
 
@@ -24,8 +24,11 @@ class Choice:
     logprobs: list[list] = field(default_factory=list)  # P.LogprobEntry per output token
     last: dict[str, Any] | None = None  # the latest chunk (usage, finish_reason once finished)
     prompt_logprobs: list[list] | None = None  # echo + logprobs: one entry per prompt token, first [id, None, None]
+    observe: Callable[[dict[str, Any]], None] | None = field(default=None, repr=False)  # sees every chunk (telemetry)
 
     def add(self, chunk: dict[str, Any], prompt_ids: list[int] | None = None) -> None:
+        if self.observe is not None:
+            self.observe(chunk)
         if chunk.get("prompt_logprobs") is not None and prompt_ids is not None:
             self.prompt_logprobs = [[prompt_ids[0], None, None] if e is None else e for e in chunk["prompt_logprobs"]]
         self.parts.append(chunk["text"])

@@ -25,6 +25,7 @@ from cluster.config import DRAFT_WORKER_PROPOSERS, AppConfig
 from cluster.telemetry import render_prometheus, spec_decode_summary
 from deployments import choices as C
 from deployments import protocol as P
+from deployments import sse
 from deployments import tools as T
 from deployments.ingress_telemetry import IngressTelemetry, RequestTelemetry, gather_cluster_samples
 from deployments.resume import ResumableStream
@@ -105,7 +106,92 @@ class Ingress:
             p.name for p in self.cfg.engine.proposers if p.name not in DRAFT_WORKER_PROPOSERS or self.cfg.draft.enabled
         ]
 
-    # ------------------------------------------------------------------ plumbing
+    # ------------------------------------------------------------------ the completion path
+
+    @app.post("/v1/chat/completions")
+    async def chat(self, request: Request) -> Response:
+        return await self._complete(request, is_chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, is_chat=False)
+
+    async def _complete(self, request: Request, is_chat: bool) -> Response:
+        """One completion request. Its RequestTelemetry watches from outside: the server span, the
+        request count when the response goes out, and (as every choice's observer) the latencies."""
+        route = "/v1/chat/completions" if is_chat else "/v1/completions"
+        rt = self.telemetry.request(request.headers, "POST", route)
+        return await rt.answer(self._answer(request, is_chat, rt))
+
+    async def _answer(self, request: Request, is_chat: bool, rt: RequestTelemetry) -> Response:
+        """Every failure as a response in OpenAI's error shape (a client gone away propagates)."""
+        try:
+            return await self._run(request, is_chat, rt)
+        except HTTPError as e:
+            return e.response()
+        except TimeoutError:
+            return HTTPError(408, "request timed out", type_="timeout_error", code="timeout").response()
+        except Exception as e:  # a bug, not the client's fault: say so in the OpenAI shape
+            log.exception("request failed")
+            return HTTPError(500, f"internal error: {type(e).__name__}", type_="server_error").response()
+
+    async def _run(self, request: Request, is_chat: bool, rt: RequestTelemetry) -> Response:
+        """parse -> route and start every choice -> stream (SSE) or read to the end -> respond."""
+        # parse: every bad input is a 4xx here, before an engine sees it
+        req = await self._body(request, P.ChatCompletionRequest if is_chat else P.CompletionRequest)
+        params = self._params(req)
+        explicit = (getattr(req, "max_completion_tokens", None) or req.max_tokens) is not None
+        prompts = self._prompts(req, is_chat)
+        for prompt_ids in prompts:
+            self._check_len(prompt_ids, params, explicit)
+        rid = P.new_id("chatcmpl" if is_chat else "cmpl")
+        deadline = time.monotonic() + self.cfg.ingress.request_timeout_s
+        choices = [
+            C.Choice(index=pi * req.n + i, prompt_index=pi, observe=rt.on_chunk)
+            for pi in range(len(prompts))
+            for i in range(req.n)
+        ]
+
+        # route and start: each choice is its own engine request; its first chunk is read here
+        gens = await self._start_all(req, prompts, params, rid, choices, rt)
+        want_logprobs = params["logprobs"] is not None
+        echo = [self._echo_text(req, p) for p in prompts]
+        tool_names = self._tool_names(req) if is_chat else None
+
+        # stream: SSE events as the chunks come
+        if req.stream:
+            so = req.stream_options
+            framer = sse.SSEFramer(
+                rid,
+                self.model_name,
+                is_chat,
+                choices,
+                self.tokenizer,
+                want_logprobs,
+                bool(so and so.continuous_usage_stats),
+                echo,
+                self.cfg.ingress.tool_prompt,
+                tool_names,
+            )
+            events = self._sse(gens, choices, framer, deadline, bool(so and so.include_usage), rt)
+            return StreamingResponse(events, media_type="text/event-stream")
+
+        # or read every choice to its end, and respond
+        try:
+            await asyncio.gather(*[self._drain(g, c, deadline) for g, c in zip(gens, choices)])
+        except BaseException:
+            for g in gens:
+                g.cancel()
+            raise
+        body = (P.chat_response if is_chat else P.completion_response)(rid, self.model_name, "", None, choices[0].last)
+        body["choices"] = [
+            self._choice_body(c, is_chat, want_logprobs, echo[c.prompt_index], tool_names) for c in choices
+        ]
+        body["usage"] = C.usage(choices)
+        body["system_fingerprint"] = choices[0].last.get("system_fingerprint")
+        return JSONResponse(body)
+
+    # ------------------------------------------------------------------ parse
 
     def _auth(self, request: Request) -> None:
         if not self.api_key:
@@ -219,11 +305,69 @@ class Ingress:
                 )
             params["max_tokens"] = ctx - len(prompt_ids)  # default max_tokens: fill the context
 
+    def _prompts(self, req: Any, is_chat: bool) -> list[list[int]]:
+        if is_chat:  # tool definitions, past calls and tool results become text the template takes
+            messages = T.render_messages(req.messages, req.tools, req.tool_choice, self.cfg.ingress.tool_prompt)
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return [self.tokenizer.encode(text, add_special_tokens=False)]
+        out = []
+        if len(req.prompts()) > self.cfg.ingress.max_prompts:
+            raise HTTPError(
+                400,
+                f"{len(req.prompts())} prompts in one request; the limit is {self.cfg.ingress.max_prompts}",
+                "prompt",
+            )
+        for p in req.prompts():
+            if isinstance(p, str):
+                out.append(self.tokenizer.encode(p, add_special_tokens=False))
+            else:
+                if any(t < 0 or t >= len(self.tokenizer) for t in p):
+                    raise HTTPError(400, f"prompt has token ids outside [0, {len(self.tokenizer)})", "prompt")
+                out.append(list(p))
+        return out
+
+    # ------------------------------------------------------------------ route and start
+
+    async def _start_all(
+        self,
+        req: Any,
+        prompts: list[list[int]],
+        params: dict[str, Any],
+        rid: str,
+        choices: list[C.Choice],
+        rt: RequestTelemetry,
+    ) -> list[ResumableStream]:
+        """Start every choice and add its first chunk, within the request's timeout. One choice
+        refused: the request is refused, and the choices that started are cancelled."""
+        started = await asyncio.wait_for(
+            asyncio.gather(
+                *[
+                    self._start(
+                        req,
+                        prompts[c.prompt_index],
+                        C.seeded(params, c.index % req.n),
+                        rid if len(choices) == 1 else f"{rid}-{c.index}",
+                        rt,
+                    )
+                    for c in choices
+                ],
+                return_exceptions=True,
+            ),
+            self.cfg.ingress.request_timeout_s,
+        )
+        failed = [x for x in started if isinstance(x, BaseException)]
+        if failed:
+            for x in started:
+                if not isinstance(x, BaseException):
+                    x[0].cancel()
+            raise failed[0]
+        for c, (_, first) in zip(choices, started):
+            c.add(first, prompts[c.prompt_index])
+        return [g for g, _ in started]
+
     async def _start(self, req: Any, prompt_ids: list[int], params: dict[str, Any], rid: str, rt: RequestTelemetry):
         """Route, submit, and read the first chunk (so errors become a 4xx before any SSE byte)."""
-        t_route = time.time_ns()
-        route = await self.router_client.route(req.speculation, req.proposer)
-        rt.on_route(route, t_route)
+        route = await rt.routed(self.router_client.route(req.speculation, req.proposer))
         payload = {
             "request_id": rid,
             "prompt_ids": prompt_ids,
@@ -268,98 +412,100 @@ class Ingress:
             raise HTTPError(400, first["error"]["message"], first["error"].get("param"))
         return stream, first
 
-    def _prompts(self, req: Any, is_chat: bool) -> list[list[int]]:
-        if is_chat:  # tool definitions, past calls and tool results become text the template takes
-            messages = T.render_messages(req.messages, req.tools, req.tool_choice, self.cfg.ingress.tool_prompt)
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return [self.tokenizer.encode(text, add_special_tokens=False)]
-        out = []
-        if len(req.prompts()) > self.cfg.ingress.max_prompts:
-            raise HTTPError(
-                400,
-                f"{len(req.prompts())} prompts in one request; the limit is {self.cfg.ingress.max_prompts}",
-                "prompt",
-            )
-        for p in req.prompts():
-            if isinstance(p, str):
-                out.append(self.tokenizer.encode(p, add_special_tokens=False))
-            else:
-                if any(t < 0 or t >= len(self.tokenizer) for t in p):
-                    raise HTTPError(400, f"prompt has token ids outside [0, {len(self.tokenizer)})", "prompt")
-                out.append(list(p))
-        return out
+    # ------------------------------------------------------------------ stream or read to the end
 
-    async def _run(self, request: Request, kind: str, rt: RequestTelemetry) -> Response:
-        is_chat = kind == "chat"
-        req = await self._body(request, P.ChatCompletionRequest if is_chat else P.CompletionRequest)
-        params = self._params(req)
-        explicit = (getattr(req, "max_completion_tokens", None) or req.max_tokens) is not None
-        prompts = self._prompts(req, is_chat)
-        for prompt_ids in prompts:
-            self._check_len(prompt_ids, params, explicit)
-        rid = P.new_id("chatcmpl" if is_chat else "cmpl")
-        deadline = time.monotonic() + self.cfg.ingress.request_timeout_s
-        choices = [C.Choice(index=pi * req.n + i, prompt_index=pi) for pi in range(len(prompts)) for i in range(req.n)]
-        started = await asyncio.wait_for(
-            asyncio.gather(
-                *[
-                    self._start(
-                        req,
-                        prompts[c.prompt_index],
-                        C.seeded(params, c.index % req.n),
-                        rid if len(choices) == 1 else f"{rid}-{c.index}",
-                        rt,
-                    )
-                    for c in choices
-                ],
-                return_exceptions=True,
-            ),
-            self.cfg.ingress.request_timeout_s,
-        )
-        failed = [x for x in started if isinstance(x, BaseException)]
-        if failed:  # one choice refused: the request is refused, and the choices that started are cancelled
-            for x in started:
-                if not isinstance(x, BaseException):
-                    x[0].cancel()
-            raise failed[0]
-        gens = [g for g, _ in started]
-        for c, (_, first) in zip(choices, started):
-            rt.on_chunk(first)
-            c.add(first, prompts[c.prompt_index])
-        echo = [self._echo_text(req, p) for p in prompts]
-        tool_names = self._tool_names(req) if is_chat else None
-        if req.stream:
-            so = req.stream_options
-            return StreamingResponse(
-                self._sse(
-                    gens,
-                    choices,
-                    rid,
-                    is_chat,
-                    deadline,
-                    rt,
-                    params["logprobs"] is not None,
-                    bool(so and so.include_usage),
-                    bool(so and so.continuous_usage_stats),
-                    echo,
-                    tool_names,
-                ),
-                media_type="text/event-stream",
-            )
+    async def _sse(
+        self,
+        gens: list[ResumableStream],
+        choices: list[C.Choice],
+        framer: sse.SSEFramer,
+        deadline: float,
+        include_usage: bool,
+        rt: RequestTelemetry,
+    ) -> AsyncIterator[bytes]:
+        """One SSE stream for every choice: chunks carry ``index``; choices interleave as they come.
+        A timeout or a failed target ends it with an error event; a client gone away cancels every
+        choice end to end. ``rt.end`` closes the request's span with how the stream ended."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(j: int) -> None:  # one choice's chunks into the shared queue
+            try:
+                while True:
+                    item = await gens[j].__anext__()
+                    await queue.put((j, item, None))
+                    if item["finished"]:
+                        return
+            except StopAsyncIteration:
+                await queue.put((j, None, RuntimeError("the engine stream ended early")))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                await queue.put((j, None, e))
+
+        pumps = [asyncio.ensure_future(pump(j)) for j, c in enumerate(choices) if not c.last["finished"]]
+        open_choices = len(choices)
+        status, error, error_event = 200, None, b""
         try:
-            await asyncio.gather(*[self._drain(g, c, deadline, rt) for g, c in zip(gens, choices)])
-        except BaseException:
-            for g in gens:
-                g.cancel()
+            for j, c in enumerate(choices):  # first chunks were read by _start
+                if event := framer.first(j):
+                    yield event
+                open_choices -= bool(c.last["finished"])
+            while open_choices:
+                j, item, err = await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
+                if err is not None:
+                    raise err
+                choices[j].add(item)
+                if event := framer.next(j, item):
+                    yield event
+                open_choices -= bool(item["finished"])
+            if include_usage:
+                yield framer.usage()
+        except TimeoutError:
+            error = "timeout"
+            error_event = sse.error_event("request timed out", "timeout_error", code="timeout")
+        except asyncio.CancelledError:  # client went away: cancel the request end to end
+            status, error = 499, "client disconnected"
             raise
-        body = (P.chat_response if is_chat else P.completion_response)(rid, self.model_name, "", None, choices[0].last)
-        body["choices"] = [
-            self._choice_body(c, is_chat, params["logprobs"] is not None, echo[c.prompt_index], tool_names)
-            for c in choices
-        ]
-        body["usage"] = C.usage(choices)
-        body["system_fingerprint"] = choices[0].last.get("system_fingerprint")
-        return JSONResponse(body)
+        except Exception as e:  # the target replica died mid-stream: end the stream with an error event
+            status, error = 503, "target worker failed"
+            error_event = sse.error_event(f"target worker failed mid-request: {type(e).__name__}", "server_error")
+        finally:
+            for p in pumps:
+                p.cancel()
+            if open_choices:  # ended early (client gone, timeout, failure): free every choice's engine slot
+                for g in gens:
+                    g.cancel()
+            rt.end(status, error)
+        if error_event:
+            yield error_event
+        yield sse.DONE
+
+    async def _drain(self, gen: ResumableStream, c: C.Choice, deadline: float) -> None:
+        """Read one choice to its end (non-streaming)."""
+        try:
+            while not c.last["finished"]:  # type: ignore[index]
+                c.add(await asyncio.wait_for(gen.__anext__(), max(0.0, deadline - time.monotonic())))
+        except TimeoutError:
+            gen.cancel()
+            raise HTTPError(
+                408,
+                f"request exceeded the {self.cfg.ingress.request_timeout_s}s timeout",
+                type_="timeout_error",
+                code="timeout",
+            ) from None
+        except StopAsyncIteration:
+            raise HTTPError(500, "the engine stream ended early", type_="server_error") from None
+        except HTTPError:
+            raise
+        except Exception as e:  # the target replica died mid-request (ActorDiedError, ...)
+            raise HTTPError(
+                503,
+                f"target worker failed mid-request: {type(e).__name__}",
+                type_="server_error",
+                headers={"Retry-After": "1"},
+            ) from None
+
+    # ------------------------------------------------------------------ respond
 
     def _echo_text(self, req: Any, prompt_ids: list[int]) -> str:
         """The prompt as text, for completions with ``echo``; empty otherwise."""
@@ -397,213 +543,7 @@ class Ingress:
             )
         return out
 
-    async def _drain(self, gen, c: C.Choice, deadline: float, rt: RequestTelemetry) -> None:
-        """Read one choice to its end (non-streaming)."""
-        try:
-            while not c.last["finished"]:  # type: ignore[index]
-                chunk = await asyncio.wait_for(gen.__anext__(), max(0.0, deadline - time.monotonic()))
-                rt.on_chunk(chunk)
-                c.add(chunk)
-        except TimeoutError:
-            gen.cancel()
-            raise HTTPError(
-                408,
-                f"request exceeded the {self.cfg.ingress.request_timeout_s}s timeout",
-                type_="timeout_error",
-                code="timeout",
-            ) from None
-        except StopAsyncIteration:
-            raise HTTPError(500, "the engine stream ended early", type_="server_error") from None
-        except HTTPError:
-            raise
-        except Exception as e:  # the target replica died mid-request (ActorDiedError, ...)
-            raise HTTPError(
-                503,
-                f"target worker failed mid-request: {type(e).__name__}",
-                type_="server_error",
-                headers={"Retry-After": "1"},
-            ) from None
-
-    async def _sse(
-        self,
-        gens: list,
-        choices: list[C.Choice],
-        rid: str,
-        is_chat: bool,
-        deadline: float,
-        rt: RequestTelemetry,
-        want_logprobs: bool,
-        include_usage: bool,
-        continuous_usage: bool,
-        echo: list[str],
-        tool_names: list[str] | None = None,
-    ) -> AsyncIterator[bytes]:
-        """One SSE stream for every choice: chunks carry ``index``; choices interleave as they come."""
-        created = int(time.time())
-        # where the next token's text starts in the returned text: after the echoed prompt, or at 0 when the
-        # prompt's own tokens lead the logprobs (echo + logprobs)
-        offsets = [0 if c.prompt_logprobs else len(echo[c.prompt_index]) for c in choices]
-        fingerprint = choices[0].last.get("system_fingerprint") if choices[0].last else None
-
-        def ev(obj: dict) -> bytes:
-            return f"data: {json.dumps(obj)}\n\n".encode()
-
-        # per choice: reads call blocks out of the text as it streams (OpenAI's tool-call deltas)
-        streamers = [
-            None if tool_names is None else T.ToolCallStreamer(self.cfg.ingress.tool_prompt, tool_names)
-            for _ in choices
-        ]
-
-        def chunk(j: int, text: str, finish: str | None, role: bool, lps: list) -> bytes:
-            c = choices[j]
-            if is_chat and streamers[j] is not None:
-                return tool_chunks(j, text, finish, role, lps)
-            if is_chat:
-                delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
-                obj = P.chat_chunk(rid, self.model_name, delta, finish, created)
-                if want_logprobs:
-                    obj["choices"][0]["logprobs"] = P.chat_logprobs(lps, self.tokenizer)
-            else:
-                obj = P.completion_chunk(
-                    rid, self.model_name, (echo[c.prompt_index] if role else "") + text, finish, created
-                )
-                if want_logprobs:
-                    obj["choices"][0]["logprobs"] = P.completion_logprobs(lps, self.tokenizer, offsets[j])
-            obj["choices"][0]["index"] = c.index
-            obj["system_fingerprint"] = fingerprint
-            offsets[j] += len(text) + (len(echo[c.prompt_index]) if role and c.prompt_logprobs else 0)
-            if continuous_usage:
-                obj["usage"] = C.usage(choices)
-            return ev(obj)
-
-        def tool_chunks(j: int, text: str, finish: str | None, role: bool, lps: list) -> bytes:
-            """One event per delta: content, a call's name, then its argument fragments; finish on the last."""
-            s = streamers[j]
-            assert s is not None
-            deltas = s.feed(text) + (s.finish() if finish else [])
-            if finish:
-                finish = T.finish_reason(finish, s.num_calls)
-            if role:
-                deltas = [{"role": "assistant", **(deltas[0] if deltas else {"content": ""})}] + deltas[1:]
-            if not deltas and not finish:
-                return b""
-            events = []
-            for i, delta in enumerate(deltas or [{}]):
-                last = i == max(len(deltas), 1) - 1
-                obj = P.chat_chunk(rid, self.model_name, delta, finish if last else None, created)
-                if want_logprobs and i == 0:
-                    obj["choices"][0]["logprobs"] = P.chat_logprobs(lps, self.tokenizer)
-                obj["choices"][0]["index"] = choices[j].index
-                obj["system_fingerprint"] = fingerprint
-                if continuous_usage and last:
-                    obj["usage"] = C.usage(choices)
-                events.append(ev(obj))
-            return b"".join(events)
-
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(j: int) -> None:  # one choice's chunks into the shared queue
-            try:
-                while True:
-                    item = await gens[j].__anext__()
-                    await queue.put((j, item, None))
-                    if item["finished"]:
-                        return
-            except StopAsyncIteration:
-                await queue.put((j, None, RuntimeError("the engine stream ended early")))
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                await queue.put((j, None, e))
-
-        pending: dict[int, list] = {j: (c.prompt_logprobs or []) + list(c.logprobs) for j, c in enumerate(choices)}
-        role = [True] * len(choices)
-        firsts = [(j, c.last) for j, c in enumerate(choices)]
-        pumps = [asyncio.ensure_future(pump(j)) for j, c in enumerate(choices) if not c.last["finished"]]
-        open_choices = len(choices)
-        try:
-            for j, item in firsts:  # first chunks were read by _start
-                if item["text"] or role[j] or item["finished"] or (want_logprobs and pending[j]):
-                    event = chunk(
-                        j, item["text"], item["finish_reason"] if item["finished"] else None, role[j], pending[j]
-                    )
-                    if event:  # text a tool-call reader holds back (a possible tag) makes no event yet
-                        yield event
-                        role[j], pending[j] = False, []
-                open_choices -= bool(item["finished"])
-            while open_choices:
-                j, item, err = await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
-                if err is not None:
-                    raise err
-                rt.on_chunk(item)
-                choices[j].add(item)
-                pending[j].extend(item.get("logprobs") or [])
-                if item["text"] or item["finished"] or (want_logprobs and pending[j]):
-                    event = chunk(
-                        j, item["text"], item["finish_reason"] if item["finished"] else None, role[j], pending[j]
-                    )
-                    if event:  # text a tool-call reader holds back (a possible tag) makes no event yet
-                        yield event
-                        role[j], pending[j] = False, []
-                open_choices -= bool(item["finished"])
-            if include_usage:
-                yield ev(
-                    {
-                        "id": rid,
-                        "object": "chat.completion.chunk" if is_chat else "text_completion",
-                        "created": created,
-                        "model": self.model_name,
-                        "system_fingerprint": fingerprint,
-                        "choices": [],
-                        "usage": C.usage(choices),
-                    }
-                )
-        except TimeoutError:
-            rt.end(200, error="timeout")
-            yield ev(P.error_body("request timed out", "timeout_error", code="timeout"))
-        except asyncio.CancelledError:  # client went away: cancel the request end to end
-            rt.end(499, error="client disconnected")
-            raise
-        except Exception as e:  # the target replica died mid-stream: end the stream with an error event
-            rt.end(503, error="target worker failed")
-            yield ev(P.error_body(f"target worker failed mid-request: {type(e).__name__}", "server_error"))
-        finally:
-            for p in pumps:
-                p.cancel()
-            if open_choices:  # ended early (client gone, timeout, failure): free every choice's engine slot
-                for g in gens:
-                    g.cancel()
-            rt.end(200)
-        yield b"data: [DONE]\n\n"
-
-    # ------------------------------------------------------------------ routes
-
-    async def _guard(self, request: Request, kind: str) -> Response:
-        rt = self.telemetry.request(
-            request.headers, "POST", "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-        )
-        try:
-            resp = await self._run(request, kind, rt)
-        except HTTPError as e:
-            resp = e.response()
-        except TimeoutError:
-            resp = HTTPError(408, "request timed out", type_="timeout_error", code="timeout").response()
-        except asyncio.CancelledError:  # client went away before the response started
-            rt.respond(499, streaming=False)
-            raise
-        except Exception as e:  # a bug, not the client's fault: say so in the OpenAI shape
-            log.exception("request failed")
-            resp = HTTPError(500, f"internal error: {type(e).__name__}", type_="server_error").response()
-        rt.respond(resp.status_code, streaming=isinstance(resp, StreamingResponse))
-        return resp
-
-    @app.post("/v1/chat/completions")
-    async def chat(self, request: Request) -> Response:
-        return await self._guard(request, "chat")
-
-    @app.post("/v1/completions")
-    async def completions(self, request: Request) -> Response:
-        return await self._guard(request, "completion")
+    # ------------------------------------------------------------------ the other routes
 
     def _counted(self, route: str, resp: Response) -> Response:
         self.telemetry.count(route, resp.status_code)

@@ -26,6 +26,7 @@ from typing import Any, Awaitable, Mapping
 
 from opentelemetry import trace as trace_api
 from opentelemetry.trace import Status, StatusCode
+from starlette.responses import Response, StreamingResponse
 
 from cluster.config import AppConfig
 from cluster.telemetry import LATENCY_BUCKETS_S, Sample, Telemetry, dedupe_by_replica, extract, inject
@@ -83,7 +84,10 @@ class IngressTelemetry:
 
 
 class RequestTelemetry:
-    """One completion request: latency histograms, and its server span when tracing is on."""
+    """One completion request, observed from outside its path: the ingress hands it the response
+    (``answer``), the Router's decision (``routed``) and every chunk (``on_chunk``, as each choice's
+    observer), and tells it how a stream ended (``end``). Latency histograms, the request count, and
+    the server span when tracing is on."""
 
     def __init__(self, owner: IngressTelemetry, route: str, span: Any | None) -> None:
         self.owner = owner
@@ -92,6 +96,26 @@ class RequestTelemetry:
         self.t0 = time.monotonic()
         self.t_last: float | None = None
         self._ended = False
+
+    # ------------------------------------------------------------------ the hooks the ingress calls
+
+    async def answer(self, response: Awaitable[Response]) -> Response:
+        """Await the route's response and count it (a client gone before it: 499). A streamed
+        response's span ends with its stream (``end``), any other's here."""
+        try:
+            resp = await response
+        except asyncio.CancelledError:  # client went away before the response started
+            self.respond(499, streaming=False)
+            raise
+        self.respond(resp.status_code, streaming=isinstance(resp, StreamingResponse))
+        return resp
+
+    async def routed(self, decision: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+        """Await the Router's decision; with tracing on, a child "route" span covers the wait."""
+        start_ns = time.time_ns()
+        out = await decision
+        self.on_route(out, start_ns)
+        return out
 
     # ------------------------------------------------------------------ tracing (no-ops when off)
 
