@@ -4,7 +4,7 @@ Every model has ``extra="forbid"``: a misspelled key fails ``serve deploy`` with
 message naming it, instead of silently doing nothing (vLLM's ``disable_by_batch_size``
 was ignored for many releases; we do not repeat that). :func:`check_serve_config` runs the
 same models over a whole Serve YAML before anything starts (``make serve``), one line per
-problem: ``engine.kv_cache_memory_gb: unknown key; allowed: model, served_model_name, ...``.
+problem: ``engine.kv_cache_memory_gib: unknown key (did you mean kv_cache_memory_gb?); allowed: model, ...``.
 """
 
 from __future__ import annotations

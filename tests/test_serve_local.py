@@ -37,7 +37,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 def _bad_yaml(tmp_path: Path) -> Path:
     cfg = shipped_config()
-    cfg["applications"][0]["args"]["engine"]["kv_cache_memory_gb"] = 4
+    cfg["applications"][0]["args"]["engine"]["kv_cache_memory_gib"] = 4
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -49,7 +49,8 @@ def test_start_with_an_unknown_key_exits_at_once_naming_it(tmp_path):
     assert time.monotonic() - t0 < 30
     assert out.returncode == 1, out.stderr
     assert "would have run" not in out.stderr + out.stdout  # nothing started
-    assert "engine.kv_cache_memory_gb: unknown key; allowed: model, served_model_name, dtype," in out.stderr
+    assert "engine.kv_cache_memory_gib: unknown key" in out.stderr
+    assert "kv_cache_memory_gb" in out.stderr and "allowed: model, served_model_name, dtype," in out.stderr
     assert "Traceback" not in out.stderr
     assert _cli("check", "--config", str(_bad_yaml(tmp_path))).returncode == 1
 
@@ -95,7 +96,7 @@ RuntimeError: Traceback (most recent call last):
   File "/repo/deployments/builder.py", line 21, in build_app
     cfg = AppConfig.model_validate(args or {})
 pydantic_core._pydantic_core.ValidationError: 2 validation errors for AppConfig
-engine.kv_cache_memory_gb
+engine.kv_cache_memory_gib
   Extra inputs are not permitted [type=extra_forbidden, input_value=4, input_type=int]
     For further information visit https://errors.pydantic.dev/2.14/v/extra_forbidden
 target.num_replicas
@@ -107,7 +108,7 @@ target.num_replicas
 def test_failure_summary_keeps_the_original_error_only():
     assert serve_local.failure_summary(DEPLOY_FAILED_MESSAGE).splitlines() == [
         "2 validation errors for AppConfig",
-        "  engine.kv_cache_memory_gb: Extra inputs are not permitted",
+        "  engine.kv_cache_memory_gib: Extra inputs are not permitted",
         "  target.num_replicas: Input should be greater than or equal to 1",
     ]
     other = "Deploying app 'x' failed:\nTraceback (most recent call last):\n  File \"a.py\", line 1\nOSError: no model"
@@ -118,7 +119,7 @@ def test_deploy_failure_ends_the_wait_only_for_this_deploy(monkeypatch):
     now = time.time()
     status = {"status": "DEPLOY_FAILED", "message": DEPLOY_FAILED_MESSAGE, "last_deployed_time_s": now}
     monkeypatch.setattr(serve_local, "app_status", lambda name: status)
-    assert "engine.kv_cache_memory_gb" in serve_local.deploy_failure("specserve", now)
+    assert "engine.kv_cache_memory_gib" in serve_local.deploy_failure("specserve", now)
     status["last_deployed_time_s"] = now - 60  # a failure of the deploy before ours
     assert serve_local.deploy_failure("specserve", now) is None
     status.update(status="DEPLOYING", last_deployed_time_s=now)
