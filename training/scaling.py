@@ -19,7 +19,7 @@ tokens as the proposer does (draft 1 from the target's feature f_j and token t_{
 from its own predicted features, EagleHead.forward_ttt) and we count the leading drafts equal to
 the target's own next tokens. Mean acceptance length = 1 + mean leading hits: what the engine
 measures when it verifies every position (it verifies only after accepted runs, a slightly
-different sample of positions; benchmarks/draft_eval.py measures that).
+different sample of positions; benchmarks/training/draft_eval.py measures that).
 
 The full-data first stage is the shipped head's own first stage (its checkpoint in the training
 work dir) when present, else trained here with ``--train-frac 1``. Writes

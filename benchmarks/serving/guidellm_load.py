@@ -1,6 +1,6 @@
 """Serving under load: guidellm (an outside load generator) over HTTP vs the same workload in process.
 
-    python -m benchmarks.guidellm_load [--streams 1,4,16,32] [--seconds 40] [--prompt-tokens 128]
+    python -m benchmarks.serving.guidellm_load [--streams 1,4,16,32] [--seconds 40] [--prompt-tokens 128]
                                        [--output-tokens 64] [--guidellm-workers 10,1] [--no-bounds]
                                        [--skip-http] [--skip-engine]
 
@@ -44,7 +44,7 @@ thread, so on 2 cores any other runnable process stalls the step, not just a cor
 Prints TTFT p50/p99, ITL p50/p99 (guidellm's: (latency - TTFT) / (tokens - 1) per request),
 output tok/s and the HTTP / in-process ratio per level, and checks the serving goals against each
 pass; writes benchmarks/results/guidellm_load.{json,png}. Every level also records the engine's
-steps (benchmarks/step_profile.py: the target replica's over HTTP, the engine's own in process):
+steps (benchmarks/serving/step_profile.py: the target replica's over HTTP, the engine's own in process):
 seconds per step, decode rows and prompt tokens per step, and the median decode-only step, which
 tell a served level that runs smaller batches from one that runs the same batches slower.
 """
@@ -79,10 +79,10 @@ from benchmarks.common import (
     set_threads,
     write_json,
 )
-from benchmarks.guidellm_report import parse_guidellm, steady_view
-from benchmarks.guidellm_workload import guidellm_prompts, guidellm_sampling, local_proposers, service_config
-from benchmarks.serving_profile import cpu_by_role
-from benchmarks.step_profile import StepRecorder, compare, from_trace, since, summarize
+from benchmarks.serving.guidellm_report import parse_guidellm, steady_view
+from benchmarks.serving.guidellm_workload import guidellm_prompts, guidellm_sampling, local_proposers, service_config
+from benchmarks.serving.serving_profile import cpu_by_role
+from benchmarks.serving.step_profile import StepRecorder, compare, from_trace, since, summarize
 from cluster.config import AppConfig
 from cluster.local_cluster import LocalCluster, Probe
 from policies import make_policy
@@ -215,7 +215,7 @@ def run_engine(
 ) -> dict[str, Any]:
     """The same closed loop on the engine in process: enough requests for about ``seconds``; requests
     sent in the first ``warmup`` share of the run are left out of the latencies
-    (see benchmarks/guidellm_report.py:steady_state)."""
+    (see benchmarks/serving/guidellm_report.py:steady_state)."""
     rate_guess = max(engine.num_output_tokens / max(engine.num_steps, 1), 1.0)  # tokens per step so far
     step_s = engine.step_time_ema.value or 0.05
     n = max(2 * streams, int(seconds / step_s * min(rate_guess, streams) / output_tokens))
@@ -254,7 +254,7 @@ def replica_step_count(cluster: LocalCluster) -> int:
 
 def replica_steps_since(cluster: LocalCluster, steps_before: int) -> dict[str, Any]:
     """The target replica's steps since it had taken ``steps_before``, summarized
-    (benchmarks/step_profile.py), with ``trace_truncated`` set when its bounded trace dropped some."""
+    (benchmarks/serving/step_profile.py), with ``trace_truncated`` set when its bounded trace dropped some."""
     with Probe(cluster) as probe:
         count = probe.call("TargetWorker", "load")["num_steps"]
         entries, truncated = since(probe.call("TargetWorker", "policy_trace")["steps"], steps_before, count)

@@ -1,6 +1,6 @@
 """What batch invariance costs: invariant vs fastest kernels, fp32 and bf16, at 1, 4, 16, 32 streams.
 
-    python -m benchmarks.invariance_bench [--rounds 5] [--steps 24]
+    python -m benchmarks.fidelity.invariance_bench [--rounds 5] [--steps 24]
 
 In process, the real SmolLM2, plain greedy decode. For each cell (dtype, kernels, concurrency c) the
 engine holds c requests past their prompts and times ``--steps`` decode steps; tok/s = c / step time.

@@ -1,10 +1,10 @@
 """Where the HTTP path spends the machine: CPU seconds per output token in every process of the
 local cluster, and the engine's own step time inside the target replica, at a few concurrencies.
 
-    python -m benchmarks.serving_profile [--streams 1,16] [--seconds 20]
+    python -m benchmarks.serving.serving_profile [--streams 1,16] [--seconds 20]
 
 Starts the default service (ray_config.yaml as shipped, on the local two-node cluster), drives it
-with closed-loop streaming chat clients (benchmarks/loadgen.py) for ``--seconds`` per level, and
+with closed-loop streaming chat clients (benchmarks/serving/loadgen.py) for ``--seconds`` per level, and
 reads each process's CPU time (psutil) before and after: the target replica, the ingress, the HTTP
 proxy, the Router, the draft worker, Ray's own daemons (GCS, raylets, dashboard), and this client.
 The engine's step time in the replica comes from its load snapshot (EMA of seconds per step) next
@@ -24,8 +24,8 @@ from typing import Any
 import psutil
 
 from benchmarks.common import RESULTS_DIR, bar_panel, env_info, figure, save_figure, write_json
-from benchmarks.engine_bench import CHAT_PROMPTS
-from benchmarks.loadgen import closed_loop
+from benchmarks.engine.engine_bench import CHAT_PROMPTS
+from benchmarks.serving.loadgen import closed_loop
 from cluster.local_cluster import LocalCluster
 
 

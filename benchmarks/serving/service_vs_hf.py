@@ -1,6 +1,6 @@
 """The default service over HTTP at one stream vs HF transformers ``generate`` in process.
 
-    python -m benchmarks.service_vs_hf [--rounds 4] [--tokens 64]
+    python -m benchmarks.serving.service_vs_hf [--rounds 4] [--tokens 64]
 
 Starts a local cluster from ray_config.yaml as shipped (``dtype: auto``, batch-invariant kernels,
 the default routing policy; two Ray nodes on this machine, as the end-to-end tests run it), then
@@ -36,7 +36,7 @@ from benchmarks.common import (
     set_threads,
     write_json,
 )
-from benchmarks.engine_bench import CHAT_PROMPTS
+from benchmarks.engine.engine_bench import CHAT_PROMPTS
 from cluster.local_cluster import LocalCluster
 from workers.model_loader import load_model
 

@@ -1,6 +1,6 @@
 """Coupled verification vs rejection sampling: acceptance of the trained drafts on sampled chat.
 
-    python -m benchmarks.verification_bench [--prompts 8] [--tokens 48]
+    python -m benchmarks.fidelity.verification_bench [--prompts 8] [--tokens 48]
 
 The real SmolLM2 with the shipped draft model and EAGLE head, K=4, sampled requests at T=0.7 and
 T=1.0 (seeded), the same prompts and seeds for both verification rules, in one run. Coupled: a draft

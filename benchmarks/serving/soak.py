@@ -1,6 +1,6 @@
 """Soak test: mixed load against a running specserve app, with disconnects sprinkled in.
 
-    python -m benchmarks.soak --url http://127.0.0.1:8000 --duration 60 --concurrency 32 \
+    python -m benchmarks.serving.soak --url http://127.0.0.1:8000 --duration 60 --concurrency 32 \
         [--warmup 10] [--dashboard http://127.0.0.1:8265] [--api-key KEY] [--json out.json]
 
 ``concurrency`` closed-loop clients send, for ``warmup`` + ``duration`` seconds, a random mix

@@ -1,9 +1,9 @@
 """Grammar libraries for structured output, measured on SmolLM2's 49,152-token vocabulary.
 
-    python -m benchmarks.grammar_libs [--compile-reps 3] [--walks 5] [--schemas person,order_items]
+    python -m benchmarks.structured.grammar_libs [--compile-reps 3] [--walks 5] [--schemas person,order_items]
 
 For each of llguidance, xgrammar and outlines-core that imports (the others print "not installed")
-and each case of ``benchmarks/schema_suite.py``:
+and each case of ``benchmarks/structured/schema_suite.py``:
 
 - tokenizer info: the library's view of the vocabulary, built once per library;
 - cold compile: schema -> compiled grammar with nothing cached (xgrammar's compiler cache cleared;
@@ -50,10 +50,10 @@ import numpy as np
 import torch
 from packaging.requirements import Requirement
 
-from benchmarks.schema_suite import SCHEMAS, SchemaCase, instance_text
+from benchmarks.structured.schema_suite import SCHEMAS, SchemaCase, instance_text
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 VOCAB_SIZE = 49_152  # SmolLM2's lm_head rows == mask bits
 MASK_WORDS = (VOCAB_SIZE + 31) // 32
 _TOKENIZER_SUBDIR = "SmolLM2-135M-Instruct-tokenizer"

@@ -1,6 +1,6 @@
 """Speculative decoding benchmark: proposers vs plain at batch 1, then always-spec vs plain under load.
 
-    python -m benchmarks.spec_bench [--quick] [--ks 4,8]
+    python -m benchmarks.speculation.spec_bench [--quick] [--ks 4,8]
 
 fp32, greedy, SmolLM2-135M-Instruct, one run, side by side:
 

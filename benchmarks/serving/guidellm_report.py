@@ -35,7 +35,8 @@ def parse_guidellm(report: dict[str, Any]) -> dict[str, Any]:
 
 def steady_state(bench: dict[str, Any]) -> dict[str, Any]:
     """TTFT and ITL percentiles over the requests guidellm *sent* after its warm-up window, the rule the
-    in-process passes use (benchmarks/guidellm_load.py:run_engine), from guidellm's own per-request measurements.
+    in-process passes use (benchmarks/serving/guidellm_load.py:run_engine), from guidellm's own per-request
+    measurements.
 
     Why: guidellm 0.8 leaves out the requests that *complete* inside its warm-up window. A closed loop
     starts every stream at once, and at 32 streams that first wave (32 prompts at the same instant)

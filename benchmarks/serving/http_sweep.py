@@ -1,6 +1,6 @@
 """HTTP load sweep: routing policies `never`, `always` and the default (`goodput`) side by side.
 
-    python -m benchmarks.http_sweep [--quick]
+    python -m benchmarks.serving.http_sweep [--quick]
 
 Starts a local two-node Ray cluster (cluster/local_cluster.py), switches the routing policy for each
 mode by calling the Router's ``reconfigure`` through a Serve handle (what `serve deploy` with a new
@@ -16,7 +16,7 @@ times with the mode order rotated per round and reports each cell over all its r
 ``--min-requests`` lengthens the short low-concurrency cells (the 0.97x bar needs both).
 
 ``--switchback-rounds N`` adds a second measure of throughput at each concurrency: the modes
-take turns on one unbroken load (benchmarks/switchback.py says why and what it measured). Off
+take turns on one unbroken load (benchmarks/serving/switchback.py says why and what it measured). Off
 by default: on this machine its 6 s windows swung more than the bounded cells do.
 """
 
@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import switchback
 from benchmarks.common import (
     RESULTS_DIR,
     env_info,
@@ -44,9 +43,10 @@ from benchmarks.common import (
     save_figure,
     write_json,
 )
-from benchmarks.loadgen import closed_loop
-from benchmarks.spec_bench import CHAT_PROMPTS, COPY_PROMPTS
-from benchmarks.switchback import run_switchback, summarize, versus_best
+from benchmarks.serving import switchback
+from benchmarks.serving.loadgen import closed_loop
+from benchmarks.serving.switchback import run_switchback, summarize, versus_best
+from benchmarks.speculation.spec_bench import CHAT_PROMPTS, COPY_PROMPTS
 from cluster.local_cluster import LocalCluster, Probe
 
 MODES = {
@@ -57,7 +57,7 @@ MODES = {
 MIN_REQUESTS = 4  # per cell, by default
 FULL = dict(concurrency=[1, 2, 4, 8, 16, 32], max_tokens=48, requests=lambda c: max(MIN_REQUESTS, 2 * c))
 QUICK = dict(concurrency=[1, 4], max_tokens=12, requests=lambda c: c)
-# switchback (benchmarks/switchback.py): windows per mode, seconds measured per window, seconds
+# switchback (benchmarks/serving/switchback.py): windows per mode, seconds measured per window, seconds
 # after each switch before measuring (the batch settles), seconds of load before the first window
 SWITCHBACK = dict(rounds=0, window_s=6.0, washout_s=2.0, warmup_s=4.0)
 
@@ -315,7 +315,7 @@ def main() -> None:
         "--switchback-rounds",
         type=int,
         default=SWITCHBACK["rounds"],
-        help="switchback windows per mode at each concurrency (default 0: none); see benchmarks/switchback.py",
+        help="switchback windows per mode at each concurrency (default 0: none); see benchmarks/serving/switchback.py",
     )
     ap.add_argument(
         "--window-s", type=float, default=SWITCHBACK["window_s"], help="measured seconds per switchback window"

@@ -1,12 +1,12 @@
 """Two cluster environments, paired: serving_profile under arm A and arm B, interleaved, as ratios.
 
-    python -m benchmarks.env_ab [--a "VAR=VALUE ..."] [--b "VAR=VALUE ..."]
+    python -m benchmarks.serving.env_ab [--a "VAR=VALUE ..."] [--b "VAR=VALUE ..."]
                                 [--rounds 4] [--streams 1,4,16] [--seconds 15] [--out PATH]
 
 Each arm is the launchers' own environment (cluster/serve_env.py) with the listed variables set on
 top (a variable the user sets wins there, so this sets it for that arm's cluster only); either
 defaults to no change, i.e. what ships. Every round starts a fresh local cluster per arm and runs
-``benchmarks.serving_profile`` (streaming chat clients, closed loop, output tok/s and CPU per token
+``benchmarks.serving.serving_profile`` (streaming chat clients, closed loop, output tok/s and CPU per token
 by process) in that arm; the order alternates per round, so a machine that drifts between minutes
 (5-40% here) tilts both arms alike. Prints B / A per round and the median with its range, per
 concurrency; writes ``--out``.{json,png} with every round's numbers and the exact command.
@@ -72,7 +72,7 @@ def run_arm(env: dict[str, str], streams: str, seconds: float, out: Path) -> dic
     cmd = [
         sys.executable,
         "-m",
-        "benchmarks.serving_profile",
+        "benchmarks.serving.serving_profile",
         "--streams",
         streams,
         "--seconds",
@@ -171,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
                 "[env_ab]   B / A tok/s: " + ", ".join(f"c={c} {paired([r], c)['median']:.3f}" for c in levels),
                 flush=True,
             )
-    command = " ".join(["python -m benchmarks.env_ab", *map(shlex.quote, argv if argv is not None else sys.argv[1:])])
+    command = " ".join(
+        ["python -m benchmarks.serving.env_ab", *map(shlex.quote, argv if argv is not None else sys.argv[1:])]
+    )
     report(rounds, levels, envs, command, Path(args.out))
     return 0
 

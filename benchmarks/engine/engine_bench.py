@@ -1,6 +1,6 @@
 """Plain-decode engine benchmark: this engine vs HF transformers, then throughput vs concurrency.
 
-    python -m benchmarks.engine_bench [--quick]
+    python -m benchmarks.engine.engine_bench [--quick]
 
 Same machine, same model (SmolLM2-135M-Instruct), same dtype, one run, side by side:
 

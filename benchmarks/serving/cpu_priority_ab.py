@@ -1,6 +1,6 @@
 """Engine first on the CPU vs Ray's own process priorities, on one running service, interleaved.
 
-    python -m benchmarks.cpu_priority_ab [--rounds 3] [--streams 1,4,16] [--tokens 64]
+    python -m benchmarks.serving.cpu_priority_ab [--rounds 3] [--streams 1,4,16] [--tokens 64]
 
 Starts the default service on a local cluster (cluster/local_cluster.py, so engine first as
 shipped, cluster/cpu_priority.py), then switches every thread of the cluster between two settings
@@ -32,8 +32,8 @@ from typing import Any
 import psutil
 
 from benchmarks.common import RESULTS_DIR, bar_panel, env_info, figure, progress, save_figure, write_json
-from benchmarks.engine_bench import CHAT_PROMPTS
-from benchmarks.loadgen import closed_loop
+from benchmarks.engine.engine_bench import CHAT_PROMPTS
+from benchmarks.serving.loadgen import closed_loop
 from cluster import cpu_priority
 from cluster.local_cluster import LocalCluster, Probe
 

@@ -1,6 +1,6 @@
 """Telemetry overhead over real HTTP: everything on vs everything off, side by side.
 
-    python -m benchmarks.telemetry_overhead [--rounds 3] [--quick]
+    python -m benchmarks.serving.telemetry_overhead [--rounds 3] [--quick]
 
 One local two-node Ray cluster (cluster/local_cluster.py), deployed alternately with
 
@@ -32,8 +32,8 @@ from statistics import median
 from typing import Any
 
 from benchmarks.common import RESULTS_DIR, bar_panel, env_info, figure, format_table, progress, save_figure, write_json
-from benchmarks.loadgen import closed_loop
-from benchmarks.spec_bench import COPY_PROMPTS
+from benchmarks.serving.loadgen import closed_loop
+from benchmarks.speculation.spec_bench import COPY_PROMPTS
 from cluster.local_cluster import LocalCluster
 
 POLICY = {"name": "always", "num_speculative_tokens": 4}

@@ -1,9 +1,9 @@
 """The serving goals, paired in time: guidellm over HTTP and the engine in process, round by round.
 
-    python -m benchmarks.guidellm_paired [--rounds 3] [--streams 1,16] [--seconds 20] [--nodes 1]
+    python -m benchmarks.serving.guidellm_paired [--rounds 3] [--streams 1,16] [--seconds 20] [--nodes 1]
                                          [--guidellm-workers 10] [--no-bound] [--out PATH]
 
-``benchmarks/guidellm_load.py`` measures every pass once, and its engine-alone pass before the service
+``benchmarks/serving/guidellm_load.py`` measures every pass once, and its engine-alone pass before the service
 starts, so a goal that divides an HTTP figure by an in-process one also divides two minutes of a
 machine whose speed drifts 5-40% between minutes. Here one service runs (as ``make serve`` runs it: one
 node, the shipped config; ``--nodes 2`` for the test clusters' shape) and every round measures, per
@@ -22,7 +22,7 @@ alone, http, bound in even ones:
 Each goal is computed per round from that round's passes only (HTTP against the same round's alone
 pass; guidellm's own latencies, and the steady state: requests sent after its warm-up window, the
 in-process rule), then reported as the median with its range over rounds. The engine's steps are
-recorded in every pass (benchmarks/step_profile.py): the served decode-only step over the in-process
+recorded in every pass (benchmarks/serving/step_profile.py): the served decode-only step over the in-process
 one of the same round says how much of a gap is steps run slower rather than smaller batches.
 Writes ``--out``.{json,png}.
 """
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import RESULTS_DIR, env_info, figure, progress, save_figure, write_json
-from benchmarks.guidellm_load import (
+from benchmarks.serving.guidellm_load import (
     burn_cores,
     goals,
     in_process_engine,
@@ -49,8 +49,8 @@ from benchmarks.guidellm_load import (
     stopped,
     warm_up_service,
 )
-from benchmarks.guidellm_report import steady_view
-from benchmarks.guidellm_workload import service_config
+from benchmarks.serving.guidellm_report import steady_view
+from benchmarks.serving.guidellm_workload import service_config
 from workers.model_loader import load_model
 
 PASSES = ("http", "bound", "alone", "beside")

@@ -37,7 +37,7 @@ import time
 from typing import Any, Callable
 
 from benchmarks.common import percentile
-from benchmarks.loadgen import ContinuousLoad
+from benchmarks.serving.loadgen import ContinuousLoad
 
 
 def read_counters(probe: Any) -> tuple[dict[str, dict[str, Any]], list[float]]:

@@ -1,7 +1,7 @@
 """One layer's attention, three ways: the native invariant kernel, the torch-op invariant attention
 (the fallback where no C compiler is found) and SDPA (the fast, not invariant, path).
 
-    python -m benchmarks.attention_bench [--rounds 3]
+    python -m benchmarks.engine.attention_bench [--rounds 3]
 
 SmolLM2's shape (9 query heads over 3 kv heads, head_dim 64), fp32 (the invariant attention always
 computes in fp32), 2 threads, random data. Cases: decode (one query row per request) against 40,

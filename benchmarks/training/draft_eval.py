@@ -1,12 +1,12 @@
 """Evaluate the trained drafts: acceptance per proposer, K and temperature, and c=1 speed vs plain.
 
-    nice -n 19 python -m benchmarks.draft_eval [--quick]
+    nice -n 19 python -m benchmarks.training.draft_eval [--quick]
 
 SmolLM2-135M-Instruct, fp32, our engine. Proposers: the distilled draft model
 (models/smollm2-draft), the EAGLE head (models/smollm2-eagle), n-gram and suffix.
 
 A. Acceptance: held-out chat prompts (training/prompts.py ``eval_prompts``: subjects never seen in
-   training) and copy-heavy prompts (benchmarks/spec_bench.py), greedy and at temperature 0.7
+   training) and copy-heavy prompts (benchmarks/speculation/spec_bench.py), greedy and at temperature 0.7
    (seeded), K = 2, 4, 6. All prompts of a set run as one batch (acceptance does not depend on
    batching); mean acceptance length = 1 + accepted / drafts and acceptance rate = accepted /
    draft tokens, the engine's own definitions (workers/stats.py). Greedy outputs are checked
@@ -44,7 +44,7 @@ from benchmarks.common import (
     warmup_engine,
     write_json,
 )
-from benchmarks.spec_bench import COPY_PROMPTS
+from benchmarks.speculation.spec_bench import COPY_PROMPTS
 from training.common import DRAFT_DIR, EAGLE_DIR
 from training.prompts import eval_prompts
 

@@ -5,7 +5,7 @@ Two shapes of closed loop (a client sends its next request when its last one end
 - :func:`closed_loop` runs a bounded number of requests at N clients and reports one cell;
 - :class:`ContinuousLoad` keeps N clients streaming back to back in a thread of its own until
   stopped, and keeps every request's absolute chunk times, so that a caller can cut the run into
-  time windows afterwards (benchmarks/switchback.py does, one routing mode per window).
+  time windows afterwards (benchmarks/serving/switchback.py does, one routing mode per window).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the Serve layer costs: in-process engine vs the same engine behind HTTP, at c=1.
 
-    python -m benchmarks.http_overhead [--quick]
+    python -m benchmarks.serving.http_overhead [--quick]
 
 One run, interleaved, same prompts and config (SmolLM2, fp32, greedy, ignore EOS):
 - time per output token (TPOT) of plain decoding in process vs over HTTP (goal <= 1.10x);
@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 
 from benchmarks.common import RESULTS_DIR, env_info, format_table, write_json
-from benchmarks.spec_bench import CHAT_PROMPTS
+from benchmarks.speculation.spec_bench import CHAT_PROMPTS
 from cluster.local_cluster import LocalCluster
 from workers.config import EngineConfig
 from workers.engine import LLMEngine

@@ -1,6 +1,6 @@
 """What position-keyed sampling costs per step: the shipped ``keyed_sample`` vs its definition.
 
-    python -m benchmarks.sampler_bench [--rounds 7] [--rows 1,4,16,32,64] [--vocab 49152]
+    python -m benchmarks.fidelity.sampler_bench [--rounds 7] [--rows 1,4,16,32,64] [--vocab 49152]
 
 ``keyed_sample`` runs the exponential race in float32 and gives the exact fp64 noise only to the
 entries near each row's best; the definition, ``argmax(p / keyed_exponentials(keys))``, takes the

@@ -7,7 +7,7 @@ The schemas keep to the subset that llguidance, xgrammar and outlines-core all c
 left out of ``required`` are optional), ``additionalProperties: false``, ``items`` with
 ``minItems``/``maxItems``, ``enum``, ``minimum``/``maximum``, ``minLength``/``maxLength`` and
 ``pattern`` (anchored, plain character classes and counted repeats only). One gap, measured by
-``benchmarks/grammar_libs.py``: outlines-core 0.2 compiles ``minimum``/``maximum`` but drops them
+``benchmarks/structured/grammar_libs.py``: outlines-core 0.2 compiles ``minimum``/``maximum`` but drops them
 (any integer or number passes), so it refuses only 12 of the 16 refused instances below.
 
 Instances list their keys in the schema's ``properties`` order: outlines-core and xgrammar emit

@@ -1,6 +1,6 @@
 """The workload guidellm sends, made again for the engine in process: the shipped app config, guidellm's
 synthetic prompts and sampling parameters, and the proposers the target replica runs itself. The
-in-process passes of benchmarks/guidellm_load.py run exactly this, so the two sides differ only in
+in-process passes of benchmarks/serving/guidellm_load.py run exactly this, so the two sides differ only in
 the serving path."""
 
 from __future__ import annotations
