@@ -263,9 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         "target_len": TARGET_LEN,
         "wall_s": time.time() - t0,
     }
-    from benchmarks.common import RESULTS_DIR, figure, save_figure, write_json
+    from benchmarks.common import RESULTS_DIR, figure, save_result
 
-    write_json(RESULTS_DIR / "eagle_scaling.json", out)
     fig, (ax,) = figure()
     xs = [x["train_response_tokens"] for x in first]
     ax.plot(xs, [x["mean_acceptance_length"] for x in first], "o-", label="first stage, held-out")
@@ -280,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     ax.set_xlabel("training response tokens")
     ax.set_ylabel(f"mean acceptance length, K={args.k}")
     ax.legend(fontsize=8)
-    save_figure(fig, RESULTS_DIR / "eagle_scaling.png", "EAGLE head: held-out acceptance vs training data")
+    save_result(RESULTS_DIR / "eagle_scaling", out, fig, title="EAGLE head: held-out acceptance vs training data")
     return 0
 
 

@@ -27,9 +27,8 @@ from benchmarks.common import (
     env_info,
     figure,
     format_table,
-    save_figure,
+    save_result,
     set_threads,
-    write_json,
 )
 from workers import batch_invariant as bi
 from workers import native_attention
@@ -131,7 +130,6 @@ def main(argv: list[str] | None = None) -> int:
             title=f"One layer's attention, best of {args.rounds} interleaved rounds ({env['cpu']})",
         )
     )
-    write_json(RESULTS_DIR / "attention_bench.json", {"env": env, "args": vars(args), "rows": rows, "raw_us": us})
     fig, axes = figure(ncols=1, width=10)
     bar_panel(
         axes[0],
@@ -141,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         ylabel="us",
         fmt="{:.0f}",
     )
-    save_figure(fig, RESULTS_DIR / "attention_bench.png", suptitle=f"Invariant attention kernels ({env['cpu']})")
+    result = {"env": env, "args": vars(args), "rows": rows, "raw_us": us}
+    save_result(RESULTS_DIR / "attention_bench", result, fig, title="Invariant attention kernels")
     return 0
 
 

@@ -43,10 +43,9 @@ from benchmarks.common import (
     progress,
     ratio,
     run_closed_loop,
-    save_figure,
+    save_result,
     set_threads,
     warmup_engine,
-    write_json,
 )
 
 CHAT_PROMPTS = [
@@ -298,20 +297,17 @@ def main(argv: list[str] | None = None) -> int:
     # ---------------------------------------------------------------- reports
     env["loadavg_end"] = loadavg()
     env["elapsed_s"] = time.perf_counter() - t_start
-    json_path = write_json(
-        out_dir / "engine_bench.json",
-        {
-            "benchmark": "engine_bench",
-            "mode": "quick" if args.quick else "full",
-            "env": env,
-            "config": {**cfg, "max_model_len": MAX_MODEL_LEN, "threads": THREADS, "model": "SmolLM2-135M-Instruct"},
-            "batch1": batch1_rows,
-            "sweep_fp32": sweep,
-            "sweep_ratios": ratios,
-            "sweep_ratios_steady": steady,
-            "tables": [table1, table2],
-        },
-    )
+    result = {
+        "benchmark": "engine_bench",
+        "mode": "quick" if args.quick else "full",
+        "env": env,
+        "config": {**cfg, "max_model_len": MAX_MODEL_LEN, "threads": THREADS, "model": "SmolLM2-135M-Instruct"},
+        "batch1": batch1_rows,
+        "sweep_fp32": sweep,
+        "sweep_ratios": ratios,
+        "sweep_ratios_steady": steady,
+        "tables": [table1, table2],
+    }
     fig, (a1, a2, a3) = figure(3, width=5.2)
     cs = [s["concurrency"] for s in sweep]
     line_panel(
@@ -342,13 +338,10 @@ def main(argv: list[str] | None = None) -> int:
         ylabel="tok/s",
         fmt="{:.1f}",
     )
-    png_path = save_figure(
-        fig,
-        out_dir / "engine_bench.png",
-        suptitle=f"SmolLM2-135M, {env['cpu']}, {THREADS} threads, {env['time']} "
-        f"(loadavg {env['loadavg_start']} -> {env['loadavg_end']})",
-    )
-    print(f"[engine_bench] done in {env['elapsed_s']:.0f} s; wrote {json_path} and {png_path}", flush=True)
+    title = f"SmolLM2-135M, {env['cpu']}, {THREADS} threads, {env['time']} "
+    title += f"(loadavg {env['loadavg_start']} -> {env['loadavg_end']})"
+    save_result(out_dir / "engine_bench", result, fig, title=title)
+    print(f"[engine_bench] done in {env['elapsed_s']:.0f} s", flush=True)
     return 0
 
 

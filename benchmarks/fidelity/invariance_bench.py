@@ -32,9 +32,8 @@ from benchmarks.common import (
     format_table,
     hf_generate,
     progress,
-    save_figure,
+    save_result,
     set_threads,
-    write_json,
 )
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
@@ -174,21 +173,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(table)
     print(summary)
-    write_json(
-        RESULTS_DIR / "invariance_bench.json",
-        {
-            "env": env,
-            "args": vars(args),
-            "rows": rows,
-            "hf_generate_tok_s": hf_med,
-            "prefill": prefill,
-            "attention_kernel": engines[("float32", True)].runner.attention_kernel,
-            "summary": summary,
-            "raw_step_s": {f"{dt}/{'inv' if inv else 'fast'}/c{c}": v for (dt, inv, c), v in step_s.items()},
-            "raw_hf_tok_s": hf,
-            "raw_prefill_s": {f"{dt}/{'inv' if inv else 'fast'}": v for (dt, inv), v in pre_s.items()},
-        },
-    )
+    result = {
+        "env": env,
+        "args": vars(args),
+        "rows": rows,
+        "hf_generate_tok_s": hf_med,
+        "prefill": prefill,
+        "attention_kernel": engines[("float32", True)].runner.attention_kernel,
+        "summary": summary,
+        "raw_step_s": {f"{dt}/{'inv' if inv else 'fast'}/c{c}": v for (dt, inv, c), v in step_s.items()},
+        "raw_hf_tok_s": hf,
+        "raw_prefill_s": {f"{dt}/{'inv' if inv else 'fast'}": v for (dt, inv), v in pre_s.items()},
+    }
     fig, axes = figure(ncols=2, width=6)
     for ax, dt in zip(axes, DTYPES):
         sel = [r for r in rows if r["dtype"] == dt]
@@ -200,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             ylabel="tok/s",
             fmt="{:.0f}",
         )
-    save_figure(fig, RESULTS_DIR / "invariance_bench.png", suptitle=f"Batch-invariant kernels: cost ({env['cpu']})")
+    save_result(RESULTS_DIR / "invariance_bench", result, fig, title="Batch-invariant kernels: cost")
     return 0
 
 

@@ -28,9 +28,8 @@ from benchmarks.common import (
     figure,
     format_table,
     line_panel,
-    save_figure,
+    save_result,
     set_threads,
-    write_json,
 )
 from workers.sampler import keyed_exponentials, keyed_sample, position_key
 
@@ -110,7 +109,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     out = Path(args.out)
-    write_json(out.with_suffix(".json"), {"env": env_info(), "args": vars(args), "rows": table, "cells_s": cells})
     fig, axes = figure(ncols=1, width=7)
     line_panel(
         axes[0],
@@ -123,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         xlabel="rows (requests sampled in the step)",
         ylabel="ms",
     )
-    save_figure(fig, out.with_suffix(".png"), suptitle=env_info().get("cpu", ""))
-    print(f"wrote {out.with_suffix('.json')} and .png")
+    save_result(out, {"env": env_info(), "args": vars(args), "rows": table, "cells_s": cells}, fig)
     return 0
 
 

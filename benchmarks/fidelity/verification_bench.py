@@ -23,9 +23,8 @@ from benchmarks.common import (
     figure,
     format_table,
     progress,
-    save_figure,
+    save_result,
     set_threads,
-    write_json,
 )
 from training.common import DRAFT_DIR, EAGLE_DIR
 from training.prompts import eval_prompts
@@ -119,15 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     env = env_info()
     print(table)
     print(f"CPU: {env['cpu']}; engine dtype {engines['coupled'].dtype}")
-    write_json(
-        RESULTS_DIR / "verification_bench.json",
-        {"env": env, "args": vars(args), "k": K, "rows": rows, "dtype": str(engines["coupled"].dtype)},
-    )
     fig, axes = figure(ncols=4, width=4.2)
     for ax, (temp, prop) in zip(axes, [(t, p) for t in (0.7, 1.0) for p in ("draft_model", "eagle")]):
         sel = {r["verification"]: r["per_pos"] for r in rows if r["temperature"] == temp and r["proposer"] == prop}
         bar_panel(ax, [f"pos {i + 1}" for i in range(K)], sel, title=f"{prop}, T={temp}", ylabel="accepted / verifies")
-    save_figure(fig, RESULTS_DIR / "verification_bench.png", suptitle=f"Coupled vs rejection ({env['cpu']})")
+    result = {"env": env, "args": vars(args), "k": K, "rows": rows, "dtype": str(engines["coupled"].dtype)}
+    save_result(RESULTS_DIR / "verification_bench", result, fig, title="Coupled vs rejection")
     return 0
 
 

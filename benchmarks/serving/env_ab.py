@@ -26,7 +26,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS_DIR, env_info, figure, line_panel, save_figure, write_json
+from benchmarks.common import RESULTS_DIR, env_info, figure, line_panel, save_result
 
 ROLES_PATH = ("ingress", "HTTP proxy", "Router")  # the serving path's own processes, besides the target
 
@@ -116,7 +116,6 @@ def report(
             for r in rounds
         ],
     }
-    write_json(out.with_suffix(".json"), result)
     fig, axes = figure(ncols=2)
     ratios = {f"round {i + 1}": [summary[str(c)]["ratios"][i] for c in levels] for i in range(len(rounds))}
     line_panel(
@@ -142,9 +141,7 @@ def report(
         ylabel="ms",
     )
     label = {arm: " ".join(f"{k}={v}" for k, v in envs[arm].items()) or "shipped" for arm in ("a", "b")}
-    title = f"{result['env'].get('cpu', '')}; A: {label['a']}; B: {label['b']}"
-    save_figure(fig, out.with_suffix(".png"), suptitle=textwrap.fill(title, 150))
-    print(f"wrote {out.with_suffix('.json')} and .png")
+    save_result(out, result, fig, title=textwrap.fill(f"A: {label['a']}; B: {label['b']}", 150))
     return result
 
 

@@ -75,9 +75,8 @@ from benchmarks.common import (
     percentile,
     progress,
     run_closed_loop,
-    save_figure,
+    save_result,
     set_threads,
-    write_json,
 )
 from benchmarks.serving.guidellm_report import parse_guidellm, steady_view
 from benchmarks.serving.guidellm_workload import guidellm_prompts, guidellm_sampling, local_proposers, service_config
@@ -587,8 +586,6 @@ def main(argv: list[str] | None = None) -> int:
                 else ""
             )
         )
-    out = Path(args.out)
-    write_json(out.with_suffix(".json"), result)
     fig, axes = figure(ncols=3, width=5.5)
     for ax, key, label in zip(
         axes, ["ttft_p99_ms", "itl_p50_ms", "tok_s"], ["TTFT p99 (ms)", "ITL p50 (ms)", "output tok/s"]
@@ -604,12 +601,8 @@ def main(argv: list[str] | None = None) -> int:
             if d
         }
         line_panel(ax, levels, series, title=label, xlabel="concurrent streams", ylabel=label)
-    save_figure(
-        fig,
-        out.with_suffix(".png"),
-        suptitle=f"guidellm {args.prompt_tokens} in / {args.output_tokens} out, {env_info().get('cpu', '')}",
-    )
-    print(f"wrote {out.with_suffix('.json')} and .png")
+    title = f"guidellm {args.prompt_tokens} in / {args.output_tokens} out"
+    save_result(Path(args.out), result, fig, title=title)
     return 0
 
 

@@ -36,7 +36,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS_DIR, env_info, figure, progress, save_figure, write_json
+from benchmarks.common import RESULTS_DIR, env_info, figure, progress, save_result
 from benchmarks.serving.guidellm_load import (
     burn_cores,
     goals,
@@ -228,8 +228,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"c={c}: served decode-only step / in-process (alone), paired: median {statistics.median(v):.2f} "
                 f"({min(v):.2f}-{max(v):.2f})"
             )
-    out = Path(args.out)
-    write_json(out.with_suffix(".json"), result)
     keys = list(summary["http"])
     fig, axes = figure(ncols=len(keys), width=4.0)
     for ax, key in zip(axes, keys):
@@ -240,13 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         ax.axhline(limit, color="k", ls="--", lw=1)
         ax.set_xticks(range(len(views)), [v.replace("_", "\n") for v in views], fontsize=7)
         ax.set_title(key, fontsize=8)
-    save_figure(
-        fig,
-        out.with_suffix(".png"),
-        suptitle=f"serving goals per paired round (dashed: the goal), "
-        f"{args.prompt_tokens} in / {args.output_tokens} out, {env_info().get('cpu', '')}",
-    )
-    print(f"wrote {out.with_suffix('.json')} and .png")
+    title = f"serving goals per paired round (dashed: the goal), {args.prompt_tokens} in / {args.output_tokens} out"
+    save_result(Path(args.out), result, fig, title=title)
     return 0
 
 

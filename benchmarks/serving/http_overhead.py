@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.common import RESULTS_DIR, env_info, format_table, write_json
+from benchmarks.common import RESULTS_DIR, env_info, format_table, save_result
 from benchmarks.speculation.spec_bench import CHAT_PROMPTS
 from cluster.local_cluster import LocalCluster
 from workers.config import EngineConfig
@@ -153,15 +153,13 @@ def main() -> None:
         )
     )
     print(f"remote draft call cost per step (beyond the HTTP overhead): {extra:.1f} ms")
-    write_json(
-        RESULTS_DIR / "http_overhead.json",
-        {
-            "env": env_info(),
-            "rows": rows,
-            "remote_draft_extra_ms": extra,
-            "samples_ms": {k: [1e3 * x for x in v] for k, v in acc.items()},
-        },
-    )
+    result = {
+        "env": env_info(),
+        "rows": rows,
+        "remote_draft_extra_ms": extra,
+        "samples_ms": {k: [1e3 * x for x in v] for k, v in acc.items()},
+    }
+    save_result(RESULTS_DIR / "http_overhead", result)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from benchmarks.common import (
     line_panel,
     percentile,
     progress,
-    save_figure,
+    save_result,
     write_json,
 )
 from benchmarks.serving import switchback
@@ -254,17 +254,14 @@ def render(
                 ),
             )
         )
-    write_json(
-        RESULTS_DIR / f"{name}.json",
-        {
-            "env": info,
-            "plan": {k: v for k, v in plan.items() if k != "requests"},
-            "rows": rows,
-            "rounds": rounds,
-            "switchback": windows,
-            "switchback_client": client,
-        },
-    )
+    result = {
+        "env": info,
+        "plan": {k: v for k, v in plan.items() if k != "requests"},
+        "rows": rows,
+        "rounds": rounds,
+        "switchback": windows,
+        "switchback_client": client,
+    }
     fig, axes = figure(ncols=2 * len(mixes), width=4.5)
     tput, tput_label = ("sb_tok_s", "switchback") if windows else ("tok_s", "cells")
     itl, itl_label = ("itl_p99_ms", "cells") if rounds else ("sb_itl_p99_ms", "switchback")
@@ -292,7 +289,7 @@ def render(
             xlabel="concurrency",
             ylabel="ms",
         )
-    save_figure(fig, RESULTS_DIR / f"{name}.png", suptitle=f"HTTP sweep, {info.get('cpu', '')}")
+    save_result(RESULTS_DIR / name, result, fig, title="HTTP sweep")
 
 
 def main() -> None:

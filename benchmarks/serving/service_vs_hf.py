@@ -32,9 +32,8 @@ from benchmarks.common import (
     figure,
     hf_generate,
     progress,
-    save_figure,
+    save_result,
     set_threads,
-    write_json,
 )
 from benchmarks.engine.engine_bench import CHAT_PROMPTS
 from cluster.local_cluster import LocalCluster
@@ -115,18 +114,15 @@ def main(argv: list[str] | None = None) -> int:
         f"(min {min(pairs):.2f}, max {max(pairs):.2f}, {len(pairs)} pairs). CPU: {env['cpu']}"
     )
     print(summary)
-    write_json(
-        RESULTS_DIR / "service_vs_hf.json",
-        {
-            "env": env,
-            "args": vars(args),
-            "median_tok_s": med,
-            "ratio_pairs": pairs,
-            "replica": replica,
-            "raw": rates,
-            "summary": summary,
-        },
-    )
+    result = {
+        "env": env,
+        "args": vars(args),
+        "median_tok_s": med,
+        "ratio_pairs": pairs,
+        "replica": replica,
+        "raw": rates,
+        "summary": summary,
+    }
     fig, (ax,) = figure(ncols=1, width=6)
     bar_panel(
         ax,
@@ -140,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         ylabel="tok/s",
         fmt="{:.1f}",
     )
-    save_figure(fig, RESULTS_DIR / "service_vs_hf.png", suptitle=env["cpu"])
+    save_result(RESULTS_DIR / "service_vs_hf", result, fig)
     return 0
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import psutil
 
-from benchmarks.common import RESULTS_DIR, bar_panel, env_info, figure, save_figure, write_json
+from benchmarks.common import RESULTS_DIR, bar_panel, env_info, figure, save_result
 from benchmarks.engine.engine_bench import CHAT_PROMPTS
 from benchmarks.serving.loadgen import closed_loop
 from cluster.local_cluster import LocalCluster
@@ -130,7 +130,6 @@ def main(argv: list[str] | None = None) -> int:
             cluster.stop()
     result = {"env": env_info(), "args": vars(args), "rows": rows}
     out = Path(args.out)
-    write_json(out.with_suffix(".json"), result)
     roles = sorted({k for r in rows for k in r["cpu_ms_per_token"]})
     fig, axes = figure(ncols=1, width=10)
     bar_panel(
@@ -140,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         title="CPU ms per output token, by process",
         ylabel="ms",
     )
-    save_figure(fig, out.with_suffix(".png"), suptitle=env_info().get("cpu", ""))
-    print(f"wrote {out.with_suffix('.json')} and .png")
+    save_result(out, result, fig)
     return 0
 
 

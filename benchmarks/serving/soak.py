@@ -33,10 +33,13 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import httpx
+
+from benchmarks.common import save_result
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = [
@@ -407,11 +410,9 @@ def _soak_local(args: argparse.Namespace) -> int:
 
 
 def _report(report: dict[str, Any], args: argparse.Namespace) -> int:
-    text = json.dumps(report, indent=2)
-    print(text)
+    print(json.dumps(report, indent=2))
     if args.json:
-        with open(args.json, "w") as f:
-            f.write(text)
+        save_result(Path(args.json).with_suffix(""), report)
     return 0 if report["passed"] else 1
 
 

@@ -31,7 +31,15 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from benchmarks.common import RESULTS_DIR, bar_panel, env_info, figure, format_table, progress, save_figure, write_json
+from benchmarks.common import (
+    RESULTS_DIR,
+    bar_panel,
+    env_info,
+    figure,
+    format_table,
+    progress,
+    save_result,
+)
 from benchmarks.serving.loadgen import closed_loop
 from benchmarks.speculation.spec_bench import COPY_PROMPTS
 from cluster.local_cluster import LocalCluster
@@ -193,7 +201,6 @@ def main(argv: list[str] | None = None) -> int:
         "otlp_bytes": sink.bytes,
         "runs": {f"{m}/c{c}": v for (m, c), v in runs.items()},
     }
-    write_json(RESULTS_DIR / "telemetry_overhead.json", out)
     fig, axes = figure(ncols=1, width=6)
     bar_panel(
         axes[0],
@@ -202,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         title="Output tok/s, telemetry off vs on",
         ylabel="tok/s",
     )
-    save_figure(fig, RESULTS_DIR / "telemetry_overhead.png", suptitle=f"Telemetry overhead, {info.get('cpu', '')}")
+    save_result(RESULTS_DIR / "telemetry_overhead", out, fig, title="Telemetry overhead")
     return 0
 
 

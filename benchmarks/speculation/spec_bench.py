@@ -50,10 +50,9 @@ from benchmarks.common import (
     progress,
     ratio,
     run_closed_loop,
-    save_figure,
+    save_result,
     set_threads,
     warmup_engine,
-    write_json,
 )
 
 # ----------------------------------------------------------------------------- prompts
@@ -546,35 +545,32 @@ def main(argv: list[str] | None = None) -> int:
     # ---------------------------------------------------------------- reports
     env["loadavg_end"] = loadavg()
     env["elapsed_s"] = time.perf_counter() - t_start
-    json_path = write_json(
-        out_dir / "spec_bench.json",
-        {
-            "benchmark": "spec_bench",
-            "mode": "quick" if args.quick else "full",
-            "env": env,
-            "config": {
-                **cfg,
-                "ks": ks,
-                "sweep_k": SWEEP_K,
-                "max_model_len": MAX_MODEL_LEN,
-                "threads": THREADS,
-                "model": "SmolLM2-135M-Instruct",
-                "dtype": "float32",
-                "hf_prompt_lookup_max_matching_ngram_size": "HF default (2)",
-                "hf_assisted": "same model, num_assistant_tokens=K constant, confidence threshold 0",
-                "suffix": "fresh proposer (cold global cache) per run",
-            },
-            "prompts": {n: {"kind": k, "message": m} for n, k, m in COPY_PROMPTS + CHAT_PROMPTS},
-            "plain_output_text": samples,
-            "section_a": section_a,
-            "section_a_per_prompt": per_prompt,
-            "mismatches": mismatches,
-            "sweep": sweep,
-            "sweep_mismatches": sweep_mismatch,
-            "crossover": {"first_c_spec_below_plain": first_below, "interpolated_c": est, "verdict": verdict},
-            "tables": tables,
+    result = {
+        "benchmark": "spec_bench",
+        "mode": "quick" if args.quick else "full",
+        "env": env,
+        "config": {
+            **cfg,
+            "ks": ks,
+            "sweep_k": SWEEP_K,
+            "max_model_len": MAX_MODEL_LEN,
+            "threads": THREADS,
+            "model": "SmolLM2-135M-Instruct",
+            "dtype": "float32",
+            "hf_prompt_lookup_max_matching_ngram_size": "HF default (2)",
+            "hf_assisted": "same model, num_assistant_tokens=K constant, confidence threshold 0",
+            "suffix": "fresh proposer (cold global cache) per run",
         },
-    )
+        "prompts": {n: {"kind": k, "message": m} for n, k, m in COPY_PROMPTS + CHAT_PROMPTS},
+        "plain_output_text": samples,
+        "section_a": section_a,
+        "section_a_per_prompt": per_prompt,
+        "mismatches": mismatches,
+        "sweep": sweep,
+        "sweep_mismatches": sweep_mismatch,
+        "crossover": {"first_c_spec_below_plain": first_below, "interpolated_c": est, "verdict": verdict},
+        "tables": tables,
+    }
     fig, (a1, a2, a3) = figure(3, width=5.6)
     cats = list(section_a)
     spec_labels = [label for label, _, _ in methods[1:]]
@@ -607,13 +603,10 @@ def main(argv: list[str] | None = None) -> int:
         ylabel="ratio",
     )
     a3.axhline(1.0, color="gray", linestyle="--", linewidth=1)
-    png_path = save_figure(
-        fig,
-        out_dir / "spec_bench.png",
-        suptitle=f"SmolLM2-135M fp32, {env['cpu']}, {THREADS} threads, {env['time']} "
-        f"(loadavg {env['loadavg_start']} -> {env['loadavg_end']}); {verdict}",
-    )
-    print(f"[spec_bench] done in {env['elapsed_s']:.0f} s; wrote {json_path} and {png_path}", flush=True)
+    title = f"SmolLM2-135M fp32, {env['cpu']}, {THREADS} threads, {env['time']} "
+    title += f"(loadavg {env['loadavg_start']} -> {env['loadavg_end']}); {verdict}"
+    save_result(out_dir / "spec_bench", result, fig, title=title)
+    print(f"[spec_bench] done in {env['elapsed_s']:.0f} s", flush=True)
     return 1 if (mismatches or sweep_mismatch) else 0
 
 

@@ -37,7 +37,6 @@ import argparse
 import importlib.metadata as md
 import json
 import os
-import platform
 import re
 import statistics
 import sys
@@ -50,6 +49,7 @@ import numpy as np
 import torch
 from packaging.requirements import Requirement
 
+from benchmarks.common import env_info, figure, save_result
 from benchmarks.structured.schema_suite import SCHEMAS, SchemaCase, instance_text
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -441,37 +441,12 @@ def footprint(dist: str) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- report
 
 
-def env_info() -> dict[str, Any]:
-    cpu = "unknown"
-    try:
-        cpu = next(
-            ln.split(":", 1)[1].strip()
-            for ln in Path("/proc/cpuinfo").read_text().splitlines()
-            if ln.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        pass
-    return {
-        "cpu": cpu,
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "vocab_size": VOCAB_SIZE,
-        "loadavg_before": os.getloadavg(),
-    }
-
-
-def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(results: dict[str, Any]) -> Any:
+    """The figure (None when no library ran); ``save_result`` saves it."""
     libs = [n for n, r in results["libraries"].items() if r.get("installed") and r.get("overall")]
     if not libs:
-        return
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+        return None
+    fig, (a, b) = figure(ncols=2, width=5.5)
     x = np.arange(len(libs))
     o = [results["libraries"][n]["overall"] for n in libs]
     a.bar(x - 0.2, [r["compile_ms_p50"] for r in o], 0.4, label="cold compile")
@@ -488,17 +463,12 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_xticks(x, libs)
         ax.legend()
         ax.grid(axis="y", which="both", alpha=0.3)
-    fig.suptitle(
-        f"{results['env']['cpu']} ({results['env']['cpu_capability']}), "
-        f"{len(results['schemas'])} JSON schemas, SmolLM2 vocab"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return fig
 
 
 def print_table(results: dict[str, Any]) -> None:
     env = results["env"]
-    print(f"\nCPU: {env['cpu']}  capability: {env['cpu_capability']}  cores: {env['cpu_count']}  vocab: {VOCAB_SIZE}")
+    print(f"\nCPU: {env['cpu']}  capability: {env['cpu_capability']}  cores: {env['nproc']}  vocab: {VOCAB_SIZE}")
     print(
         "compile / +1st mask: median over schemas of the median cold compile (max: the slowest schema); "
         "mask us: all positions pooled "
@@ -548,7 +518,7 @@ def print_table(results: dict[str, Any]) -> None:
 
 def run(reps: int, walks: int, cases: list[SchemaCase]) -> dict[str, Any]:
     results: dict[str, Any] = {
-        "env": env_info(),
+        "env": {**env_info(), "vocab_size": VOCAB_SIZE},
         "schemas": [c.name for c in cases],
         "compile_reps": reps,
         "walks": walks,
@@ -615,7 +585,6 @@ def run(reps: int, walks: int, cases: list[SchemaCase]) -> dict[str, Any]:
                 "rollback_ok": all(c["rollback_ok"] for c in ok if c["rollback_ok"] is not None),
             }
         results["libraries"][lib.name] = r
-    results["env"]["loadavg_after"] = os.getloadavg()
     return results
 
 
@@ -630,11 +599,10 @@ def main(argv: list[str] | None = None) -> None:
     cases = [c for c in SCHEMAS if not wanted or c.name in wanted]
     torch.set_num_threads(1)
     results = run(a.compile_reps, a.walks, cases)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(results, indent=1) + "\n")
-    plot(results, a.out.with_suffix(".png"))
     print_table(results)
-    print(f"\nwrote {a.out} and {a.out.with_suffix('.png')}")
+    title = f"{results['env']['cpu']} ({results['env']['cpu_capability']}), "
+    title += f"{len(results['schemas'])} JSON schemas, SmolLM2 vocab"
+    save_result(a.out.with_suffix(""), results, plot(results), title=title)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from benchmarks.common import (
     progress,
     ratio,
     run_closed_loop,
-    save_figure,
+    save_result,
     set_threads,
     warmup_engine,
     write_json,
@@ -308,22 +308,19 @@ def main(argv: list[str] | None = None) -> int:
     if mismatches:
         print("\nMISMATCHES:\n" + "\n".join(mismatches))
 
-    write_json(
-        out_dir / f"{name}.json",
-        {
-            "benchmark": "draft_eval",
-            "env": env,
-            "ks": ks,
-            "tokens": n_tok,
-            "chat_prompts": chat_msgs,
-            "acceptance": rows,
-            "speed_c1": speed,
-            "cost": cost,
-            "mismatches": mismatches,
-            "tables": tables,
-            "wall_s": time.perf_counter() - t_start,
-        },
-    )
+    result = {
+        "benchmark": "draft_eval",
+        "env": env,
+        "ks": ks,
+        "tokens": n_tok,
+        "chat_prompts": chat_msgs,
+        "acceptance": rows,
+        "speed_c1": speed,
+        "cost": cost,
+        "mismatches": mismatches,
+        "tables": tables,
+        "wall_s": time.perf_counter() - t_start,
+    }
     fig, axes = figure(ncols=3, width=5.5)
     for ax, s in zip(axes[:2], sets):
         sub = [r for r in rows if r["set"] == s and r["temperature"] == 0.0]
@@ -344,8 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         title="c=1 held-out chat, greedy",
         ylabel="tokens/s",
     )
-    save_figure(fig, out_dir / f"{name}.png", "Trained drafts for SmolLM2-135M-Instruct")
-    print(f"\nwrote {out_dir / name}.json/.png in {(time.perf_counter() - t_start) / 60:.1f} min")
+    save_result(out_dir / name, result, fig, title="Trained drafts for SmolLM2-135M-Instruct")
+    print(f"[draft_eval] done in {(time.perf_counter() - t_start) / 60:.1f} min")
     return 1 if mismatches else 0
 
 
