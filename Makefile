@@ -42,7 +42,7 @@ stop:
 	-$(PYTHON) -m cluster.serve_local stop
 
 bench: $(STAMP)
-	for b in engine_bench spec_bench http_overhead http_sweep; do $(PYTHON) -m benchmarks.$$b || exit 1; done
+	for b in engine.engine_bench speculation.spec_bench serving.http_overhead serving.http_sweep; do $(PYTHON) -m benchmarks.$$b || exit 1; done
 
 clean:
 	rm -rf $(VENV)

@@ -471,6 +471,26 @@ def bar_panel(
     ax.legend(fontsize=7)
 
 
+def save_result(path: Path, result: dict[str, Any], fig: Any = None, title: str = "") -> Path:
+    """Every benchmark's epilogue: writes ``path`` + ``.json`` and, given a figure, ``path`` + ``.png``.
+
+    ``path`` has no suffix (``RESULTS_DIR / "<benchmark>"`` unless ``--out`` says otherwise). The
+    result records its machine: ``env`` (``env_info()`` unless the benchmark took it at its start)
+    gains the load average at the end; the figure's title names the CPU; the paths go to stderr, so
+    that a benchmark whose stdout is its report (``soak``) stays parseable.
+    """
+    env = result.setdefault("env", env_info())
+    env.setdefault("loadavg_end", loadavg())
+    json_path = write_json(path.with_suffix(".json"), result)
+    written = [json_path]
+    if fig is not None:
+        cpu = str(env.get("cpu", ""))
+        suptitle = title if cpu in title else ", ".join(x for x in (title, cpu) if x)
+        written.append(save_figure(fig, path.with_suffix(".png"), suptitle=suptitle))
+    print(f"[{path.name}] wrote " + " and ".join(map(str, written)), file=sys.stderr, flush=True)
+    return json_path
+
+
 def save_figure(fig: Any, path: Path, suptitle: str = "") -> Path:
     import matplotlib.pyplot as plt
 

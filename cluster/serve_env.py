@@ -29,7 +29,7 @@ serving node does not need. The next four are settings of Ray's own throughput-o
 
 Two settings of that mode stay off. ``RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0`` (handle calls routed
 on the caller's event loop instead of Serve's router thread) read slower here, paired against the
-four above (benchmarks/env_ab.py, ``benchmarks/results/serve_router_loop_ab.json``). It also refuses
+four above (benchmarks/serving/env_ab.py, ``benchmarks/results/serve_router_loop_ab.json``). It also refuses
 a handle call from any thread but the loop's: the target's engine thread therefore makes its draft
 calls on the replica's loop (deployments/remote_draft.py), and drivers that wait on ``.result()``
 outside a loop run with :data:`DRIVER_ENV`, so a user who turns it on (or Ray's whole mode) keeps

@@ -1,10 +1,10 @@
-"""benchmarks/env_ab.py's pure parts: the arm's environment, the alternating order, the paired ratios."""
+"""benchmarks/serving/env_ab.py's pure parts: the arm's environment, the alternating order, the paired ratios."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.env_ab import order, paired, parse_env, path_cpu_ms
+from benchmarks.serving.env_ab import order, paired, parse_env, path_cpu_ms
 
 
 def test_parse_env_reads_var_value_words_and_names_a_bad_one():

@@ -13,9 +13,9 @@ import time
 import psutil
 import pytest
 
-from benchmarks import guidellm_load
-from benchmarks.guidellm_load import burn_cores, goals, window_rate
-from benchmarks.guidellm_workload import guidellm_sampling
+from benchmarks.serving import guidellm_load
+from benchmarks.serving.guidellm_load import burn_cores, goals, window_rate
+from benchmarks.serving.guidellm_workload import guidellm_sampling
 
 
 def _lvl(ttft_p99_ms: float, itl_p50_ms: float, tok_s: float) -> dict:
@@ -177,7 +177,7 @@ def test_the_sampler_reads_the_services_cpu_by_role_beside_the_clients():
 def test_in_process_prompts_are_guidellm_like_text_of_the_asked_length(tiny_loaded):
     """The in-process passes send what guidellm sends: seeded English-like text of about the asked
     length in the served tokenizer (not random token ids, on which n-gram speculation never fires)."""
-    from benchmarks.guidellm_workload import guidellm_prompts
+    from benchmarks.serving.guidellm_workload import guidellm_prompts
 
     tok = tiny_loaded.tokenizer
     a = guidellm_prompts(tok, 4, 128, seed=3)
@@ -190,7 +190,7 @@ def test_in_process_prompts_are_guidellm_like_text_of_the_asked_length(tiny_load
 
 
 def test_in_process_engine_runs_the_replicas_own_proposers():
-    from benchmarks.guidellm_workload import local_proposers, service_config
+    from benchmarks.serving.guidellm_workload import local_proposers, service_config
 
     cfg = service_config()
     names = set(local_proposers(cfg))
@@ -200,7 +200,7 @@ def test_in_process_engine_runs_the_replicas_own_proposers():
 def test_steady_state_keeps_the_requests_sent_after_the_warmup_window():
     """guidellm keeps every request that completes after its warm-up window, so a closed loop's first
     wave (all streams at once) stays in its TTFT; the steady state keeps those *sent* after it."""
-    from benchmarks.guidellm_report import steady_state, steady_view
+    from benchmarks.serving.guidellm_report import steady_state, steady_view
 
     first_wave = [
         {

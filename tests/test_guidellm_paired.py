@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.guidellm_paired import pass_order, round_goals, step_ratio, summarize_goals
+from benchmarks.serving.guidellm_paired import pass_order, round_goals, step_ratio, summarize_goals
 
 
 def _lvl(ttft_p99_ms: float, itl_p50_ms: float, tok_s: float, **extra) -> dict:

@@ -297,7 +297,7 @@ def test_soak_short(cluster, probe, tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "benchmarks.soak",
+        "benchmarks.serving.soak",
         "--url",
         cluster.base_url,
         "--duration",

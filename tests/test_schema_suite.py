@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from benchmarks.schema_suite import SCHEMAS, by_name, chat_messages, instance_text
+from benchmarks.structured.schema_suite import SCHEMAS, by_name, chat_messages, instance_text
 
 
 def test_names_unique_and_lookup():
@@ -42,7 +42,7 @@ def test_llguidance_accepts_every_instance_and_refuses_every_bad_one():
     pytest.importorskip("llguidance")
     import torch
 
-    from benchmarks.grammar_libs import MASK_WORDS, LLGuidance, load_smollm2_tokenizer, walk
+    from benchmarks.structured.grammar_libs import MASK_WORDS, LLGuidance, load_smollm2_tokenizer, walk
 
     tok = load_smollm2_tokenizer()
     lib = LLGuidance()

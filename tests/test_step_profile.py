@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.step_profile import Step, StepRecorder, compare, from_trace, since, summarize
+from benchmarks.serving.step_profile import Step, StepRecorder, compare, from_trace, since, summarize
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 

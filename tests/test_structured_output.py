@@ -417,12 +417,12 @@ def test_closed_objects_knob_lets_extra_keys_in(tiny_loaded):
     ids=["float32-greedy", "bfloat16-seeded"],
 )
 def test_smollm2_schema_suite_is_valid_and_identical_on_every_path(smollm2_loaded, dtype, sampling):
-    """The real model on the shared schema suite (benchmarks/schema_suite.py): every output that ends by
+    """The real model on the shared schema suite (benchmarks/structured/schema_suite.py): every output that ends by
     itself validates (greedy in fp32, T=0.7 in bf16), and speculation (grammar drafts + n-gram) leaves every token as
     plain decoding writes it. The 135M model loops inside some unbounded arrays and strings until
     max_tokens (the grammar allows it, and changing the distribution to stop it is not ours to do):
     those end with "length", as with OpenAI, and most of the suite must still end by itself."""
-    from benchmarks.schema_suite import SCHEMAS, chat_messages
+    from benchmarks.structured.schema_suite import SCHEMAS, chat_messages
 
     eng = LLMEngine(
         EngineConfig(dtype=dtype, max_num_seqs=len(SCHEMAS), max_model_len=1024),

@@ -1,4 +1,4 @@
-"""The switchback benchmark's bookkeeping (benchmarks/switchback.py): which mode a token, a gap or
+"""The switchback benchmark's bookkeeping (benchmarks/serving/switchback.py): which mode a token, a gap or
 a first token belongs to, and the ratio the issue-5 bar is judged on. Pure functions, no cluster."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import collections
 
 import pytest
 
-from benchmarks.switchback import client_metrics, rotation, summarize, versus_best, window_delta
+from benchmarks.serving.switchback import client_metrics, rotation, summarize, versus_best, window_delta
 
 MODES = ["never", "always", "goodput"]
 

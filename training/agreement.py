@@ -10,7 +10,7 @@ at t. With a correct proposer, greedy mean acceptance length at K drafts is abou
 1 + a1 + a1 * a2 + ..., where a1 is the top-1 rate and a2.. the conditional rates. The draft's
 argmax is taken as the proposer takes it: among its ``draft_vocab.json`` ids when it has one.
 Measured for models/smollm2-draft: top-1 0.242, conditional 0.207, i.e. ~1.30, close to the 1.34
-that benchmarks/draft_eval.py measures through the engine (over the whole vocabulary, as before
+that benchmarks/training/draft_eval.py measures through the engine (over the whole vocabulary, as before
 the draft vocabulary shipped: 0.201, 0.171, ~1.24 against 1.27).
 """
 

@@ -1,6 +1,6 @@
 """Write models/<draft>/MANIFEST.md from the training record and the evaluation results.
 
-    python -m training.manifest        # after training.train_* and benchmarks.draft_eval
+    python -m training.manifest        # after training.train_* and benchmarks.training.draft_eval
 
 Each manifest says what the weights are, the exact commands that made them, the data, the
 learning curve, and the acceptance measured on held-out prompts (benchmarks/results/draft_eval.json).
@@ -19,7 +19,7 @@ EVAL_JSON = REPO_ROOT / "benchmarks" / "results" / "draft_eval.json"
 COMMON_CMDS = """```
 nice -n 19 python -m training.datagen --max-shards 10 --threads 1 --minutes 60  # 640 prompts: responses + hidden states
 {train}
-nice -n 19 python -m benchmarks.draft_eval                       # acceptance / speed / cost -> benchmarks/results/
+nice -n 19 python -m benchmarks.training.draft_eval               # acceptance / speed / cost -> benchmarks/results/
 python -m training.manifest                                      # this file
 ```"""
 
@@ -175,7 +175,8 @@ def write(kind: str, d: Path, ev: dict[str, Any] | None) -> None:
         parts += [
             "## Measured (benchmarks/results/draft_eval.json)",
             "",
-            f"Held-out chat prompts: {len(ev['chat_prompts'])}; copy-heavy: benchmarks/spec_bench.py COPY_PROMPTS; "
+            f"Held-out chat prompts: {len(ev['chat_prompts'])}; "
+            "copy-heavy: benchmarks/speculation/spec_bench.py COPY_PROMPTS; "
             f"{ev['tokens']} tokens per request.",
             "",
             _acceptance(ev, method),

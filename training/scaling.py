@@ -19,7 +19,7 @@ tokens as the proposer does (draft 1 from the target's feature f_j and token t_{
 from its own predicted features, EagleHead.forward_ttt) and we count the leading drafts equal to
 the target's own next tokens. Mean acceptance length = 1 + mean leading hits: what the engine
 measures when it verifies every position (it verifies only after accepted runs, a slightly
-different sample of positions; benchmarks/draft_eval.py measures that).
+different sample of positions; benchmarks/training/draft_eval.py measures that).
 
 The full-data first stage is the shipped head's own first stage (its checkpoint in the training
 work dir) when present, else trained here with ``--train-frac 1``. Writes
@@ -263,9 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         "target_len": TARGET_LEN,
         "wall_s": time.time() - t0,
     }
-    from benchmarks.common import RESULTS_DIR, figure, save_figure, write_json
+    from benchmarks.common import RESULTS_DIR, figure, save_result
 
-    write_json(RESULTS_DIR / "eagle_scaling.json", out)
     fig, (ax,) = figure()
     xs = [x["train_response_tokens"] for x in first]
     ax.plot(xs, [x["mean_acceptance_length"] for x in first], "o-", label="first stage, held-out")
@@ -280,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     ax.set_xlabel("training response tokens")
     ax.set_ylabel(f"mean acceptance length, K={args.k}")
     ax.legend(fontsize=8)
-    save_figure(fig, RESULTS_DIR / "eagle_scaling.png", "EAGLE head: held-out acceptance vs training data")
+    save_result(RESULTS_DIR / "eagle_scaling", out, fig, title="EAGLE head: held-out acceptance vs training data")
     return 0
 
 

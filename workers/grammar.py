@@ -14,7 +14,7 @@ tokens the request has committed. Three uses, each keeping output a pure functio
   an object opens, an enum's tail), llguidance's fast-forward tokens are proposed as drafts for
   free, and the target accepts them unless it tokenizes the forced text differently.
 
-Why llguidance (benchmarks/grammar_libs.py, docs/grammar_libraries.md): no dependencies beyond
+Why llguidance (benchmarks/structured/grammar_libs.py, docs/grammar_libraries.md): no dependencies beyond
 its own wheel, masks computed lazily per step (no per-schema precompilation stall), and the
 speculative pieces this file needs in its API: ``validate_tokens`` (the draft cut),
 ``compute_ff_tokens`` (forced drafts), ``rollback`` and masks along a draft in one call.

@@ -193,7 +193,7 @@ def keyed_exponentials(
 # A candidate's float32 race score may be off by a few ulps (~1e-6 relative); the margin is 100x that.
 _RACE_MARGIN = 1e-4
 # Below this many rows the extra passes of the float32 race cost more than the fp64 logs they save
-# (benchmarks/sampler_bench.py).
+# (benchmarks/fidelity/sampler_bench.py).
 _RACE_MIN_ROWS = 8
 
 

@@ -1,0 +1,234 @@
+"""Every benchmark, the question it answers and its canonical result file; the results index.
+
+    python -m benchmarks            # one line per benchmark: group, module, question
+    python -m benchmarks --index    # writes benchmarks/results/INDEX.md
+    python -m benchmarks --check    # exit 1 if INDEX.md is stale (tests/test_benchmarks_catalog.py)
+
+A new benchmark gets an entry in ``BENCHMARKS``; a new shared module one in ``HELPERS``. The test fails
+on a module under benchmarks/ that is in neither, and on a file in results/ that the index does not list.
+No imports beyond the standard library: listing must not load torch or Ray.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+RESULTS_DIR = ROOT / "results"
+INDEX = RESULTS_DIR / "INDEX.md"
+GROUPS = ("engine", "fidelity", "speculation", "structured", "training", "serving")
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    group: str
+    module: str  # python -m <module>
+    question: str
+    result: str  # the canonical file in results/, "" when it writes none by default
+
+
+BENCHMARKS = [
+    Benchmark(
+        "engine",
+        "benchmarks.engine.engine_bench",
+        "How fast is plain decode against HF generate, and how does throughput grow with concurrency?",
+        "engine_bench.json",
+    ),
+    Benchmark(
+        "engine",
+        "benchmarks.engine.attention_bench",
+        "How fast is the native invariant attention against torch ops and SDPA?",
+        "attention_bench.json",
+    ),
+    Benchmark(
+        "fidelity",
+        "benchmarks.fidelity.invariance_bench",
+        "What do batch-invariant kernels cost against the library kernels, decode and prefill?",
+        "invariance_bench.json",
+    ),
+    Benchmark(
+        "fidelity",
+        "benchmarks.fidelity.sampler_bench",
+        "What does the shipped position-keyed sampler cost against its definition?",
+        "sampler_bench.json",
+    ),
+    Benchmark(
+        "fidelity",
+        "benchmarks.fidelity.verification_bench",
+        "How often does coupled verification accept drafts against rejection sampling?",
+        "verification_bench.json",
+    ),
+    Benchmark(
+        "speculation",
+        "benchmarks.speculation.spec_bench",
+        "How much faster than plain is each proposer, at c=1 and under load?",
+        "spec_bench.json",
+    ),
+    Benchmark(
+        "structured",
+        "benchmarks.structured.grammar_libs",
+        "Which grammar library masks SmolLM2's vocabulary fastest and right: llguidance, xgrammar, outlines-core?",
+        "grammar_libs.json",
+    ),
+    Benchmark(
+        "training",
+        "benchmarks.training.draft_eval",
+        "How well do the trained drafts draft: acceptance per position and speed at c=1?",
+        "draft_eval.json",
+    ),
+    Benchmark(
+        "training",
+        "training.scaling",
+        "How does the EAGLE head's held-out acceptance grow with training data?",
+        "eagle_scaling.json",
+    ),
+    Benchmark(
+        "serving",
+        "benchmarks.serving.http_overhead",
+        "What does the Serve layer add to a token at c=1, plain and with a remote draft?",
+        "http_overhead.json",
+    ),
+    Benchmark(
+        "serving",
+        "benchmarks.serving.service_vs_hf",
+        "How fast is the default service over HTTP against HF generate in process?",
+        "service_vs_hf.json",
+    ),
+    Benchmark(
+        "serving",
+        "benchmarks.serving.http_sweep",
+        "Does the goodput policy match the better of never / always over HTTP, c=1-32?",
+        "http_sweep.json",
+    ),
+    Benchmark(
+        "serving",
+        "benchmarks.serving.serving_profile",
+        "Where does the CPU go per output token, process by process?",
+        "serving_profile.json",
+    ),
+    Benchmark(
+        "serving",
+        "benchmarks.serving.env_ab",
+        "Does one cluster environment serve faster than another? (the paired A/B harness)",
+        "serve_request_path_ab4.json",
+    ),
+    Benchmark(
+        "serving",
+        "benchmarks.serving.telemetry_overhead",
+        "What do metrics and traces cost in throughput?",
+        "telemetry_overhead.json",
+    ),
+    Benchmark(
+        "serving",
+        "benchmarks.serving.guidellm_load",
+        "How does the service hold up under guidellm's load, against the engine in process?",
+        "guidellm_load.json",
+    ),
+    Benchmark(
+        "serving",
+        "benchmarks.serving.guidellm_paired",
+        "Does the service meet its serving goals, paired in time with the engine alone?",
+        "guidellm_paired_ttft400.json",
+    ),
+    Benchmark(
+        "serving",
+        "benchmarks.serving.soak",
+        "Does a running service stay correct and leak-free through minutes of mixed load with disconnects?",
+        "soak_long.json",
+    ),
+]
+
+# Shared modules, not run on their own.
+HELPERS = {
+    "benchmarks.common": "timing, the closed-loop driver, HF reference timing, tables, save_result (JSON + PNG + CPU)",
+    "benchmarks.catalog": "this list, `python -m benchmarks` and the results index",
+    "benchmarks.serving.loadgen": "HTTP load generators (closed loop, continuous load)",
+    "benchmarks.serving.switchback": "switchback windows for `http_sweep --switchback-rounds`",
+    "benchmarks.serving.step_profile": "engine steps read the same way in process and in the replica",
+    "benchmarks.serving.guidellm_workload": "the guidellm workload, shared by the two guidellm benchmarks",
+    "benchmarks.serving.guidellm_report": "guidellm's report and the steady-state view of it",
+    "benchmarks.structured.schema_suite": "the JSON schemas the structured-output benchmarks and tests share",
+}
+
+# Result files kept beside the canonical ones: earlier or variant runs that docs/benchmarks.md cites, and
+# one-off A/Bs whose scripts are in git history only.
+RECORDS = {
+    "cpu_priority_ab": "engine-first priorities vs Ray's own (one-off A/B, script in git history)",
+    "draft_eval_chat24": "draft_eval on 24 held-out prompts",
+    "guidellm_load_burner_bound": "guidellm_load, an older run whose bound burnt guidellm's whole-run CPU",
+    "guidellm_load_steady_slow": "guidellm_load, the steady-state rerun on a slow hour",
+    "guidellm_paired": "guidellm_paired with max_ttft_ms 700",
+    "guidellm_paired_run1": "guidellm_paired, an earlier 3-round run",
+    "http_sweep_diag_c16": "http_sweep, copy c=16 diagnosis",
+    "http_sweep_pc_off": "http_sweep with prefix caching off",
+    "http_sweep_pc_on": "http_sweep with prefix caching on (its pair)",
+    "http_sweep_s10_copy_6rounds": "http_sweep, copy mix, 6 rounds (session 10)",
+    "serve_env_ab": "Serve's slower polling, serving_profile pairs from before env_ab",
+    "serve_request_path_ab": "env_ab, all five request-path settings, an earlier run",
+    "serve_router_loop_ab": "env_ab, handle routing on the caller's loop",
+    "serving_profile_report_every_50ms": "serving_profile with load reports every 50 ms",
+}
+
+
+def listing() -> str:
+    width = max(len(b.module) for b in BENCHMARKS)
+    lines = [f"{b.group:<12} python -m {b.module:<{width}}  {b.question}" for b in BENCHMARKS]
+    lines += ["", "Helpers (not run on their own):"]
+    lines += [f"  {m}: {what}" for m, what in HELPERS.items()]
+    lines += ["", "How to run each and what it measured: docs/benchmarks.md; results: benchmarks/results/INDEX.md"]
+    return "\n".join(lines)
+
+
+def _machine(stem: str) -> tuple[str, str]:
+    """(CPU, date) from a result file's ``env``; "not recorded" where it has none."""
+    path = RESULTS_DIR / f"{stem}.json"
+    env = json.loads(path.read_text()).get("env") if path.exists() else None
+    if not isinstance(env, dict):
+        return "not recorded", "not recorded"
+    return str(env.get("cpu") or "not recorded"), str(env.get("time") or "")[:10] or "not recorded"
+
+
+def _files(stem: str) -> str:
+    return ", ".join(f"[{p.name}]({p.name})" for p in sorted(RESULTS_DIR.glob(f"{stem}.*")))
+
+
+def index() -> str:
+    """benchmarks/results/INDEX.md: generated from BENCHMARKS, RECORDS and the result files."""
+    out = [
+        "# Benchmark results",
+        "",
+        "Generated by `python -m benchmarks --index` from `benchmarks/catalog.py` and the files here; do not edit.",
+        "One canonical result per benchmark; what each measured, on which machine: `docs/benchmarks.md`.",
+        "",
+        "| group | benchmark | question | result | CPU | date |",
+        "|---|---|---|---|---|---|",
+    ]
+    for b in BENCHMARKS:
+        stem = Path(b.result).stem
+        cpu, date = _machine(stem)
+        files = _files(stem) if b.result else "none by default"
+        out.append(f"| {b.group} | `{b.module}` | {b.question} | {files} | {cpu} | {date} |")
+    out += ["", "## Other recorded runs", "", "| result | what | CPU | date |", "|---|---|---|---|"]
+    for stem, what in sorted(RECORDS.items()):
+        cpu, date = _machine(stem)
+        out.append(f"| {_files(stem)} | {what} | {cpu} | {date} |")
+    return "\n".join(out) + "\n"
+
+
+def unlisted_results() -> list[str]:
+    """Files in results/ that the index does not name."""
+    stems = {Path(b.result).stem for b in BENCHMARKS if b.result} | set(RECORDS)
+    return sorted(p.name for p in RESULTS_DIR.iterdir() if p.name != INDEX.name and p.stem not in stems)
+
+
+def unlisted_modules() -> list[str]:
+    """Modules under benchmarks/ that are neither a benchmark nor a helper."""
+    known = {b.module for b in BENCHMARKS} | set(HELPERS)
+    found = {
+        ".".join(("benchmarks", *p.relative_to(ROOT).with_suffix("").parts))
+        for p in ROOT.rglob("*.py")
+        if not p.name.startswith("__")
+    }
+    return sorted(found - known)

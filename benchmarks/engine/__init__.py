@@ -1,0 +1,1 @@
+"""Engine benchmarks: the engine in process against HF `generate`, and its kernels."""

@@ -1,0 +1,1 @@
+"""Fidelity benchmarks: what the exactness guarantees (batch invariance, keyed sampling, coupled verification) cost."""

@@ -1,0 +1,1 @@
+"""Speculation benchmarks: proposers against plain decoding, at c=1 and under load."""

@@ -1,0 +1,1 @@
+"""Training benchmarks: how well the trained drafts (models/) draft."""
