@@ -451,3 +451,21 @@ def test_smollm2_schema_suite_is_valid_and_identical_on_every_path(smollm2_loade
         if done:
             jsonschema.validate(json.loads(text_of(smollm2_loaded, ids)), case.schema)
     assert eng.stats["grammar"].acceptance_rate > 0.9
+
+
+def test_apply_masks_matches_the_bits_token_by_token(tiny_loaded):
+    tok = tiny_loaded.tokenizer
+    rt = GrammarRuntime(tok, 49152, [tok.eos_token_id])
+    gen = torch.Generator().manual_seed(3)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, 1536), dtype=torch.int32, generator=gen)
+    bitmask[4] = 0  # an empty row: EOS only
+    logits = torch.randn(5, 49152, generator=gen)
+    ref_allowed = torch.tensor(
+        [[(int(bitmask[r, t // 32]) >> (t % 32)) & 1 for t in range(49152)] for r in range(5)], dtype=torch.bool
+    )
+    ref_allowed[4, tok.eos_token_id] = True
+    for rows in ([0, 1, 2, 3, 4], [1, 3, 4]):  # every row constrained (one pass) / some (the others untouched)
+        out = rt.apply_masks(logits, bitmask, rows)
+        for r in range(5):
+            want = torch.where(ref_allowed[r], logits[r], float("-inf")) if r in rows else logits[r]
+            assert torch.equal(out[r], want), (rows, r)
