@@ -73,6 +73,13 @@ BENCHMARKS = [
         "grammar_libs.json",
     ),
     Benchmark(
+        "structured",
+        "benchmarks.structured.structured_bench",
+        "How much do grammar drafts and proposers speed up constrained decoding on the schema suite, "
+        "at what grammar cost per step, and what do they cost unconstrained neighbours?",
+        "structured_bench.json",
+    ),
+    Benchmark(
         "training",
         "benchmarks.training.draft_eval",
         "How well do the trained drafts draft: acceptance per position and speed at c=1?",
