@@ -9,7 +9,7 @@ costs the engine far more than the CPU it uses. Three parts put the engine first
   a woken batch task waits for the running thread's time slice instead of preempting it.
 - ``RAY_worker_niceness=0``: Ray starts its workers at nice 15, below its own daemons. The engine
   thread could not climb back to 0 without privilege, and under load the HTTP proxy and the ingress
-  at 15 starve behind a nice-0 engine (measured: TTFT p50 at 16 streams 0.25 s -> 1.3-1.6 s).
+  at 15 starve behind a nice-0 engine, and TTFT grows several-fold (docs/benchmarks.md).
 - Once deployed, Ray's background daemons step back. The ones nothing waits for (dashboard, its
   agent, log monitor, autoscaler monitor, client server) go to ``SCHED_IDLE``: they run on cycles
   nobody else wants. The GCS, the Serve controller and the runtime-env agent go to nice

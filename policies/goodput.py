@@ -13,9 +13,9 @@ Two measured refinements, both reducing to the formula above when the measuremen
 with its assumption:
 
 - *Acceptance per position* (``snapshot.acceptance_pos_ema``): the formula assumes every
-  draft position accepts independently at rate a. An n-gram draft is all-or-nothing (on open
-  chat, measured: position 1 accepts ~30%, later positions ~90% once it did), which the
-  formula undervalues by half; so E[tokens] = 1 + sum_{i<=K} prod_{j<=i} alpha_j over the
+  draft position accepts independently at rate a. An n-gram draft is all-or-nothing (later
+  positions accept far more often than the first once it did), which the formula
+  undervalues; so E[tokens] = 1 + sum_{i<=K} prod_{j<=i} alpha_j over the
   measured conditional rates alpha_j (the last one extends to unmeasured positions).
 - *Proposal rate* rho (``snapshot.proposal_rate_ema``, drafted / requested tokens): an n-gram
   proposer finds no match on most open-chat steps, and a request with no draft runs a plain
@@ -28,14 +28,14 @@ uniform per proposer (acceptance is per proposer, from ``snapshot.acceptance_ema
 ``prior_acceptance`` until a proposer has an EMA). A proposer whose *first* draft is accepted
 less often than ``min_acceptance`` gets K = 0: the first position, because a verify gains
 nothing unless draft 1 is accepted, and because the per-token rate of an all-or-nothing n-gram
-draft shrinks with K (measured on open chat: 0.10 per token at K = 4 while draft 1 accepts
-~0.17), so a floor on it cut off a proposer that was winning whenever its estimate dipped.
+draft shrinks with K, so a floor on it cut off a proposer that was winning whenever its estimate
+dipped.
 
 Hysteresis: the K chosen for a proposer changes only when the best K's goodput beats the
 current K's by more than ``switch_margin`` (relative), so two K within noise of each other
 do not make the path flap step by step. The margin is 2%, not more, because it is also the
-loss goodput accepts by holding a K: issue 5's bar is 0.97x the better path, and with 5%
-simulated copy cells held K = 3 where K = 4 was 4% better (tests/test_goodput_sim.py).
+loss goodput accepts by holding a K, which must stay within 3% of the better path
+(tests/test_goodput_sim.py).
 
 Exploring: a K whose step cost is unmeasured is predicted by the line and tried when it looks
 best, which fills the cost table where it matters; the plain step's cost at the current batch
@@ -43,24 +43,21 @@ size, the baseline of every comparison, is measured first (a plain step or two p
 size) so that a line pulled up by costly verify steps cannot make plain look worse than it is.
 Only when the call is close, though: where the line says speculation wins by more than
 ``BASELINE_MARGIN``, no plausible error in the plain estimate flips the decision, and the plain
-steps would be pure loss (measured, copy mix, closed loop at c=16: every ramp of the batch size
-through new values cost 12 of 56 decisions as plain steps, ~5% of throughput).
+steps would be pure loss (each ramp of the batch size through new values would pay them again).
 
 Probing: acceptance is only observed on steps that speculate, so once a proposer is held at
 K = 0 its acceptance EMA would freeze at the value that made it lose, and a workload that
 turns copy-heavy later would never be noticed. After ``probe_interval_steps`` consecutive
 K = 0 decisions for a proposer, *one request* of that step drafts ``probe_k`` tokens to refresh
 the estimate. One request, not the batch: acceptance is a per-request sample either way, and a
-whole-batch probe at B = 32 feeds 3x the step's tokens for one step in a hundred (~1% of
-throughput, where the HTTP sweep's chat cells sat 3-5% below ``never`` with goodput deciding
-K = 0 on all but its probe steps); one request's probe adds ``probe_k`` tokens to one step.
+whole-batch probe multiplies one step's tokens, a visible cost where speculation does not pay;
+one request's probe adds ``probe_k`` tokens to one step.
 
 The same blind spot exists above the chosen K: a verify of K drafts never reaches position K + 1,
 so a position measured low early (a few samples, while the cost model was still unfitted) would
-hold K below its best forever. Simulated on a copy-heavy B = 4 cell (tests/test_goodput_sim.py):
-position 3 read 0.40 after one early verify against 0.9 true, K stayed at 2, and goodput ran 11%
-below ``always``. So after ``probe_interval_steps`` consecutive decisions of 0 < K < k_max, one
-request drafts k_max, which refreshes the positions past K.
+hold K below its best forever (tests/test_goodput_sim.py shows it on a copy-heavy cell). So after
+``probe_interval_steps`` consecutive decisions of 0 < K < k_max, one request drafts k_max, which
+refreshes the positions past K.
 """
 
 from __future__ import annotations

@@ -60,8 +60,7 @@ class AsyncEngine:
         OpenMP threads than CPUs it stops spinning between regions (100 spins, then a futex
         sleep), so each of the ~400 parallel ops of a step pays a wake-up. Building the engine
         (model load, weight packing) in the loop thread keeps that thread the only one that
-        opens regions. Measured, fp32 SmolLM2, 2 cores: 36 ms per token in the main thread,
-        47 in a second thread after the first had run torch, 41 with everything in one thread.
+        opens regions (the per-token cost of the alternatives is in docs/benchmarks.md).
         """
         self._cmds: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

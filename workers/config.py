@@ -92,8 +92,8 @@ class EngineConfig(BaseModel):
     device: str = Field("auto", description="'auto' picks CUDA when present, else CPU.")
     cpu_gemm: Literal["onednn", "mkl"] = Field(
         "onednn",
-        description="CPU matmul backend. 'onednn' prepacks every weight once (measured, fp32, 2 cores: a batch-1 "
-        "step 35.6 vs 40.6 ms, batch 16 71.5 vs 111 ms); 'mkl' is F.linear, the call HF's own forward makes, so "
+        description="CPU matmul backend. 'onednn' prepacks every weight once, which makes steps faster at every "
+        "batch size (docs/benchmarks.md); 'mkl' is F.linear, the call HF's own forward makes, so "
         "fp32 logits are bit-identical to HF. oneDNN sums in another order: logits differ from HF's by up to "
         "~1.2e-4 (HF's own fp32 forward is 4e-5 off the fp64 one). Ignored on CUDA.",
     )

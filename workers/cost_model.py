@@ -15,9 +15,9 @@ priors are used. The slope is shrunk towards the prior slope with weight ``SLOPE
 (in tokens^2): when every sample has the same token count the slope is unidentifiable and
 the prior slope is used, while a spread of a few tokens already lets the data dominate.
 
-The line alone is not enough on real hardware: on this CPU a step of 2 tokens costs about 1.4x
-a step of 1 (MKL runs small-M GEMMs single-threaded) while the slope fitted over prefill chunks
-says 1.05x, so a linear model calls a 20%-acceptance draft a win when it loses. So each
+The line alone is not enough on real hardware: on a CPU a step of 2 tokens costs much more than
+the slope fitted over prefill chunks says (small-M GEMMs run single-threaded), so a linear model
+calls a low-acceptance draft a win when it loses. So each
 measured token count also keeps its own EMA (exact counts up to ``EXACT_TOKENS``, then
 quarter-octave buckets), and ``predict`` uses that measured cost once a bucket has
 ``bucket_min_samples`` samples, and the line elsewhere. The policy explores a K whose cost is
@@ -27,49 +27,40 @@ decisions are made.
 The table is also keyed by the step's batch size when the caller knows it (``requests``: the
 decoding requests of a step that carried no prefill chunk). Equal token counts are not equal
 steps: 7 requests verifying 4 drafts each (35 tokens) and 2 requests plus a 25-token prefill
-chunk differ in attention over each request's context and in per-request work. Measured on the
-copy mix at c=16, a token-keyed bucket priced B=7, K=4 at 165 ms against 111 ms for K=3, so
-goodput drafted 3 where 4 was better and lost 10% to ``always``. The policy compares K at a
+chunk differ in attention over each request's context and in per-request work, and a table keyed
+by tokens alone misprices one K against another. The policy compares K at a
 fixed batch size, so it asks for ``(requests, tokens)``: measured there, or the line, never
 another composition's cost. Calls without ``requests`` keep the token-keyed table.
 
 At a fixed batch size the prediction is also *monotone in tokens*: a step never costs less than
 a measured step of the same batch with fewer tokens.
 Why: the line is fitted over every step, prefill chunks included, so at a given batch it can sit
-far below that batch's measured costs. Measured over HTTP on the chat mix at c=8: plain B=8
-steps cost 157 ms (table) while the line said 155 ms for 11 tokens; goodput priced the
-unmeasured 8x11 verify below plain, asked the n-gram proposer for drafts on 11% of steps at 32%
-acceptance, and each such step cost 170-185 ms against 120-145 ms plain.
+far below that batch's measured costs, and an unmeasured verify then looks cheaper than the
+plain step it replaces.
 
 Beyond a batch's last measured count the curve rises by the *draft-token slope*: an EMA of
 (verify step - plain step of the same batch) / drafted tokens over every verify step whose batch
 has a measured plain step. The line's own slope is no guide there: prefill chunks are cheap per
-token, so the line fitted over them comes out nearly flat (measured: 0.0 to 2.4 ms per token)
-while a few drafted tokens on a batch of 8 decodes cost 10-30 ms each. With that slope a batch
+token, so the line fitted over them comes out nearly flat while drafted tokens on a decode batch
+cost an order of magnitude more each. With that slope a batch
 size seen only in plain steps is priced sensibly at once, instead of every drafted token count
 being explored as if free.
 
 A batch's verify entries are kept *relative to its plain step* (``_ratio``: each verify step's
 seconds over the batch's plain entry at that moment), and priced as that ratio times the plain
 entry now. Why: the machine's speed drifts, and the policy compares entries measured at different
-times. Measured over HTTP on the chat mix at c=4 (2 shared cores): the same plain B=4 step cost
-50-69 ms from one 10 s cell to the next. An ``always`` cell measured the B=4 verify entries while
-plain steps ran at 54 ms; a slow spell then moved the plain entry (seen on every step under K = 0)
-to 68 ms while the verify entries kept their fast-spell values, so by the monotone curve a verify
-of up to 4 drafted tokens looked free: goodput drafted on half the steps of the next cell, each
-verify of ~6 drafts cost 95 ms against 68 ms plain for 0.7 more tokens, and the cell ran 4% below
-``never``. A ratio carries no speed, so the fresh plain entry scales the old verify entries with
-it. (One machine-wide speed factor over fixed per-entry shapes was tried and measured worse: shapes
-learned on the copy mix's long contexts held on the chat mix, and goodput drafted at chat c=8 and
-lost 13%. A ratio is re-learned from each verify step, at the same rate as a raw entry.)
+times: raw verify entries kept from a fast spell make verifies look free once a slow spell has
+raised the plain entry. A ratio carries no speed, so the fresh plain entry scales the old verify
+entries with it. (One machine-wide speed factor over fixed per-entry shapes did worse: shapes
+learned on one workload misled on another. A ratio is re-learned from each verify step, at the
+same rate as a raw entry.)
 
 Prefill is priced on top of the decode part of a step: ``predict_step(decode_tokens, decoding,
 prefill_tokens)`` is the decode step's prediction plus ``prefill_token_s`` per prompt token, an EMA
 of (step seconds - the decode part's prediction) / prompt tokens over every step that fed a prompt
 chunk. Why additive: a prompt chunk's rows go through the same GEMMs as the decode rows, and its
-attention is over its own short context, so its cost hardly depends on the batch beside it (measured
-on a 2-core CPU: a 128-token chunk added the same time next to 1 and to 16 decoding requests, within a
-few percent). The scheduler (workers/scheduler.py) sizes prompt chunks from this, and the
+attention is over its own short context, so its cost hardly depends on the batch beside it. The
+scheduler (workers/scheduler.py) sizes prompt chunks from this, and the
 goodput policy sizes K from the decode part: one model of the step both spend.
 """
 

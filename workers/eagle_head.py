@@ -129,8 +129,7 @@ class EagleHead(nn.Module):
 
         Why: drafting feeds the head its own predicted feature from the second draft on, and a head
         trained only on true features (plus small noise) meets inputs there it has never seen.
-        Measured on models/smollm2-eagle trained that way (held-out chat, greedy): K = 2, 4 and 6
-        all gave a mean acceptance length of 1.27, i.e. not one second draft accepted.
+        A head trained that way accepted no second draft at all (docs/benchmarks.md).
 
         Step 1 is :meth:`forward_train`. At step ``s >= 2`` the chain anchored at true pair ``j``
         feeds ``[f^_{j+s-1} ; embed(t_{j+s})]`` at position ``j + s - 1``, and its query attends to

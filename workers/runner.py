@@ -72,8 +72,8 @@ class _AttnGroup:
     dense_row0: int | None = None
 
 
-# bf16 runners on CPUs without native bf16 GEMMs switch to fp32 packed weights from this many rows
-# (measured, all layers: bf16 F.linear 9 ms at 1 row, ~18 at 2, 29 at 4; fp32 packed 19-20 ms at 1-2 rows, 25 at 4).
+# bf16 runners on CPUs without native bf16 GEMMs switch to fp32 packed weights from this many rows:
+# from there on the emulated bf16 GEMM is slower than the packed fp32 one (docs/benchmarks.md).
 _WIDE_ROWS = 3
 
 
@@ -184,10 +184,9 @@ class ModelRunner:
                 }
             )
         # On CPU, every weight matmul runs through oneDNN with the weight prepacked once into its
-        # blocked layout (measured, fp32, 2 cores, all 30 layers' weights streamed: 20 ms at 1 row
-        # vs 36 ms for F.linear and 28 ms for a pre-transposed vector-matrix product; 40 vs 66 ms at
-        # 16 rows; 61 vs 96 ms at 32). F.linear repacks the weight on every call and runs small-M
-        # GEMMs on one thread. The packed copy replaces the plain one, so weight memory is unchanged
+        # blocked layout, which is faster at every row count (docs/benchmarks.md): F.linear repacks
+        # the weight on every call and runs small-M GEMMs on one thread. The packed copy replaces
+        # the plain one, so weight memory is unchanged
         # (the LM head keeps its plain copy: it is the tied embedding table). Where oneDNN cannot
         # pack (CUDA, or bf16 on a CPU without AVX-512/AVX-NE-CONVERT), or with cpu_gemm="mkl", the
         # plain F.linear path runs: it is what HF's forward calls, so its fp32 logits are bit-identical
@@ -199,8 +198,8 @@ class ModelRunner:
                     L[name] = _pack(L[name])
             self.lm_head_packed = _pack(self.lm_head)
         # bf16 on a CPU without native bf16 matmuls (no AVX-512-BF16 / AMX): one-row steps stream
-        # half the bytes and win (measured: 20 ms vs 35.6 ms fp32), but a multi-row bf16 GEMM is
-        # emulated and ~3x slower than fp32 (all weights at 16 rows: 115 ms vs 40 ms packed fp32).
+        # half the bytes and win, but a multi-row bf16 GEMM is emulated and several times slower
+        # than fp32 (docs/benchmarks.md).
         # So steps with more than one row (prefill chunks, batches, verify) multiply by an fp32
         # packed copy of the same bf16-rounded weights and round the result back to bf16. Costs
         # 2x the bf16 weight memory again; the values a one-row step reads are unchanged.
@@ -513,9 +512,9 @@ class ModelRunner:
         """One attention call per distinct new-token count, over its requests' gathered blocks.
 
         Why: one call padded to the longest query would make every decoding request (1 new token)
-        attend with as many query rows as a 32-token prefill chunk riding in the same step; that
-        padding cost a batch-16 step 78 ms of its 275 ms (measured). Grouping by count keeps each
-        call dense. Key j is visible to query row i of a request iff j <= start + i. ``pad_keys``: the
+        attend with as many query rows as a 32-token prefill chunk riding in the same step, and that
+        padding was a large share of a mixed step. Grouping by count keeps each call dense.
+        Key j is visible to query row i of a request iff j <= start + i. ``pad_keys``: the
         key axis is rounded up to whole KEY_BLOCKs for the batch-invariant attention.
         """
         dev = self.device
@@ -548,9 +547,8 @@ class ModelRunner:
     def _lm_head(self, hs: torch.Tensor) -> torch.Tensor:
         """``[M, hidden] -> [M, vocab]`` float32 logits.
 
-        The LM head is the largest matrix (vocab 49152 x 576, 113 MB in fp32). Packed for oneDNN it
-        takes 4.5 ms at 1 row, 7 ms at 4 and 10 ms at 16 (measured, fp32, 2 cores), against 10, 22
-        and 21 ms for ``F.linear``.
+        The LM head is the largest matrix (vocab 49152 x 576, 113 MB in fp32), so it is packed for
+        oneDNN like the layers: about twice as fast as ``F.linear`` (docs/benchmarks.md).
         """
         if self.batch_invariant:
             return bi.blocked(self._lm_head_kernel, hs, self.row_blocking["lm_head"])

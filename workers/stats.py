@@ -74,18 +74,16 @@ class RateEma:
         value = (prior * w0 * decay^n + sum_i decay^(n-i) * x_i) / (w0 * decay^n + sum_i decay^(n-i) * w_i)
 
     Why not a plain EMA that starts at its first sample: the policy acts on acceptance from the
-    first verify on, and one rejected draft then reads as "acceptance 0" (measured: open chat's
-    first n-gram drafts are rejected, the rate read 0.0 after 6 steps and held speculation off).
+    first verify on, and a few rejected first drafts then read as "acceptance 0" and hold
+    speculation off for good.
     Here the prior (weight ``prior_weight`` samples) fades as evidence arrives, and the
     normalisation keeps early estimates unbiased towards 0 (unlike an EMA started at 0).
 
     Why ``ACCEPTANCE_DECAY`` = 0.98 (~100 samples of memory) and not 0.9 (~10): the policy
     acts on the estimate, and an estimate that dips stops being corrected. Once a dip makes
-    goodput choose K = 0, no verify feeds it except a probe per ``probe_interval_steps``. With
-    0.9, open chat's n-gram first-position acceptance (~0.17 true) read 0.07 within a few
-    dozen verifies and goodput parked at K = 0 on chat c=1, where ``always`` was 4-7% faster
-    (HTTP sweep, session 7). A closed-loop simulation of that cell (tests/test_goodput_sim.py)
-    speculates on 2-8% of steps at 0.9 and on ~all at 0.98. The memory is in samples, not
+    goodput choose K = 0, no verify feeds it except a probe per ``probe_interval_steps``, so a
+    short memory parks a low-acceptance proposer at K = 0 where speculating still wins
+    (docs/benchmarks.md, "Why the code is the way it is"). The memory is in samples, not
     steps, so a batch of 32 still forgets a workload shift within a few steps.
     """
 
@@ -110,9 +108,9 @@ class PositionalAcceptance:
     """Conditional acceptance per draft position: ``[i]`` estimates P(draft i+1 accepted | 1..i accepted).
 
     Why not one rate: (1 - a^(K+1)) / (1 - a) assumes every position accepts independently at
-    rate a. An n-gram draft is all-or-nothing (the copied span continues or it does not: measured
-    on open chat, position 1 accepts 8-25% and position 2 ~50% once position 1 did), and the
-    i.i.d. formula then undervalues it. With per-position rates the expected tokens of K drafts
+    rate a. An n-gram draft is all-or-nothing (the copied span continues or it does not: later
+    positions accept far more often than the first once it did), and the i.i.d. formula then
+    undervalues it. With per-position rates the expected tokens of K drafts
     are 1 + sum_{i<=K} prod_{j<=i} alpha_j, which is the formula again when all alpha_j = a.
     Positions never reached are absent (the policy extends the last measured one).
     """
