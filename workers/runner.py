@@ -186,11 +186,11 @@ class ModelRunner:
         # On CPU, every weight matmul runs through oneDNN with the weight prepacked once into its
         # blocked layout, which is faster at every row count (docs/benchmarks.md): F.linear repacks
         # the weight on every call and runs small-M GEMMs on one thread. The packed copy replaces
-        # the plain one, so weight memory is unchanged
-        # (the LM head keeps its plain copy: it is the tied embedding table). Where oneDNN cannot
-        # pack (CUDA, or bf16 on a CPU without AVX-512/AVX-NE-CONVERT), or with cpu_gemm="mkl", the
-        # plain F.linear path runs: it is what HF's forward calls, so its fp32 logits are bit-identical
-        # to HF's; oneDNN sums in another order (max |logit diff| ~1.1e-4 on SmolLM2, see EngineConfig).
+        # the plain one, so weight memory is unchanged (the LM head keeps its plain copy: it is the
+        # tied embedding table). Where oneDNN cannot pack (CUDA, or bf16 on a CPU without
+        # AVX-512/AVX-NE-CONVERT), or with cpu_gemm="mkl", the plain F.linear path runs: it is what
+        # HF's forward calls, so its fp32 logits are bit-identical to HF's; oneDNN sums in another
+        # order (max |logit diff| ~1.1e-4 on SmolLM2, see EngineConfig).
         self._packed = self.device.type == "cpu" and cpu_gemm == "onednn" and _onednn_packs(dtype)
         if self._packed:
             for L in self.layers:
