@@ -419,7 +419,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         for r in decoding:
             room = min(r.params.max_tokens - len(r.output_ids) - 1, self.max_model_len - r.num_tokens - 1)
-            r.forced = r.grammar.forced(min(max_forced, room)) if r.grammar is not None else []
+            # a request held plain takes no drafts, forced ones included: skip the grammar's lookahead
+            held = r.speculation == "off"
+            r.forced = r.grammar.forced(min(max_forced, room)) if r.grammar is not None and not held else []
             # never draft past max_tokens (the verify emits accepted + 1) or past the context
             cands.append(
                 SpecCandidate(
