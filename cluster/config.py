@@ -170,12 +170,13 @@ class RouterConfig(BaseModel):
         "then skipped: Serve picks a target replica and the engine's per-step policy decides the path.",
     )
     prefix_affinity_max_imbalance: float = Field(
-        8.0,
+        2.0,
         ge=0,
         description="Prefix-aware placement: a request that continues an earlier prompt (a conversation's next "
-        "turn, a repeat) goes to the replica that was sent that prompt's KV blocks while that replica's load "
-        "(requests in its engine plus its share of KV in use) is within this much of the least-loaded replica's; "
-        "beyond it, to the least-loaded. 0 turns affinity off. Placement changes speed only, never output.",
+        "turn, a repeat) goes to the replica that was sent that prompt's KV blocks while that replica has at most "
+        "this many requests (in its engine and routed to it) more than the least busy replica; beyond it, to the "
+        "least-loaded. Small, so that a hot prompt never leaves another replica idle. 0 turns affinity off. "
+        "Placement changes speed only, never output.",
     )
     prefix_index_blocks: int = Field(
         65536,

@@ -14,10 +14,10 @@ whichever replica took the first one, so those requests are placed by load alone
 blocks, bounded by ``max_blocks``: the blocks of a conversation that went quiet fall out first, as
 they do from the replicas' own pools.
 
-Affinity only re-orders choices the load balance allows (``choose``): a replica that holds more of
-the prompt wins only while its load is within ``max_imbalance`` of the least-loaded replica, so a
-popular prefix cannot pile requests onto one replica. Placement only changes speed: every replica
-computes the same output for a request, cached or not.
+Affinity only re-orders choices the load balance allows (``affine``): a replica that holds more of
+the prompt wins only while it has at most ``max_imbalance`` requests more than the least busy
+replica, so a popular prompt cannot pile requests onto one replica while another idles. Placement
+only changes speed: every replica computes the same output for a request, cached or not.
 """
 
 from __future__ import annotations
@@ -67,20 +67,21 @@ class PrefixIndex:
 
 
 def affine(
-    loads: Mapping[str, float], index: PrefixIndex, hashes: Sequence[int], max_imbalance: float
+    requests: Mapping[str, float], index: PrefixIndex, hashes: Sequence[int], max_imbalance: float
 ) -> tuple[set[str], int]:
     """The replicas a request may go to for its prefix, and how many of its blocks they hold.
 
-    Only replicas whose load is within ``max_imbalance`` of the lightest one are considered; among
+    ``requests``: each fresh replica's requests (in its engine and routed to it since its report).
+    Only replicas with at most ``max_imbalance`` more than the least busy one are considered; among
     them, the ones sent the most of the prompt's leading blocks, if the request continues a prompt
     sent there. ``(every replica, 0)`` when affinity is off, the prompt has no full block, no allowed
     replica holds any of it, the match is only a shared head, or every allowed replica holds as much:
     the plain load balance then decides."""
-    if max_imbalance <= 0 or not hashes or not loads:
-        return set(loads), 0
-    best = min(loads.values())
-    allowed = {r for r, v in loads.items() if v <= best + max_imbalance}
+    if max_imbalance <= 0 or not hashes or not requests:
+        return set(requests), 0
+    best = min(requests.values())
+    allowed = {r for r, v in requests.items() if v <= best + max_imbalance}
     depth, holders, ended = index.match(hashes, allowed)
     if not ended or holders == allowed:
-        return set(loads), 0
+        return set(requests), 0
     return holders, depth

@@ -13,7 +13,7 @@ share a burst instead of all of it landing on the first. The load is what the po
 about: requests in the engine (running, waiting) plus the share of the KV cache in use.
 
 Prefix affinity: the ingress sends the chained hashes of the prompt's full KV blocks, and among
-the replicas within ``router.prefix_affinity_max_imbalance`` of the lightest load, the one the
+the replicas within ``router.prefix_affinity_max_imbalance`` requests of the least busy, the one the
 Router sent the most of those leading blocks gets the request (deployments/prefix_affinity.py), so
 a conversation's next turn finds its KV cached. Stale replicas are never candidates.
 
@@ -131,18 +131,22 @@ class Router:
         a change, only every heartbeat)."""
         return {"version": self.version, "policy": self.user_config.policy_dump()}
 
+    def requests(self, replica_id: str, snap: dict[str, Any]) -> int:
+        """Requests in the replica's engine and routed to it since its report."""
+        return snap["running"] + snap["waiting"] + self.assigned.get(replica_id, 0)
+
     def load(self, replica_id: str, snap: dict[str, Any]) -> float:
-        """Requests in the replica's engine and routed to it since its report, plus its KV share in use."""
+        """Its requests plus its KV share in use."""
         kv = snap.get("kv_tokens_in_use", 0) / max(snap.get("kv_tokens_capacity", 0), 1)
-        return snap["running"] + snap["waiting"] + self.assigned.get(replica_id, 0) + kv
+        return self.requests(replica_id, snap) + kv
 
     def pick(self, fresh: dict[str, tuple[float, dict[str, Any]]], prefix: list[int]) -> tuple[str, int]:
         """The replica, and how many of the prompt's leading blocks it was sent before: among the replicas
         sent the most of them (all, if none was; see ``affine``), the least-loaded; among near-ties
         (within one request), the better of two random ones."""
-        loads = {r: self.load(r, snap) for r, (_, snap) in fresh.items()}
-        keep, depth = affine(loads, self.prefixes, prefix, self.cfg.router.prefix_affinity_max_imbalance)
-        loads = {r: v for r, v in loads.items() if r in keep}
+        reqs = {r: self.requests(r, snap) for r, (_, snap) in fresh.items()}
+        keep, depth = affine(reqs, self.prefixes, prefix, self.cfg.router.prefix_affinity_max_imbalance)
+        loads = {r: self.load(r, snap) for r, (_, snap) in fresh.items() if r in keep}
         best = min(loads.values())
         near = sorted(r for r, v in loads.items() if v < best + 1.0)
         if len(near) == 1:

@@ -98,14 +98,14 @@ def test_affinity_holds_within_the_imbalance_threshold_and_yields_beyond_it():
     ix = PrefixIndex(1000)
     t1, t2 = block_hashes(_chat(1, 1), 16), block_hashes(_chat(1, 2), 16)
     ix.add(t1, "a")
-    assert affine({"a": 5.0, "b": 0.0}, ix, t2, 8.0) == ({"a"}, 4)  # 5 busier, within 8: a
-    assert affine({"a": 9.0, "b": 0.0}, ix, t2, 8.0) == ({"a", "b"}, 0)  # beyond 8: load decides
-    assert affine({"a": 5.0, "b": 0.0}, ix, t2, 0.0) == ({"a", "b"}, 0)  # 0 turns affinity off
-    assert affine({"b": 0.0}, ix, t2, 8.0) == ({"b"}, 0)  # a is gone (not fresh): never chosen
+    assert affine({"a": 2, "b": 0}, ix, t2, 2.0) == ({"a"}, 4)  # 2 requests busier, within 2: a
+    assert affine({"a": 3, "b": 0}, ix, t2, 2.0) == ({"a", "b"}, 0)  # beyond 2: load decides
+    assert affine({"a": 1, "b": 0}, ix, t2, 0.0) == ({"a", "b"}, 0)  # 0 turns affinity off
+    assert affine({"b": 0}, ix, t2, 2.0) == ({"b"}, 0)  # a is gone (not fresh): never chosen
     other = block_hashes(_chat(2, 1), 16)
-    assert affine({"a": 1.0, "b": 0.0}, ix, other, 8.0) == ({"a", "b"}, 0)  # a shared head: load decides
+    assert affine({"a": 1, "b": 0}, ix, other, 2.0) == ({"a", "b"}, 0)  # a shared head: load decides
     ix.add(t1, "b")
-    assert affine({"a": 1.0, "b": 0.0}, ix, t2, 8.0) == ({"a", "b"}, 0)  # both hold it: load decides
+    assert affine({"a": 1, "b": 0}, ix, t2, 2.0) == ({"a", "b"}, 0)  # both hold it: load decides
 
 
 def test_the_router_sends_each_turn_where_its_blocks_are_and_spreads_new_conversations():
@@ -135,3 +135,13 @@ def test_prefix_affinity_keys_are_validated():
         RouterConfig(prefix_affinity_max_imbalance=-1)
     with pytest.raises(ValidationError, match="prefix_index_blocks"):
         RouterConfig(prefix_index_blocks=-1)
+
+
+def test_a_hot_prompt_stays_on_its_replica_only_up_to_the_threshold_then_spreads():
+    r = _router()
+    for rid in ("a", "b"):
+        r.report(rid, _snap(), r.version)
+    hot = block_hashes(_chat(1, 1), 16)
+    picks = [r.route("auto", None, 4, prefix=hot)["replica_id"] for _ in range(8)]
+    assert len(set(picks[:3])) == 1 and picks[3] != picks[0]  # 2 more than the idle one, then it spills
+    assert picks.count("a") == picks.count("b") == 4  # both hold it now: the load balance decides
