@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import statistics
 import tempfile
 import time
@@ -113,7 +114,8 @@ async def conversations(url: str, plan: dict[str, Any]) -> dict[str, Any]:
         return turns
 
     t0 = time.perf_counter()
-    convs = await asyncio.gather(*(one(i) for i in range(plan["conversations"])))
+    async with client:  # closed on this loop, not by the garbage collector after it
+        convs = await asyncio.gather(*(one(i) for i in range(plan["conversations"])))
     wall = time.perf_counter() - t0
     # turn 3's cache against what turn 2 left: its prompt and answer (the last answer token is never fed)
     cover = [c[2]["cached_tokens"] / (c[1]["prompt_tokens"] + c[1]["completion_tokens"]) for c in convs]
@@ -142,6 +144,7 @@ async def ttft_probes(url: str, plan: dict[str, Any]) -> dict[str, Any]:
         cold_messages = [{"role": "user", "content": f"[{uuid.uuid4().hex[:8]}] {first}"}] + messages[1:]
         cold = await chat_turn(client, cold_messages, 8)  # nothing of it cached but the template's head
         rows.append({"warm": warm | {"text": None}, "cold": cold | {"text": None}})
+    await client.close()
     warm_ms = [1e3 * r["warm"]["ttft_s"] for r in rows]
     cold_ms = [1e3 * r["cold"]["ttft_s"] for r in rows]
     ratio = statistics.median(cold_ms) / statistics.median(warm_ms)
@@ -233,7 +236,7 @@ def render(result: dict[str, Any], name: str) -> None:
         f"(c) closed-loop chat: c=32 {tput['tok_s_c32']:.1f} tok/s, c=64 {tput['tok_s_c64']:.1f} tok/s "
         f"= {tput['c64_over_c32']:.2f}x (goal >= 1)"
     )
-    fig, axes = figure(3, width=13.0, height=4.0)
+    fig, axes = figure(3, width=4.6, height=4.0)
     bar_panel(
         axes[0],
         [f"{r} replica(s)" for r in conv],
@@ -269,9 +272,13 @@ def main() -> None:
     ap.add_argument("--num-threads", type=int, default=1, help="engine threads per target replica")
     ap.add_argument("--contended", action="store_true", help="mark the result as taken on a shared machine")
     ap.add_argument("--tag", help="write multiturn_bench_<tag>.{json,png}")
+    ap.add_argument("--render", action="store_true", help="redraw the table and PNG from the saved JSON only")
     a = ap.parse_args()
     plan = dict(QUICK if a.quick else FULL)
     name = "multiturn_bench" + (f"_{a.tag}" if a.tag else "")
+    if a.render:
+        render(json.loads((RESULTS_DIR / f"{name}.json").read_text()), name)
+        return
     result: dict[str, Any] = {
         "env": env_info(),
         "plan": plan,
