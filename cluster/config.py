@@ -182,7 +182,8 @@ class RouterConfig(BaseModel):
         65536,
         ge=0,
         description="Most KV blocks the Router remembers the placement of (least recently routed forgotten "
-        "first; about 200 bytes each). Enough for several replicas' block pools; 0 turns affinity off.",
+        "first; about 300 bytes each, 20 MB at the default). Enough for several replicas' block pools; "
+        "0 turns affinity off.",
     )
 
     @model_validator(mode="after")
