@@ -111,6 +111,12 @@ BENCHMARKS = [
     ),
     Benchmark(
         "serving",
+        "benchmarks.serving.multiturn_bench",
+        "Does each turn of a chat find the last one's KV cached, on 1 and 2 replicas; how much TTFT does it save?",
+        "multiturn_bench.json",
+    ),
+    Benchmark(
+        "serving",
         "benchmarks.serving.serving_profile",
         "Where does the CPU go per output token, process by process?",
         "serving_profile.json",

@@ -169,6 +169,22 @@ class RouterConfig(BaseModel):
         description="Most the ingress waits for the Router's answer. A Router that fails, restarts or is slow is "
         "then skipped: Serve picks a target replica and the engine's per-step policy decides the path.",
     )
+    prefix_affinity_max_imbalance: float = Field(
+        2.0,
+        ge=0,
+        description="Prefix-aware placement: a request that continues an earlier prompt (a conversation's next "
+        "turn, a repeat) goes to the replica that was sent that prompt's KV blocks while that replica has at most "
+        "this many requests (in its engine and routed to it) more than the least busy replica; beyond it, to the "
+        "least-loaded. Small, so that a hot prompt never leaves another replica idle. 0 turns affinity off. "
+        "Placement changes speed only, never output.",
+    )
+    prefix_index_blocks: int = Field(
+        65536,
+        ge=0,
+        description="Most KV blocks the Router remembers the placement of (least recently routed forgotten "
+        "first; about 300 bytes each, 20 MB at the default). Enough for several replicas' block pools; "
+        "0 turns affinity off.",
+    )
 
     @model_validator(mode="after")
     def _fresh_enough(self) -> RouterConfig:

@@ -18,7 +18,9 @@ callers skip every span and per-step event (zero cost). W3C ``traceparent`` trav
 dict carriers (``extract`` / ``inject``).
 
 Names follow vLLM's spec_decode metrics (``spec_decode_num_drafts`` ...); the stats objects that
-feed them (workers/stats.py) know nothing about OTel.
+feed them (workers/stats.py) know nothing about OTel. The metrics vLLM also has are exported a second
+time under vLLM's own names (``vllm:prefix_cache_hits`` ..., labelled ``model_name`` as vLLM's are;
+see ``VLLM_ALIASES``), so a dashboard or alert written for vLLM reads this service unchanged.
 """
 
 from __future__ import annotations
@@ -82,6 +84,32 @@ def tokens_bucket(n: int) -> str:
 
 
 # ---------------------------------------------------------------------------- samples
+
+# Our metric -> vLLM's name for the same quantity (same unit and meaning). OTel instrument names
+# cannot hold ':', so the aliases are added to the plain samples (``with_vllm_aliases``).
+VLLM_ALIASES = {
+    "specserve_num_requests_running": "vllm:num_requests_running",
+    "specserve_num_requests_waiting": "vllm:num_requests_waiting",
+    "specserve_kv_cache_usage": "vllm:kv_cache_usage_perc",  # a fraction 0..1, as vLLM's despite the name
+    "specserve_prefix_cache_queries": "vllm:prefix_cache_queries",  # tokens
+    "specserve_prefix_cache_hits": "vllm:prefix_cache_hits",  # tokens
+    "specserve_num_preemptions": "vllm:num_preemptions",
+    "spec_decode_num_drafts": "vllm:spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+    "spec_decode_num_accepted_tokens_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
+}
+
+
+def with_vllm_aliases(samples: list[Sample], model_name: str) -> list[Sample]:
+    """``samples`` and, for each that vLLM has a name for, a copy under that name with vLLM's
+    ``model_name`` label added."""
+    out = list(samples)
+    for s in samples:
+        alias = VLLM_ALIASES.get(s["name"])
+        if alias is not None:
+            out.append({**s, "name": alias, "labels": {**s.get("labels", {}), "model_name": model_name}})
+    return out
 
 
 def metrics_to_samples(data: MetricsData | None, extra_labels: Mapping[str, str] | None = None) -> list[Sample]:

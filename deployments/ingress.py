@@ -31,6 +31,7 @@ from deployments.ingress_telemetry import IngressTelemetry, RequestTelemetry, ga
 from deployments.resume import ResumableStream
 from deployments.router_client import RouterClient
 from deployments.structured import structured_params
+from workers.kv_blocks import block_hashes
 
 log = logging.getLogger("ray.serve")
 app = FastAPI(title="specserve", docs_url=None, redoc_url=None)
@@ -365,9 +366,18 @@ class Ingress:
             c.add(first, prompts[c.prompt_index])
         return [g for g, _ in started]
 
+    def _prefix(self, prompt_ids: list[int]) -> list[int] | None:
+        """The prompt's full KV blocks as the replicas' prefix caches key them, for prefix-aware
+        placement; none when the Router would not use them."""
+        rc, ec = self.cfg.router, self.cfg.engine
+        if rc.prefix_affinity_max_imbalance <= 0 or rc.prefix_index_blocks <= 0 or not ec.enable_prefix_caching:
+            return None
+        return block_hashes(prompt_ids, ec.block_size)
+
     async def _start(self, req: Any, prompt_ids: list[int], params: dict[str, Any], rid: str, rt: RequestTelemetry):
         """Route, submit, and read the first chunk (so errors become a 4xx before any SSE byte)."""
-        route = await rt.routed(self.router_client.route(req.speculation, req.proposer))
+        prefix = self._prefix(prompt_ids)
+        route = await rt.routed(self.router_client.route(req.speculation, req.proposer, prefix=prefix))
         payload = {
             "request_id": rid,
             "prompt_ids": prompt_ids,
@@ -384,7 +394,9 @@ class Ingress:
         async def submit(p: dict[str, Any], resubmission: bool, failed: str | None):
             hint = route.get("replica_id")
             if resubmission:  # anywhere but the replica that failed it (if none wrote a chunk: the one routed to)
-                hint = (await self.router_client.route(req.speculation, req.proposer, failed or hint)).get("replica_id")
+                hint = (await self.router_client.route(req.speculation, req.proposer, failed or hint, prefix)).get(
+                    "replica_id"
+                )
             return self.target.generate.remote(p, replica_id=hint)
 
         stream = ResumableStream(submit, payload, self.cfg.ingress.max_resumes, self.telemetry.on_resume)

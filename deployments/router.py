@@ -12,6 +12,11 @@ breaks near-ties (loads within one request) with two random choices, so that equ
 share a burst instead of all of it landing on the first. The load is what the policy cares
 about: requests in the engine (running, waiting) plus the share of the KV cache in use.
 
+Prefix affinity: the ingress sends the chained hashes of the prompt's full KV blocks, and among
+the replicas within ``router.prefix_affinity_max_imbalance`` requests of the least busy, the one the
+Router sent the most of those leading blocks gets the request (deployments/prefix_affinity.py), so
+a conversation's next turn finds its KV cached. Stale replicas are never candidates.
+
 The Router is off the failure path: the ingress bounds its call (``router.route_timeout_s``)
 and serves the request without it, and a restarted Router rebuilds its view from the next
 reports and its policy from the deployed user_config.
@@ -29,6 +34,7 @@ from ray import serve
 
 from cluster.config import AppConfig, RouterUserConfig
 from cluster.telemetry import Telemetry
+from deployments.prefix_affinity import PrefixIndex, affine
 from policies.registry import make_policy
 from workers.decision import SpecCandidate
 from workers.stats import LoadSnapshot
@@ -46,11 +52,16 @@ class Router:
         self.loads: dict[str, tuple[float, dict[str, Any]]] = {}  # replica id -> (received at, snapshot)
         self.assigned: dict[str, int] = {}  # replica id -> requests routed to it since its last report
         self.rng = random.Random()
+        self.prefixes = PrefixIndex(self.cfg.router.prefix_index_blocks)
         ctx = serve.get_replica_context()
         self.telemetry = Telemetry(self.cfg.telemetry, "router", ctx.replica_id.unique_id if ctx else "router")
         # per-request decisions, cumulative across policy swaps (the policy's own count starts over)
         self.route_decisions = self.telemetry.meter.create_counter(
             "specserve_route_decisions", description="Per-request routing decisions, by path and K."
+        )
+        self.prefix_routed = self.telemetry.meter.create_counter(
+            "specserve_router_prefix_affinity",
+            description="Requests placed where their leading KV blocks were sent before (hit) or by load alone (miss).",
         )
         self.telemetry.meter.create_observable_gauge(
             "specserve_policy_version",
@@ -76,8 +87,16 @@ class Router:
         now = time.time()
         return {r: v for r, v in self.loads.items() if now - v[0] <= self.cfg.router.stale_after_s}
 
-    def route(self, speculation: str, proposer: str | None, k_max: int, exclude: str | None = None) -> dict[str, Any]:
-        """The replica for a new request (never ``exclude``: one that just failed it) and its expected path."""
+    def route(
+        self,
+        speculation: str,
+        proposer: str | None,
+        k_max: int,
+        exclude: str | None = None,
+        prefix: list[int] | None = None,
+    ) -> dict[str, Any]:
+        """The replica for a new request (never ``exclude``: one that just failed it) and its expected path.
+        ``prefix``: the chained hashes of the prompt's full KV blocks (``workers.kv_blocks.block_hashes``)."""
         fresh = {r: v for r, v in self._fresh().items() if r != exclude}
         if not fresh:
             return {
@@ -87,7 +106,10 @@ class Router:
                 "load_age_s": None,
                 "policy_version": self.version,
             }
-        rid = self.pick(fresh)
+        rid, cached_blocks = self.pick(fresh, prefix or [])
+        if prefix:
+            self.prefixes.add(prefix, rid)
+            self.prefix_routed.add(1, {"result": "hit" if cached_blocks else "miss"})
         at, snap = fresh[rid]
         self.assigned[rid] = self.assigned.get(rid, 0) + 1
         s = LoadSnapshot(**snap)
@@ -100,6 +122,7 @@ class Router:
             "k": k,
             "load_age_s": time.time() - at,
             "policy_version": self.version,
+            "prefix_blocks": cached_blocks,
         }
 
     def policy(self) -> dict[str, Any]:
@@ -108,20 +131,28 @@ class Router:
         a change, only every heartbeat)."""
         return {"version": self.version, "policy": self.user_config.policy_dump()}
 
-    def load(self, replica_id: str, snap: dict[str, Any]) -> float:
-        """Requests in the replica's engine and routed to it since its report, plus its KV share in use."""
-        kv = snap.get("kv_tokens_in_use", 0) / max(snap.get("kv_tokens_capacity", 0), 1)
-        return snap["running"] + snap["waiting"] + self.assigned.get(replica_id, 0) + kv
+    def requests(self, replica_id: str, snap: dict[str, Any]) -> int:
+        """Requests in the replica's engine and routed to it since its report."""
+        return snap["running"] + snap["waiting"] + self.assigned.get(replica_id, 0)
 
-    def pick(self, fresh: dict[str, tuple[float, dict[str, Any]]]) -> str:
-        """The least-loaded replica; among near-ties (within one request), the better of two random ones."""
-        loads = {r: self.load(r, snap) for r, (_, snap) in fresh.items()}
+    def load(self, replica_id: str, snap: dict[str, Any]) -> float:
+        """Its requests plus its KV share in use."""
+        kv = snap.get("kv_tokens_in_use", 0) / max(snap.get("kv_tokens_capacity", 0), 1)
+        return self.requests(replica_id, snap) + kv
+
+    def pick(self, fresh: dict[str, tuple[float, dict[str, Any]]], prefix: list[int]) -> tuple[str, int]:
+        """The replica, and how many of the prompt's leading blocks it was sent before: among the replicas
+        sent the most of them (all, if none was; see ``affine``), the least-loaded; among near-ties
+        (within one request), the better of two random ones."""
+        reqs = {r: self.requests(r, snap) for r, (_, snap) in fresh.items()}
+        keep, depth = affine(reqs, self.prefixes, prefix, self.cfg.router.prefix_affinity_max_imbalance)
+        loads = {r: self.load(r, snap) for r, (_, snap) in fresh.items() if r in keep}
         best = min(loads.values())
         near = sorted(r for r, v in loads.items() if v < best + 1.0)
         if len(near) == 1:
-            return near[0]
+            return near[0], depth
         a, b = self.rng.sample(near, 2)  # in random order: a tie goes to either
-        return a if loads[a] <= loads[b] else b
+        return (a if loads[a] <= loads[b] else b), depth
 
     def stats(self) -> dict[str, Any]:
         now = time.time()
@@ -130,6 +161,7 @@ class Router:
             "policy_version": self.version,
             "replicas": {r: {"age_s": now - at, **snap} for r, (at, snap) in self.loads.items()},
             "decisions": {f"{p}:{k}": n for (p, k), n in self.policy.decisions.items()},
+            "prefix_index_blocks": len(self.prefixes),
         }
 
     def metrics_samples(self) -> list[dict[str, Any]]:

@@ -33,9 +33,12 @@ class RouterClient:
         self.k_max = k_max
         self.on_fallback = on_fallback
 
-    async def route(self, speculation: str, proposer: str | None, exclude: str | None = None) -> dict[str, Any]:
-        """The Router's choice of replica (other than ``exclude``), or none within ``timeout_s``."""
-        resp = self.router.route.remote(speculation, proposer, self.k_max, exclude)
+    async def route(
+        self, speculation: str, proposer: str | None, exclude: str | None = None, prefix: list[int] | None = None
+    ) -> dict[str, Any]:
+        """The Router's choice of replica (other than ``exclude``; preferring the one sent the most of
+        ``prefix``, the prompt's block hashes), or none within ``timeout_s``."""
+        resp = self.router.route.remote(speculation, proposer, self.k_max, exclude, prefix)
         try:
             return await within(resp, self.timeout_s)
         except Exception as e:  # noqa: BLE001  (timeout, a dead or restarting Router)

@@ -8,9 +8,13 @@ Metrics (all labelled ``replica``; pulled at scrape time by ``samples()``):
 - ``specserve_step_decisions`` {path, k}: the policy's per-step decision for every decoding
   request, cumulative across live policy swaps.
 - ``specserve_requests`` {finish_reason}: requests finished by this replica.
+- ``specserve_prefix_cache_queries`` / ``_hits`` (prompt tokens, each request counted at its first
+  admission only) and ``specserve_num_preemptions``: counters copied from the engine at scrape time.
 - gauges ``specserve_num_requests_running`` / ``_waiting``, ``specserve_kv_tokens_in_use`` /
-  ``_capacity`` (the load snapshot the engine publishes after each step), and, with the draft
+  ``_capacity`` and ``specserve_kv_cache_usage`` (their ratio) (the load snapshot the engine
+  publishes after each step), and, with the draft
   worker configured, ``specserve_draft_worker_up`` and the counter ``specserve_draft_call_failures``.
+- the ones vLLM has, again under vLLM's names (``vllm:prefix_cache_hits`` ...; ``VLLM_ALIASES``).
 - histograms ``specserve_target_step_seconds`` {tokens_per_step}, ``specserve_draft_call_seconds``,
   ``spec_decode_acceptance_length`` {proposer} (tokens committed by one verify: accepted + 1).
 
@@ -30,7 +34,7 @@ from opentelemetry import trace as trace_api
 from opentelemetry.metrics import CallbackOptions, Observation
 
 from cluster.config import AppConfig
-from cluster.telemetry import STEP_BUCKETS_S, Sample, Telemetry, extract, tokens_bucket
+from cluster.telemetry import STEP_BUCKETS_S, Sample, Telemetry, extract, tokens_bucket, with_vllm_aliases
 from workers.request import StepEvent
 from workers.stats import LoadSnapshot
 
@@ -45,6 +49,7 @@ class TargetTelemetry:
         draft_proxy: Any | None = None,  # RemoteDraftProposer: .up, .num_failures
     ) -> None:
         self.tel = Telemetry(cfg.telemetry, "target", replica_id)
+        self.model_name = cfg.engine.served_model_name
         self.proposer_names = list(proposer_names)
         self._snapshot = snapshot
         self._draft = draft_proxy
@@ -86,6 +91,11 @@ class TargetTelemetry:
             lambda: [Observation(self._view.get("prefix", (0, 0))[1])],
             "Of those, tokens whose KV was reused instead of prefilled (vLLM: prefix_cache_hits).",
         )
+        counter(
+            "specserve_num_preemptions",
+            lambda: [Observation(self._view.get("preemptions", 0))],
+            "Requests whose KV blocks were taken back, to be recomputed later (vLLM: num_preemptions).",
+        )
         self.requests = m.create_counter("specserve_requests", description="Requests finished, by finish reason.")
         for name, attr, desc in (
             ("specserve_num_requests_running", "running", "Requests holding a KV slot."),
@@ -94,6 +104,11 @@ class TargetTelemetry:
             ("specserve_kv_tokens_capacity", "kv_tokens_capacity", "KV cache tokens in the block pool."),
         ):
             m.create_observable_gauge(name, callbacks=[self._gauge(attr)], description=desc)
+        m.create_observable_gauge(
+            "specserve_kv_cache_usage",
+            callbacks=[lambda _o: [Observation(self._kv_usage())]],
+            description="Share of the KV block pool held by requests, 0 to 1 (vLLM: kv_cache_usage_perc).",
+        )
         if draft_proxy is not None:
             m.create_observable_gauge(
                 "specserve_draft_worker_up",
@@ -151,6 +166,7 @@ class TargetTelemetry:
             },
             "decisions": dict(self.decisions),
             "prefix": (engine.prefix_cache_queries, engine.prefix_cache_hits),
+            "preemptions": engine.num_preemptions,
         }
 
     # ------------------------------------------------------------------ scrape
@@ -162,7 +178,7 @@ class TargetTelemetry:
             self._view = await asyncio.wait_for(call_engine(self.engine_view), timeout_s)
         except Exception:
             pass
-        return self.tel.samples()
+        return with_vllm_aliases(self.tel.samples(), self.model_name)
 
     def _spec(self, field: str) -> list[Observation]:
         idx = {"num_drafts": 0, "num_draft_tokens": 1, "num_accepted_tokens": 2}[field]
@@ -182,6 +198,10 @@ class TargetTelemetry:
             Observation(n, {"path": "spec" if k > 0 else "plain", "k": str(k)})
             for k, n in sorted(self._view["decisions"].items())
         ]
+
+    def _kv_usage(self) -> float:
+        s = self._snapshot()
+        return s.kv_tokens_in_use / s.kv_tokens_capacity if s.kv_tokens_capacity else 0.0
 
     def _gauge(self, attr: str) -> Callable[[CallbackOptions], list[Observation]]:
         return lambda _o: [Observation(getattr(self._snapshot(), attr))]

@@ -1,6 +1,7 @@
 """Observability end to end: a one-node local Ray cluster (as ``make serve`` runs) with two target
 replicas and tracing on the in-memory exporter; real requests through the ``openai`` client, then one
-``GET /metrics`` scrape for the whole cluster and the spans each process kept."""
+``GET /metrics`` scrape for the whole cluster and the spans each process kept. With two replicas, the
+same cluster shows prefix-aware placement: a conversation's turns find their KV blocks cached."""
 
 from __future__ import annotations
 
@@ -90,8 +91,9 @@ def run_requests(client) -> list:
     def one(i: int, extra: dict) -> None:
         extra = dict(extra)
         stream = extra.pop("stream", False)
+        content = f"Request {i}. {COPY}"  # distinct prompts: a repeat would follow its blocks to one replica
         kw = dict(
-            model=MODEL, messages=[{"role": "user", "content": COPY}], max_tokens=24, temperature=0, extra_body=extra
+            model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=24, temperature=0, extra_body=extra
         )
         if not stream:
             results[i] = client.chat.completions.create(**kw).usage.model_extra["speculation"]
@@ -262,3 +264,57 @@ def test_grafana_dashboard_queries_only_scraped_metrics(cluster, client):
     scraped = {s.name for fam in text_string_to_metric_families(r.text) for s in fam.samples}
     missing = dashboard_metric_names() - scraped - EVENT_ONLY
     assert not missing, f"docs/grafana/specserve.json queries metrics the live /metrics lacks: {sorted(missing)}"
+
+
+TOPICS = ["the sea", "a lighthouse", "mountains", "a city at night", "a forest", "the desert"]
+
+
+def test_each_turn_of_a_conversation_finds_its_blocks_on_the_replica_that_holds_them(cluster, client):
+    """Six conversations x 3 turns, each turn of all six at once: the Router spreads the first turns
+    over both replicas (by load), then sends every later turn where the earlier ones went, so turn 3's
+    cached_tokens cover the full blocks of turn 2's prompt and answer (the KV a replica commits). The
+    vLLM-named prefix-cache counters move by exactly the tokens the responses report."""
+    before = scrape(cluster)
+    convs: list[list[dict]] = [[{"role": "user", "content": f"Describe {t} in one sentence."}] for t in TOPICS]
+    usages: list[list] = [[] for _ in TOPICS]
+
+    def turn(c: int, n: int) -> None:
+        r = client.chat.completions.create(model=MODEL, messages=convs[c], max_tokens=24, temperature=0)
+        convs[c].append({"role": "assistant", "content": r.choices[0].message.content})
+        convs[c].append({"role": "user", "content": f"Now say more about {TOPICS[c]}, part {n + 2}."})
+        usages[c].append(r.usage)
+
+    for n in range(3):
+        threads = [threading.Thread(target=turn, args=(c, n)) for c in range(len(TOPICS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=240)
+        assert all(len(u) == n + 1 for u in usages), usages
+    after = scrape(cluster)
+
+    for c, (_, u2, u3) in enumerate(usages):
+        held = (u2.prompt_tokens + u2.completion_tokens - 1) // 16 * 16  # full blocks of committed KV
+        assert u3.prompt_tokens_details.cached_tokens >= 0.8 * held, (TOPICS[c], u2, u3)
+        assert u2.prompt_tokens_details.cached_tokens > 0, (TOPICS[c], u2)
+    served = {
+        labels["replica"]
+        for labels, v in after["specserve_requests_total"]
+        if v > total(before, "specserve_requests_total", **labels)
+    }
+    assert len(served) == 2, "the first turns should have been spread over both replicas"
+    assert total(after, "specserve_router_prefix_affinity_total", result="hit") - total(
+        before, "specserve_router_prefix_affinity_total", result="hit"
+    ) >= 2 * len(TOPICS)
+    # vLLM's names, beside ours, on each target replica: exactly what the responses reported
+    d_hits = total(after, "vllm:prefix_cache_hits_total") - total(before, "vllm:prefix_cache_hits_total")
+    d_queries = total(after, "vllm:prefix_cache_queries_total") - total(before, "vllm:prefix_cache_queries_total")
+    assert d_hits == sum(u.prompt_tokens_details.cached_tokens for us in usages for u in us) > 0
+    assert d_queries == sum(u.prompt_tokens for us in usages for u in us)
+    assert d_hits == total(after, "specserve_prefix_cache_hits_total") - total(
+        before, "specserve_prefix_cache_hits_total"
+    )
+    for name in ("vllm:kv_cache_usage_perc", "vllm:num_preemptions_total", "vllm:num_requests_running"):
+        assert len(replicas_of(after, name)) == 2, name
+        assert all(labels["model_name"] == MODEL for labels, _ in after[name]), name
+    assert all(0.0 <= v <= 1.0 for _, v in after["vllm:kv_cache_usage_perc"])

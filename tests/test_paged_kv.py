@@ -8,7 +8,7 @@ import pytest
 from tests.test_engine import rand_prompts
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from workers.kv_blocks import KVCacheManager
+from workers.kv_blocks import KVCacheManager, block_hashes
 from workers.request import Request
 from workers.sampling_params import SamplingParams
 
@@ -56,6 +56,25 @@ def test_blocks_are_shared_by_hash_refcounted_and_evicted_least_recently_freed_f
     e = _req("e", list(range(40)))
     assert kv.admit(e, 16, use_cache=True) is True  # room for one block: the hit needs no new one
     assert kv.prefix_cache_hits == 16 + 32 + 16
+
+
+def test_block_hashes_are_the_cache_keys_and_a_readmission_is_no_new_query():
+    """The ingress's ``block_hashes`` (what the Router places by) are the keys the pool caches under;
+    a preempted request admitted again counts its prompt as a prefix-cache query once, as vLLM does."""
+    kv = KVCacheManager(num_blocks=8, block_size=16)
+    a = _req("a", list(range(40)))
+    assert kv.admit(a, 40, use_cache=True)
+    a.num_computed = 40
+    kv.cache_full_blocks(a)
+    assert a.block_hashes == block_hashes(list(range(40)), 16) and len(a.block_hashes) == 2
+    assert kv.prefix_cache_queries == 40 and kv.prefix_cache_hits == 0
+    kv.free(a)  # as a preemption does, then admitted again: its cached blocks are hit, nothing counted
+    a.num_preemptions, a.num_computed = 1, 0
+    assert kv.admit(a, 40, use_cache=True) and a.num_cached_tokens == 32
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (40, 0)
+    b = _req("b", list(range(40)))  # a new request with the same prompt is a query and a hit
+    assert kv.admit(b, 40, use_cache=True)
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (80, 32)
 
 
 def test_a_request_the_pool_cannot_hold_now_waits_and_takes_nothing():

@@ -273,6 +273,7 @@ def test_target_samples_from_engine_view():
     class FakeEngine:
         stats = {"ngram": FakeStats()}
         prefix_cache_queries, prefix_cache_hits = 50, 20
+        num_preemptions = 3
 
     tt = _target_telemetry("off")
     tt.count_decisions([0, 4, 4])
@@ -292,6 +293,17 @@ def test_target_samples_from_engine_view():
     assert val[("specserve_num_requests_running", (("replica", "t1"),))]["value"] == 2
     assert val[("specserve_prefix_cache_queries", (("replica", "t1"),))]["value"] == 50
     assert val[("specserve_prefix_cache_hits", (("replica", "t1"),))]["value"] == 20
+    assert val[("specserve_num_preemptions", (("replica", "t1"),))]["value"] == 3
+    # the ones vLLM has, again under vLLM's names and label: its dashboards read them unchanged
+    vl = (("model_name", "SmolLM2-135M-Instruct"), ("replica", "t1"))
+    assert val[("vllm:prefix_cache_queries", vl)]["value"] == 50
+    assert val[("vllm:prefix_cache_hits", vl)]["value"] == 20
+    assert val[("vllm:num_preemptions", vl)]["value"] == 3
+    assert val[("vllm:num_requests_running", vl)]["value"] == 2
+    assert val[("vllm:kv_cache_usage_perc", vl)]["kind"] == "gauge"
+    assert val[("vllm:spec_decode_num_draft_tokens", (("model_name", "SmolLM2-135M-Instruct"),) + lab)]["value"] == 12
+    text = render_prometheus(samples)
+    assert 'vllm:prefix_cache_hits_total{model_name="SmolLM2-135M-Instruct",replica="t1"} 20' in text
     step = val[("specserve_target_step_seconds", (("replica", "t1"), ("tokens_per_step", "9-16")))]
     assert step["count"] == 1
     acc = val[("spec_decode_acceptance_length", lab)]

@@ -26,6 +26,18 @@ from workers.request import Request
 BlockKey = tuple[int, tuple[int, ...]]  # (parent block's hash, 0 for the first; the block's token ids)
 
 
+def block_hashes(ids: Sequence[int], block_size: int) -> list[int]:
+    """The chained hash of each full block of ``ids``, as the prefix cache keys them. Python hashes
+    tuples of ints the same in every process, so the ingress computes the keys a replica will cache
+    a prompt under (the Router places requests by them) without asking the replica."""
+    out: list[int] = []
+    parent = 0
+    for i in range(len(ids) // block_size):
+        parent = hash((parent, tuple(ids[i * block_size : (i + 1) * block_size])))
+        out.append(parent)
+    return out
+
+
 class BlockPool:
     """``num_blocks`` blocks: reference counts, the LRU free queue and the hash -> block map."""
 
@@ -88,8 +100,10 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
-        self.prefix_cache_queries = 0  # prompt tokens admitted that may read the cache
-        self.prefix_cache_hits = 0  # of those, read from cached blocks instead of prefilled
+        # prompt tokens admitted that may read the cache, and of those, the ones read from cached blocks
+        # instead of prefilled; a request counts once, at its first admission (as vLLM counts them)
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     @property
     def num_blocks(self) -> int:
@@ -135,7 +149,7 @@ class KVCacheManager:
         r.block_table = hits + self.pool.allocate(max(0, new))
         r.block_hashes = hashes
         r.num_computed = r.num_cached_tokens = len(hits) * self.block_size
-        if use_cache and self.enable_caching:
+        if use_cache and self.enable_caching and r.num_preemptions == 0:  # a readmission is no new query
             self.prefix_cache_queries += len(r.prompt_ids)
             self.prefix_cache_hits += r.num_cached_tokens
         return True
