@@ -168,6 +168,7 @@ HELPERS = {
 # Result files kept beside the canonical ones: earlier or variant runs that docs/benchmarks.md cites, and
 # one-off A/Bs whose scripts are in git history only.
 RECORDS = {
+    "attention_kv_dtype": "attention_bench --kv-dtype-ab: the native kernel over an fp32 vs a bf16 KV cache",
     "cpu_priority_ab": "engine-first priorities vs Ray's own (one-off A/B, script in git history)",
     "draft_eval_chat24": "draft_eval on 24 held-out prompts",
     "guidellm_load_burner_bound": "guidellm_load, an older run whose bound burnt guidellm's whole-run CPU",

@@ -76,6 +76,26 @@ def test_a_row_depends_only_on_its_visible_keys(kernel, heads, kv_heads, head_di
         torch.testing.assert_close(outs[0].double(), reference(q0, keys, vals, nvis), atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim,bs", [(9, 3, 64, 16), (10, 2, 20, 32), (6, 1, 32, 16)])
+def test_a_bf16_cache_reads_as_the_fp32_cache_of_the_same_values(kernel, heads, kv_heads, head_dim, bs):
+    """Keys and values that are bf16 values (a bf16 model's): the kernel widens a bf16 cache exactly and sums in
+    the same order, so every output is bit-identical to the fp32 cache's, decode and prefill rows alike."""
+    gen = torch.Generator().manual_seed(7)
+    slots, L = 5, 192
+    kc = torch.randn(slots, kv_heads, L, head_dim, generator=gen).bfloat16().float()
+    vc = torch.randn(slots, kv_heads, L, head_dim, generator=gen).bfloat16().float()
+    kt, vp, tables = to_pool(kc, vc, bs, gen)
+    rows = 23
+    q = torch.randn(rows, heads, head_dim, generator=gen)
+    req = torch.tensor([0] * 8 + [1, 2, 3] + [4] * 12)  # a prefill chunk, decode rows, another chunk
+    n = torch.cat([torch.arange(100, 108), torch.tensor([1, 77, 192]), torch.arange(30, 42)])
+    a = kernel(q, kt, vp, tables, req, n, int(n.max()), head_dim**-0.5)
+    b = kernel(q, kt.bfloat16(), vp.bfloat16(), tables, req, n, int(n.max()), head_dim**-0.5)
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="both fp32 or both bf16"):
+        kernel(q, kt, vp.bfloat16(), tables, req, n, int(n.max()), head_dim**-0.5)
+
+
 def test_shared_blocks_read_alike(kernel):
     """Two requests whose tables share their first blocks (a prefix-cache hit) and differ after: each row
     equals the same row with the request's keys copied into blocks of its own."""

@@ -65,9 +65,11 @@ def test_silu_mul_rows_are_invariant_and_match_torch(ops, dtype, n_inter):
     assert out[0, 0] == 0 and torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_kv_rounds_as_the_torch_ops_and_writes_the_caches(ops, dtype):
-    """Keys and values land in the paged cache through each row's block table (blocks out of order)."""
+def test_rope_kv_rounds_as_the_torch_ops_and_writes_the_caches(ops, dtype, kv_dtype):
+    """Keys and values land in the paged cache through each row's block table (blocks out of order), in the
+    cache's dtype: a bf16 cache holds the value rounded to bf16 (for a bf16 model, the value itself)."""
     H, Hkv, D, L, BS, NB = 6, 2, 20, 48, 16, 9
     gen = torch.Generator().manual_seed(1)
     T = 9
@@ -78,16 +80,16 @@ def test_rope_kv_rounds_as_the_torch_ops_and_writes_the_caches(ops, dtype):
     blk, off = tables[seq, pos // BS], pos % BS
     ang = torch.outer(torch.arange(L, dtype=torch.float32), torch.rand(D // 2, generator=gen))
     cos, sin = torch.cat([ang, ang], -1).cos().to(dtype), torch.cat([ang, ang], -1).sin().to(dtype)
-    kt = torch.zeros(NB, Hkv, D, BS)
-    v = torch.zeros(NB, Hkv, BS, D)
+    kt = torch.zeros(NB, Hkv, D, BS, dtype=kv_dtype)
+    v = torch.zeros(NB, Hkv, BS, D, dtype=kv_dtype)
     q = ops.rope_kv(qkv, pos, blk * BS + off, cos, sin, kt, v, H)
 
     qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
     rot = torch.cat((-qk[..., D // 2 :], qk[..., : D // 2]), -1)
     ref = qk * cos[pos].unsqueeze(1) + rot * sin[pos].unsqueeze(1)  # the runner's torch RoPE, [T, H + Hkv, D]
     assert torch.equal(q, ref[:, :H].float())
-    assert torch.equal(kt.transpose(2, 3)[blk, :, off], ref[:, H:].float())
-    assert torch.equal(v[blk, :, off], qkv[:, (H + Hkv) * D :].view(T, Hkv, D).float())
+    assert torch.equal(kt.transpose(2, 3)[blk, :, off], ref[:, H:].to(kv_dtype))
+    assert torch.equal(v[blk, :, off], qkv[:, (H + Hkv) * D :].view(T, Hkv, D).to(kv_dtype))
     written = torch.zeros(NB, BS, dtype=torch.bool)
     written[blk, off] = True
     assert (kt.permute(0, 3, 1, 2)[~written] == 0).all() and (v.transpose(1, 2)[~written] == 0).all()

@@ -1,9 +1,14 @@
 """The paged KV cache: the block pool's bookkeeping on hand-made requests, pool sizing from
-kv_cache_memory_gb, and preemption by recompute leaving every output token unchanged."""
+kv_cache_memory_gb, and preemption by recompute leaving every logit and output token unchanged, with
+EAGLE, prompt_logprobs and structured output too."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import pytest
+import torch
 
 from tests.test_engine import rand_prompts
 from workers.config import EngineConfig
@@ -87,12 +92,58 @@ def test_a_request_the_pool_cannot_hold_now_waits_and_takes_nothing():
     assert kv.room(a) == 64
 
 
-def _engine(loaded, kv_tokens: int | None, **kw) -> LLMEngine:
+def _engine(loaded, kv_tokens: int | None, proposer_objs: dict | None = None, **kw) -> LLMEngine:
     gb = 4.0 if kv_tokens is None else kv_tokens * TINY_TOKEN_BYTES / 2**30
-    cfg = EngineConfig(
-        dtype="float32", max_num_seqs=8, max_model_len=128, max_num_batched_tokens=64, kv_cache_memory_gb=gb, **kw
-    )
-    return LLMEngine(cfg, loaded)
+    kw = {"dtype": "float32", "max_num_seqs": 8, "max_model_len": 128, "max_num_batched_tokens": 64, **kw}
+    return LLMEngine(EngineConfig(kv_cache_memory_gb=gb, **kw), loaded, proposers=proposer_objs)
+
+
+def _run(eng: LLMEngine, prompts: list[list[int]], params: list[dict], **kw: Any) -> dict[str, list]:
+    """Every request to the end under fixed ids (r0, r1, ...): each one's outputs, in order."""
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"r{i}", p, sp, **kw)
+    outs: dict[str, list] = {f"r{i}": [] for i in range(len(prompts))}
+    while eng.has_work():
+        for o in eng.step():
+            outs[o.request_id].append(o)
+    return outs
+
+
+def _tokens(outs: dict[str, list]) -> dict[str, list[int]]:
+    return {rid: [t for o in os for t in o.token_ids] for rid, os in outs.items()}
+
+
+def _spy_logits(eng: LLMEngine) -> dict[tuple[str, int, tuple[int, ...]], list[torch.Tensor]]:
+    """Every logits row the engine decides output from (before any grammar mask), keyed by (request, position
+    of the token it follows, the drafts between the committed tokens and it)."""
+    seen: dict[tuple[str, int, tuple[int, ...]], list[torch.Tensor]] = {}
+    process = eng.processor.process
+
+    def spy(rows, logits, event=None):  # logits: [sum_i (len(drafts_i) + 1), vocab]
+        off = 0
+        for f in rows:
+            r = f.request
+            first = r.num_computed + len(f.fed) - 1 - len(f.drafts)  # the pending (or last prompt) token
+            for j in range(len(f.drafts) + 1):
+                seen.setdefault((r.request_id, first + j, tuple(f.drafts[:j])), []).append(logits[off + j].clone())
+            off += len(f.drafts) + 1
+        return process(rows, logits, event)
+
+    eng.processor.process = spy
+    return seen
+
+
+def _spy_preemptions(eng: LLMEngine) -> list[tuple[str, bool, int]]:
+    """(request, in prefill, prompt logprobs scored so far) of every preemption."""
+    got: list[tuple[str, bool, int]] = []
+    preempt = eng.scheduler.preempt
+
+    def spy(r: Request) -> None:
+        got.append((r.request_id, r.in_prefill, len(r.prompt_logprobs or [])))
+        preempt(r)
+
+    eng.scheduler.preempt = spy  # type: ignore[method-assign]
+    return got
 
 
 def test_pool_size_follows_kv_cache_memory_gb_and_too_little_names_the_key(tiny_loaded):
@@ -164,3 +215,145 @@ def test_memory_follows_the_pool_not_max_num_seqs_times_max_model_len(tiny_loade
     assert eng.kv.num_blocks == 256 and eng.runner.kv_bytes == 4096 * TINY_TOKEN_BYTES
     out = eng.generate(rand_prompts(3, 23, 5, 10), {"max_tokens": 6, "ignore_eos": True})
     assert [len(o) for o in out] == [6, 6, 6]
+
+
+GREEDY = {"max_tokens": 40, "ignore_eos": True}
+SEEDED = {"max_tokens": 40, "ignore_eos": True, "temperature": 0.9, "top_p": 0.95, "seed": 7}
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "ngram"])
+def test_a_preempted_requests_logits_are_bit_identical_at_every_position(tiny_loaded, one_thread, params, spec):
+    """torch.equal on every logits row: a request recomputed after preemption decides each output token from
+    the logits an unpreempted run decides it from. Plain: both runs have a row at every output position and the
+    same rows; with drafts, every row the two runs share (same position, same drafts before it) is equal."""
+    prompts = rand_prompts(6, 21, 10, 24)
+    kw = {"num_speculative_tokens": 3} if spec else {"proposers": []}
+    ref_eng = _engine(tiny_loaded, None, **kw)
+    ref = _spy_logits(ref_eng)
+    want = _tokens(_run(ref_eng, prompts, [params] * 6))
+    eng = _engine(tiny_loaded, kv_tokens=160, **kw)
+    got = _spy_logits(eng)
+    preemptions = _spy_preemptions(eng)
+    assert _tokens(_run(eng, prompts, [params] * 6)) == want
+    preempted = {rid for rid, _, _ in preemptions}
+    assert preempted
+    common = set(got) & set(ref)
+    for key in common:
+        for row in got[key] + ref[key][1:]:
+            assert torch.equal(row, ref[key][0]), key
+    if not spec:  # a row at every output position of every request, in both runs
+        assert set(got) == set(ref)
+        for rid in preempted:
+            first = len(prompts[int(rid[1:])]) - 1
+            assert {k[1] for k in got if k[0] == rid} == set(range(first, first + 40))
+    else:
+        assert {k[0] for k in common} >= preempted
+
+
+def _eagle_engine(loaded, kv_tokens: int | None) -> LLMEngine:
+    from tests.test_eagle import tiny_head
+    from workers.proposers.eagle import EagleProposer
+
+    head = tiny_head(loaded.model, draft_vocab=4096)
+    eagle = EagleProposer(head, loaded.model, num_slots=4, max_model_len=128, device="cpu")
+    return _engine(
+        loaded,
+        kv_tokens,
+        {"eagle": eagle},
+        max_num_seqs=4,
+        num_speculative_tokens=3,
+        proposers=[{"name": "eagle"}],
+    )
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_preempted_eagle_requests_write_the_same_tokens(tiny_loaded, one_thread, params):
+    """EAGLE reads the target's hidden state at every position: a recomputed request hands it the same states.
+    A preempted request keeps its EAGLE slot while it waits; it waits at the head of the queue, so no newer
+    request is admitted before it and max_num_seqs slots (8 requests through 4 here) always suffice."""
+    prompts = rand_prompts(8, 24, 10, 24)
+    want = _tokens(_run(_eagle_engine(tiny_loaded, None), prompts, [params] * 8))
+    eng = _eagle_engine(tiny_loaded, kv_tokens=160)
+    got = _tokens(_run(eng, prompts, [params] * 8))
+    assert eng.num_preemptions > 0 and eng.stats["eagle"].num_draft_tokens > 0
+    assert got == want
+    assert eng.proposers["eagle"].num_active == 0  # type: ignore[attr-defined]
+
+
+def test_preempted_prompt_logprobs_are_scored_once_and_unchanged(tiny_loaded, one_thread):
+    """A request preempted while its prompt is being scored scores it again from the start; one preempted after
+    it was scored is not scored twice: prompt logprobs, logprobs and tokens equal an unpreempted run's. The
+    latency budget lets a prompt feed one token per step while another request decodes, so the second request
+    is still scoring its prompt when the first one's growth takes its blocks."""
+    prompts = rand_prompts(3, 25, 60, 60)
+    params = [
+        {**GREEDY, "max_tokens": n, "prompt_logprobs": 2, "logprobs": 1} for n in (60, 24, 24)
+    ]  # 60 + 60 tokens: 8 of the pool's 10 blocks, 4 of them taken by the second prompt
+    kw = {
+        "proposers": [],
+        "max_num_seqs": 2,
+        "enable_prefix_caching": False,
+        "scheduler": {"target_itl_ms": 0.001, "max_ttft_ms": 3_600_000},
+    }
+    want = _run(_engine(tiny_loaded, None, **kw), prompts, params)
+    eng = _engine(tiny_loaded, kv_tokens=160, **kw)
+    preemptions = _spy_preemptions(eng)
+    got = _run(eng, prompts, params)
+    assert any(in_prefill and scored > 1 for _, in_prefill, scored in preemptions), preemptions
+    for rid, outs in got.items():
+        assert [o.prompt_logprobs for o in outs] == [o.prompt_logprobs for o in want[rid]]
+        assert outs[0].prompt_logprobs is not None and len(outs[0].prompt_logprobs) == len(prompts[int(rid[1:])])
+        assert [lp for o in outs for lp in o.logprobs or []] == [lp for o in want[rid] for lp in o.logprobs or []]
+    assert _tokens(got) == _tokens(want)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "tags": {"type": "array", "maxItems": 3, "items": {"enum": ["a", "bb", "ccc"]}},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "tags", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    "params,spec",
+    [({"max_tokens": 60}, False), ({"max_tokens": 60, "temperature": 1.2, "top_p": 0.95, "seed": 5}, True)],
+    ids=["greedy-plain", "seeded-ngram"],
+)
+def test_preempted_structured_requests_resume_their_grammar(tiny_loaded, one_thread, params, spec):
+    """The grammar's state follows the committed tokens, which a preemption keeps: a recomputed request goes on
+    from where its grammar was (neither rewound nor fed its output twice), forced drafts and masks included."""
+    prompts = rand_prompts(6, 26, 10, 24)
+    structured = {"kind": "json", "value": json.dumps(SCHEMA), "param": "response_format"}
+    sps = [{**params, "structured": structured}] * 6
+    kw = {"num_speculative_tokens": 3} if spec else {"proposers": [], "structured_outputs": {"max_forced_tokens": 0}}
+    want = _tokens(_run(_engine(tiny_loaded, None, **kw), prompts, sps))
+    eng = _engine(tiny_loaded, kv_tokens=160, **kw)
+    preempted = _spy_preemptions(eng)
+    got = _tokens(_run(eng, prompts, sps))
+    assert any(not in_prefill for _, in_prefill, _ in preempted)  # some were preempted mid-output
+    assert got == want
+    for ids in got.values():
+        json.loads(tiny_loaded.tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def test_admission_keeps_a_watermark_while_others_run(tiny_loaded, one_thread):
+    """A request that would take the pool's last free blocks waits while another runs (it would be the first one
+    preempted when that one grows, its prefill wasted), and is admitted once it would run alone: never a hang."""
+    eng = _engine(tiny_loaded, kv_tokens=160, proposers=[])  # 10 blocks, a watermark of 1
+    eng.add_request("a", rand_prompts(1, 27, 20, 20)[0], {"max_tokens": 8, "ignore_eos": True})  # 2 blocks
+    eng.add_request("b", rand_prompts(1, 28, 120, 120)[0], {"max_tokens": 8, "ignore_eos": True})  # 8 blocks
+    eng.step()
+    assert [r.request_id for r in eng.running] == ["a"] and eng.kv.num_free == 8
+    done: set[str] = set()
+    while eng.has_work():
+        done |= {o.request_id for o in eng.step() if o.finished}
+    assert done == {"a", "b"} and eng.num_preemptions == 0
+    kv = KVCacheManager(num_blocks=4, block_size=16)
+    assert not kv.admit(_req("c", list(range(64))), 64, use_cache=False, keep_free=1)
+    assert kv.admit(_req("c", list(range(48))), 48, use_cache=False, keep_free=1) and kv.num_free == 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from workers.scheduler import SchedulerConfig
 
@@ -117,10 +117,18 @@ class EngineConfig(BaseModel):
         gt=0,
         le=4096,
         description="GiB of the paged KV cache's block pool, shared by every request (vLLM's VLLM_CPU_KVCACHE_SPACE). "
-        "4 GiB holds ~93k tokens of SmolLM2 (30 layers x 2 x 3 kv heads x 64 x fp32 = 45 KiB per token), e.g. 11 "
-        "requests of 8192 tokens or 45 of 2048; requests beyond what the pool holds wait, and a running request is "
-        "preempted (recomputed later, output unchanged) when decoding runs out of blocks. Capped at what max_num_seqs "
+        "4 GiB holds ~93k tokens of SmolLM2 in fp32 (30 layers x 2 x 3 kv heads x 64 x 4 bytes = 45 KiB per token), "
+        "e.g. 11 requests of 8192 tokens or 45 of 2048, and twice that in bf16 (kv_cache_dtype); requests "
+        "beyond what the pool holds wait, and a running request is preempted (recomputed later, output unchanged) "
+        "when decoding runs out of blocks. Capped at what max_num_seqs "
         "requests of max_model_len can use. Must hold one request of max_model_len (an error naming this key).",
+    )
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="What the KV cache stores keys and values in. 'auto': the model's dtype. A bfloat16 model's "
+        "keys and values are bf16 values, so 'bfloat16' holds them exactly in half the bytes of 'float32' (twice the "
+        "tokens per GiB) and every logit is bit-identical either way; 'bfloat16' with a float32 model would round "
+        "them and change output, so it is refused.",
     )
     block_size: int = Field(
         16,
@@ -168,3 +176,13 @@ class EngineConfig(BaseModel):
     proposers: list[ProposerConfig] = Field(
         default_factory=lambda: [ProposerConfig(name="ngram")], description="Configured proposers; first = default."
     )
+
+    @model_validator(mode="after")
+    def _kv_cache_dtype_keeps_output(self) -> EngineConfig:
+        """bf16 KV under fp32 weights rounds every key and value: output would depend on a memory setting."""
+        if self.dtype == "float32" and self.kv_cache_dtype == "bfloat16":
+            raise ValueError(
+                "kv_cache_dtype 'bfloat16' with dtype 'float32' would round every key and value and change output: "
+                "use kv_cache_dtype 'auto' or 'float32', or dtype 'bfloat16'"
+            )
+        return self

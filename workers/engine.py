@@ -80,6 +80,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len, getattr(hf_cfg, "max_position_embeddings", 1 << 30))
         device = pick_device(config.device)
         self.dtype = resolve_dtype(config.dtype, device)
+        self.kv_dtype = self._kv_dtype()
         num_blocks = self._num_kv_blocks(hf_cfg)
         self.runner = ModelRunner(
             loaded.model,
@@ -91,6 +92,7 @@ class LLMEngine:
             batch_invariant=config.batch_invariant,
             num_blocks=num_blocks,
             block_size=config.block_size,
+            kv_dtype=self.kv_dtype,
         )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         eos = getattr(hf_cfg, "eos_token_id", None)
@@ -141,12 +143,26 @@ class LLMEngine:
         self._tokens_last_step = 0
         self._num_recording = 0  # requests in flight that record per-step events (tracing); 0: no event work
 
+    def _kv_dtype(self) -> torch.dtype:
+        """``kv_cache_dtype`` resolved: 'auto' is the model's dtype. bf16 KV under fp32 weights (dtype 'auto'
+        resolved to fp32 here) would round every key and value, so it is refused naming the key."""
+        name = self.config.kv_cache_dtype
+        if name == "auto":
+            return self.dtype
+        kv = getattr(torch, name)
+        if kv == torch.bfloat16 and self.dtype == torch.float32:
+            raise ValueError(
+                "engine.kv_cache_dtype='bfloat16' with a float32 model (engine.dtype resolved to float32 on this "
+                "hardware) would round every key and value and change output: use kv_cache_dtype 'auto' or 'float32'"
+            )
+        return kv
+
     def _num_kv_blocks(self, hf_cfg: Any) -> int:
         """Blocks of the KV pool: ``kv_cache_memory_gb`` over one block's bytes in every layer, capped at
         what ``max_num_seqs`` requests of ``max_model_len`` can hold; at least one such request."""
         cfg = self.config
         head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
-        kv_elt = 4 if cfg.batch_invariant else torch.tensor([], dtype=self.dtype).element_size()  # see ModelRunner
+        kv_elt = self.kv_dtype.itemsize
         block_bytes = hf_cfg.num_hidden_layers * 2 * hf_cfg.num_key_value_heads * head_dim * cfg.block_size * kv_elt
         per_seq = -(-self.max_model_len // cfg.block_size)
         fit = int(cfg.kv_cache_memory_gb * 2**30 // block_bytes)

@@ -123,11 +123,11 @@ class KVCacheManager:
     def _key(self, parent: int, ids: Sequence[int], i: int) -> BlockKey:
         return parent, tuple(ids[i * self.block_size : (i + 1) * self.block_size])
 
-    def admit(self, r: Request, num_tokens: int, use_cache: bool) -> bool:
+    def admit(self, r: Request, num_tokens: int, use_cache: bool, keep_free: int = 0) -> bool:
         """Give ``r`` blocks for its first ``num_tokens`` positions, the cached prefix of its prefill
-        shared; ``False`` (nothing taken) if the pool cannot hold them now. Sets ``num_computed`` and
-        ``num_cached_tokens`` to the positions the hit covers. The last prefill token is always fed (its
-        logits make the first output token), so at most ``prefill_len - 1`` positions are hit."""
+        shared; ``False`` (nothing taken) if the pool cannot hold them now with ``keep_free`` blocks to spare.
+        Sets ``num_computed`` and ``num_cached_tokens`` to the positions the hit covers. The last prefill token
+        is always fed (its logits make the first output token), so at most ``prefill_len - 1`` positions are hit."""
         ids = r.all_ids()
         hits: list[int] = []
         hashes: list[int] = []
@@ -142,7 +142,7 @@ class KVCacheManager:
                 parent = hash(key)
                 hashes.append(parent)
         new = self.blocks_for(num_tokens) - len(hits)
-        if new + sum(1 for b in hits if self.pool.ref[b] == 0) > self.pool.num_free:
+        if new + sum(1 for b in hits if self.pool.ref[b] == 0) > self.pool.num_free - keep_free:
             return False
         for b in hits:
             self.pool.take(b)

@@ -110,10 +110,15 @@ def clear_cache() -> None:
         f.cache_clear()
 
 
-def _check_caches(kt_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """Both kernels read and write the caches through raw pointers: contiguous fp32 only."""
-    if not (kt_cache.is_contiguous() and v_cache.is_contiguous() and kt_cache.dtype == v_cache.dtype == torch.float32):
-        raise ValueError("the key and value caches must be contiguous fp32")
+KV_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels store keys and values in
+
+
+def _check_caches(kt_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """Both kernels read and write the caches through raw pointers: contiguous, both fp32 or both bf16.
+    Returns the kernels' ``kv_bf16`` flag."""
+    if not (kt_cache.is_contiguous() and v_cache.is_contiguous() and kt_cache.dtype == v_cache.dtype in KV_DTYPES):
+        raise ValueError("the key and value caches must be contiguous and both fp32 or both bf16")
+    return int(kt_cache.dtype == torch.bfloat16)
 
 
 LANES = 16  # the kernel's key block (LANES in the C source): a cache block holds a multiple of it
@@ -133,6 +138,7 @@ class NativeAttention:
             i64,
             p,
             p,
+            ctypes.c_int,
             p,
             i64,
             p,
@@ -156,8 +162,8 @@ class NativeAttention:
     def __call__(
         self,
         q: torch.Tensor,  # [T, H, D] fp32, each row's heads contiguous (any row stride)
-        kt_cache: torch.Tensor,  # [num_blocks, Hkv, D, BS] fp32, contiguous: keys transposed within a block
-        v_cache: torch.Tensor,  # [num_blocks, Hkv, BS, D] fp32, contiguous
+        kt_cache: torch.Tensor,  # [num_blocks, Hkv, D, BS] fp32 or bf16, contiguous: keys transposed within a block
+        v_cache: torch.Tensor,  # [num_blocks, Hkv, BS, D] kt_cache's dtype, contiguous
         block_table: torch.Tensor,  # [num_reqs, max_blocks] int64: block ids of each request's positions
         req: torch.Tensor,  # [T] int64: each query row's request (row of block_table)
         nvis: torch.Tensor,  # [T] int64: each query row's visible keys (its position + 1)
@@ -168,7 +174,7 @@ class NativeAttention:
         num_blocks, Hkv, _, BS = kt_cache.shape
         if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != D:
             raise ValueError("q must be fp32 with each row's heads contiguous")
-        _check_caches(kt_cache, v_cache)
+        kv_bf16 = _check_caches(kt_cache, v_cache)
         if not all(t.dtype == torch.int64 and t.is_contiguous() for t in (block_table, req, nvis)):
             raise ValueError("block_table, req and nvis must be contiguous int64")
         threads = torch.get_num_threads()
@@ -183,6 +189,7 @@ class NativeAttention:
             q.stride(0),
             kt_cache.data_ptr(),
             v_cache.data_ptr(),
+            kv_bf16,
             block_table.data_ptr(),
             block_table.shape[1],
             req.data_ptr(),
@@ -216,7 +223,7 @@ class NativeLayerOps:
         self._rms = dll.rms_norm
         self._rms.argtypes = [p, p, p, p, i64, i64, ctypes.c_float, i32, i32]
         self._rope = dll.rope_kv
-        self._rope.argtypes = [p, i64, p, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i32, i32]
+        self._rope.argtypes = [p, i64, p, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32]
         self._silu = dll.silu_mul
         self._silu.argtypes = [p, p, i64, i64, i32, i32]
         for fn in (self._rms, self._rope, self._silu):
@@ -261,8 +268,8 @@ class NativeLayerOps:
         kv_index: torch.Tensor,  # [T] int64: block * BS + offset where each row's key and value go
         cos: torch.Tensor,  # [max_len, D]
         sin: torch.Tensor,  # [max_len, D]
-        kt_cache: torch.Tensor,  # [num_blocks, Hkv, D, BS] fp32: keys written at (block, :, :, offset), transposed
-        v_cache: torch.Tensor,  # [num_blocks, Hkv, BS, D] fp32: values written at (block, :, offset)
+        kt_cache: torch.Tensor,  # [num_blocks, Hkv, D, BS] fp32 or bf16: keys at (block, :, :, offset), transposed
+        v_cache: torch.Tensor,  # [num_blocks, Hkv, BS, D] kt_cache's dtype: values written at (block, :, offset)
         num_heads: int,
     ) -> torch.Tensor:  # [T, H, D] fp32: the rotated queries
         T = qkv.shape[0]
@@ -270,7 +277,7 @@ class NativeLayerOps:
         bf16 = self._bf16(qkv, cos, sin)
         if qkv.shape[1] != (num_heads + 2 * Hkv) * D or cos.shape[1] != D or sin.shape != cos.shape:
             raise ValueError("rope_kv shapes disagree")
-        _check_caches(kt_cache, v_cache)
+        kv_bf16 = _check_caches(kt_cache, v_cache)
         if not (
             positions.dtype == kv_index.dtype == torch.int64 and positions.is_contiguous() and kv_index.is_contiguous()
         ):
@@ -294,6 +301,7 @@ class NativeLayerOps:
             num_blocks,
             cos.shape[0],
             bf16,
+            kv_bf16,
             torch.get_num_threads(),
         )
         if rc != 0:

@@ -121,13 +121,16 @@ class ModelRunner:
         batch_invariant: bool = False,
         num_blocks: int | None = None,
         block_size: int = 16,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         """``num_blocks`` x ``block_size``: the paged KV pool; None sizes it for ``num_slots`` requests of
         ``max_model_len`` (slot mode). ``block_size`` is a multiple of the native kernel's 16 lanes.
         ``head_rows``: compute logits only for these vocabulary rows (a draft model's trained
         vocabulary); ``StepOutput.logits`` then has ``len(head_rows)`` columns, in that order.
         ``batch_invariant``: every position's logits and hidden states are bit-identical whatever
-        else the step holds (workers/batch_invariant.py); ``False`` runs the library's kernels as chosen by shape."""
+        else the step holds (workers/batch_invariant.py); ``False`` runs the library's kernels as chosen by shape.
+        ``kv_dtype``: what the KV cache stores, fp32 or bf16; None: ``dtype``. A bf16 model's keys and values
+        are bf16 values, so either holds them exactly (the same logits); an fp32 model's would be rounded."""
         if cpu_gemm not in ("onednn", "mkl"):
             raise ValueError(f"cpu_gemm must be 'onednn' or 'mkl', got {cpu_gemm!r}")
         cfg = hf_model.config
@@ -231,9 +234,11 @@ class ModelRunner:
         # three native calls, where torch makes ~35 small ones (workers/kernels/invariant_layer.c).
         self.native_ops = native_attention.load_layer_ops() if self.native_attn else None
         kv_shape = (self.num_blocks, self.num_kv_heads, block_size, self.head_dim)
-        # The invariant attention computes in fp32; a bf16 runner then keeps its (bf16-rounded) keys and
-        # values in fp32 too, so no step converts the whole context again in every layer.
-        kv_dtype = torch.float32 if batch_invariant else dtype
+        # The attention computes in fp32 and widens bf16 keys and values as it reads them, exactly.
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
+        if kv_dtype not in native_attention.KV_DTYPES:
+            raise ValueError(f"kv_dtype must be float32 or bfloat16, got {kv_dtype}")
+        self.kv_dtype = kv_dtype
         # Every path reads and writes keys as [blocks, Hkv, BS, D]; for the native kernel that is a view of
         # keys stored transposed within a block ([blocks, Hkv, D, BS], contiguous), the layout it reads.
         k_storage = (self.num_blocks, self.num_kv_heads, self.head_dim, block_size) if self.native_attn else kv_shape
@@ -435,8 +440,8 @@ class ModelRunner:
                     qp = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
                     attn = F.scaled_dot_product_attention(
                         qp,
-                        self._gather(kc, bt_one, max_kv),
-                        self._gather(vc, bt_one, max_kv),
+                        self._gather(kc, bt_one, max_kv).to(q.dtype),
+                        self._gather(vc, bt_one, max_kv).to(q.dtype),
                         attn_mask=mask,
                         enable_gqa=True,
                     )  # [1, H, T, D]
@@ -448,8 +453,8 @@ class ModelRunner:
                         tg = bt[g.reqs, : -(-g.max_kv // BS)]  # [S_g, nb]
                         attn = F.scaled_dot_product_attention(
                             q[g.tok].reshape(S, g.n, H, D).transpose(1, 2),
-                            self._gather(kc, tg, g.max_kv),
-                            self._gather(vc, tg, g.max_kv),
+                            self._gather(kc, tg, g.max_kv).to(q.dtype),
+                            self._gather(vc, tg, g.max_kv).to(q.dtype),
                             attn_mask=g.mask,
                             enable_gqa=True,
                         )  # [S_g, H, n_g, D]

@@ -20,12 +20,15 @@ decided first: a verify's tokens are committed output for running streams, a pro
 brings a first token closer, and the TTFT deadline is what keeps prompts from waiting behind it.
 
 KV memory is a pool of blocks (workers/kv_blocks.py). A waiting request is admitted, first come first
-served, when the pool holds its whole prefill (less the cached prefix it shares); a decoding request's
-table grows by the blocks its pending token and its K drafts need (lookahead). When a decoding request
-cannot get a block even for its pending token, the youngest running request is preempted: its blocks
-go back to the pool and it waits at the head of the queue, to be recomputed (vLLM's recompute
-preemption; the batch-invariant kernels make the recomputed KV, and so the output, exactly the same).
-Drafts are cut to what the free blocks hold rather than preempting anyone for them.
+served, when the pool holds its whole prefill (less the cached prefix it shares) and, while others run,
+still keeps a watermark of free blocks for their growth (vLLM's watermark: a request admitted into the
+last free blocks would be the first preempted, its prefill wasted). A decoding request's table grows by
+the blocks its pending token and its K drafts need (lookahead). When a decoding request cannot get a
+block even for its pending token, the youngest running request is preempted: its blocks go back to the
+pool and it waits at the head of the queue, to be recomputed (vLLM's recompute preemption; the
+batch-invariant kernels make the recomputed KV, and so the output, exactly the same). Every pending
+token gets its block before any draft gets one, and drafts are cut to what is free rather than
+preempting anyone for them: drafts are optional, a preemption throws away a prefill.
 
 Nothing here imports Ray or torch; the engine (workers/engine.py) runs what this returns.
 """
@@ -44,6 +47,7 @@ from workers.kv_blocks import KVCacheManager
 from workers.request import Request, Status
 
 AGING_ROUNDS = 3  # fixed-point rounds for an aging prompt's chunk (chunk -> step time -> steps left -> chunk)
+WATERMARK = 0.01  # share of the pool an admission leaves free while others run (vLLM's default watermark)
 
 
 class SchedulerConfig(BaseModel):
@@ -223,33 +227,32 @@ class Scheduler:
         return SchedulerOutput(list(zip(decoding, ks)), prefill, budget_s)
 
     def _admit(self) -> None:
-        """First come, first served: the head of the queue waits until the pool holds its prefill."""
+        """First come, first served: the head of the queue waits until the pool holds its prefill and, while
+        others run, the watermark beside it. Alone, a request may take the whole pool (it never waits forever)."""
+        watermark = max(1, math.ceil(WATERMARK * self.kv.num_blocks))
         while self.waiting and len(self.running) < self.max_num_seqs:
             r = self.waiting[0]
-            if not self.kv.admit(r, r.prefill_len, self.may_read_cache(r)):
+            if not self.kv.admit(r, r.prefill_len, self.may_read_cache(r), watermark if self.running else 0):
                 break
             self.waiting.popleft()
             r.status = Status.RUNNING
             self.running.append(r)
 
     def _reserve(self, decoding: list[Request], ks: list[int]) -> tuple[list[Request], list[int]]:
-        """Blocks for each decoding request's pending token and drafts, oldest first: drafts are cut to
-        what is free; a request that cannot get even its pending token's block preempts the youngest
-        running request (itself, if it is the youngest) until it can."""
+        """Blocks for each decoding request's pending token, oldest first: one that cannot get its block
+        preempts the youngest running request (itself, if it is the youngest) until it can. Then lookahead
+        blocks for the drafts, oldest first, from what is left: drafts are cut to what is free, so no
+        request's drafts ever cost another its place. A victim is always younger than the request that
+        needs the block, so no request that got its block is preempted after."""
+        for r in decoding:
+            while r.status is Status.RUNNING and not self.kv.grow(r, r.num_computed + 1):
+                self.preempt(self.running[-1])
         kept, kept_ks = [], []
         for r, k in zip(decoding, ks):
             if r.status is not Status.RUNNING:  # preempted for an older request this step
-                continue
-            while not self.kv.grow(r, r.num_computed + 1):
-                victim = self.running[-1]
-                self.preempt(victim)
-                if victim is r:
-                    break
-            if r.status is not Status.RUNNING:
                 continue
             k = max(0, min(k, self.kv.room(r) - r.num_computed - 1))  # lookahead for the drafts: what fits
             self.kv.grow(r, r.num_computed + 1 + k)
             kept.append(r)
             kept_ks.append(k)
-        live = [i for i, r in enumerate(kept) if r.status is Status.RUNNING]  # a later preemption never hits
-        return [kept[i] for i in live], [kept_ks[i] for i in live]  # an older request; checked anyway
+        return kept, kept_ks

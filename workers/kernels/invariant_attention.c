@@ -17,6 +17,10 @@
  * scores and each lane is its own sequential chain over d: the vector code computes exactly what
  * the scalar code would, and a key's score does not depend on which lane or block it falls in.
  *
+ * The cache holds fp32 or bf16 keys and values (kv_bf16); a bf16 one is widened to fp32 as it is loaded,
+ * exactly, and every sum is the same fp32 sum in the same order: a bf16 model's keys and values are bf16
+ * values already, so its results do not depend on which dtype the cache stores them in.
+ *
  * Build: workers/native_attention.py compiles this with -ffp-contract=off and without -ffast-math,
  * so the compiler may vectorize the lane loops but never reassociate a sum or fuse a multiply-add.
  */
@@ -39,16 +43,17 @@
  * q[r * G + g]: [D]. bt: the request's block table. kt: the pool's keys at this kv head, block b's
  * [D, BS] at kt + b * kv_stride (keys transposed). v: likewise, block b's [BS, D] at v + b * kv_stride.
  * s: [R * G, n_pad] scratch.
- * out[r * G + g]: [D]. Inlined with R, G and DB (LANES-wide blocks of head_dim) as constants
- * (attend_tile), so the accumulators stay in registers.
+ * out[r * G + g]: [D]. KB: the cache is bf16 (else fp32); kv_stride and every offset count elements.
+ * Inlined with R, G, DB (LANES-wide blocks of head_dim) and KB as constants (attend_tile), so the
+ * accumulators stay in registers.
  *
  * Every number is computed as it would be for that row alone: a score is a chain over d from 0, a
  * row's softmax covers its own n[r] keys, and P @ V adds key by key from key 0. Keys a row does not
  * see (up to the tile's longest row) get weight exactly 0, and adding 0 * v (a signed zero, v finite)
  * to an accumulator that started at +0 never changes it. */
 static inline __attribute__((always_inline)) void attend_tile_g(
-        const float *const *q, const int R, const int G, const int DB, const int *n, const int64_t *bt,
-        const float *restrict kt, const float *restrict v, int64_t BS, int64_t kv_stride, int D, float scale,
+        const float *const *q, const int R, const int G, const int DB, const int KB, const int *n, const int64_t *bt,
+        const void *restrict kt, const void *restrict v, int64_t BS, int64_t kv_stride, int D, float scale,
         float *restrict s, int64_t n_pad, float *const *out) {
     int n_max = 0;
     for (int r = 0; r < R; r++) n_max = n[r] > n_max ? n[r] : n_max;
@@ -57,9 +62,9 @@ static inline __attribute__((always_inline)) void attend_tile_g(
     for (int j0 = 0; j0 < nb; j0 += LANES) {
         vlanes acc[ROWS * MAX_GROUP];
         for (int i = 0; i < R * G; i++) acc[i] = (vlanes){0};
-        const float *restrict kb = kt + bt[j0 / BS] * kv_stride + j0 % BS;  /* LANES keys, never across blocks */
+        const int64_t kb = bt[j0 / BS] * kv_stride + j0 % BS;  /* LANES keys, never across blocks */
         for (int d = 0; d < D; d++) {
-            const vlanes k = load_lanes(kb + (int64_t)d * BS);
+            const vlanes k = load_kv(kt, kb + (int64_t)d * BS, KB);
             for (int i = 0; i < R * G; i++) acc[i] = acc[i] + q[i][d] * k;
         }
         for (int i = 0; i < R * G; i++) {
@@ -95,12 +100,12 @@ static inline __attribute__((always_inline)) void attend_tile_g(
             for (int b = 0; b < DB; b++) acc[i][b] = (vlanes){0};
         const float *sp = s + (int64_t)r0 * G * n_pad;
         for (int j0 = 0; j0 < n_max; j0 += (int)BS) {  /* block by block, key by key within: key 0 up */
-            const float *restrict vb = v + bt[j0 / BS] * kv_stride;
+            const int64_t vb = bt[j0 / BS] * kv_stride;
             const int jn = n_max - j0 < BS ? n_max - j0 : (int)BS;
             for (int jj = 0; jj < jn; jj++) {
-                const float *restrict vj = vb + (int64_t)jj * D;
+                const int64_t vj = vb + (int64_t)jj * D;
                 for (int b = 0; b < DB; b++) {
-                    const vlanes x = load_lanes(vj + b * LANES);
+                    const vlanes x = load_kv(v, vj + b * LANES, KB);
                     for (int i = 0; i < rr * G; i++) acc[i][b] = acc[i][b] + sp[i * n_pad + j0 + jj] * x;
                 }
             }
@@ -114,17 +119,19 @@ static inline __attribute__((always_inline)) void attend_tile_g(
     for (int d0 = DB * LANES; d0 < D; d0++) {  /* head_dim not a multiple of LANES: the same chains */
         for (int i = 0; i < R * G; i++) {
             float a = 0.0f;
-            for (int j = 0; j < n_max; j++) a = a + s[i * n_pad + j] * v[bt[j / BS] * kv_stride + (j % BS) * D + d0];
+            for (int j = 0; j < n_max; j++) a = a + s[i * n_pad + j] * load_kv1(v, bt[j / BS] * kv_stride + (j % BS) * D + d0, KB);
             out[i][d0] = a * s[i * n_pad + n_pad - 1];
         }
     }
 }
 
-static void attend_tile(const float *const *q, int R, int G, const int *n, const int64_t *bt, const float *kt,
-                        const float *v, int64_t BS, int64_t kv_stride, int D, float scale, float *s, int64_t n_pad,
+static void attend_tile(const float *const *q, int R, int G, int kb, const int *n, const int64_t *bt, const void *kt,
+                        const void *v, int64_t BS, int64_t kv_stride, int D, float scale, float *s, int64_t n_pad,
                         float *const *out) {
     const int DB = D / LANES;
-#define ATTEND(RC, GC, DBC) attend_tile_g(q, RC, GC, DBC, n, bt, kt, v, BS, kv_stride, D, scale, s, n_pad, out)
+#define ATTEND(RC, GC, DBC) \
+    (kb ? attend_tile_g(q, RC, GC, DBC, 1, n, bt, kt, v, BS, kv_stride, D, scale, s, n_pad, out) \
+        : attend_tile_g(q, RC, GC, DBC, 0, n, bt, kt, v, BS, kv_stride, D, scale, s, n_pad, out))
 #define SHAPES(RC)                                                      \
     if (G == 3 && DB == 4) ATTEND(RC, 3, 4);      /* e.g. SmolLM2 */    \
     else if (G == 1 && DB == 4) ATTEND(RC, 1, 4);                       \
@@ -138,12 +145,12 @@ static void attend_tile(const float *const *q, int R, int G, const int *n, const
 }
 
 /* q: [T, H, D] at q + t * q_row_stride + h * D. kt: [num_blocks, Hkv, D, BS] (keys transposed) and
- * v: [num_blocks, Hkv, BS, D], contiguous, BS a multiple of LANES. block_table: [num_reqs, bt_stride]
+ * v: [num_blocks, Hkv, BS, D], contiguous, fp32 or (kv_bf16) bf16, BS a multiple of LANES. block_table: [num_reqs, bt_stride]
  * block ids; req, nvis: [T] (the row's request and its visible keys, 1 .. bt_stride * BS).
  * out: [T, H, D] contiguous. scratch: nthreads * ROWS * G * n_pad floats, n_pad = max(nvis) rounded
  * up to LANES plus LANES. Returns 0, or -1 if the shapes are outside what the kernel handles or a
  * block id a row would read is outside the pool (nothing is read then). */
-int invariant_attention(const float *q, int64_t q_row_stride, const float *kt, const float *v,
+int invariant_attention(const float *q, int64_t q_row_stride, const void *kt, const void *v, int kv_bf16,
                         const int64_t *block_table, int64_t bt_stride, const int64_t *req, const int64_t *nvis,
                         float *out, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t BS, int64_t num_blocks,
                         float scale, float *scratch, int64_t n_pad, int nthreads) {
@@ -168,7 +175,7 @@ int invariant_attention(const float *q, int64_t q_row_stride, const float *kt, c
         t = end;
     }
     first[tiles] = T;
-    const int64_t items = tiles * Hkv, kv_stride = Hkv * D * BS;
+    const int64_t items = tiles * Hkv, kv_stride = Hkv * D * BS, esize = kv_bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && work * H * D > 200000)
     for (int64_t it = 0; it < items; it++) {
         int tid = 0;
@@ -186,8 +193,9 @@ int invariant_attention(const float *q, int64_t q_row_stride, const float *kt, c
                 os[r * G + i] = out + ((t0 + r) * H + g * G + i) * D;
             }
         }
-        attend_tile(qs, (int)R, (int)G, n, block_table + req[t0] * bt_stride, kt + g * D * BS, v + g * BS * D, BS,
-                    kv_stride, (int)D, scale, scratch + (int64_t)tid * ROWS * G * n_pad, n_pad, os);
+        attend_tile(qs, (int)R, (int)G, kv_bf16, n, block_table + req[t0] * bt_stride,
+                    (const char *)kt + g * D * BS * esize, (const char *)v + g * BS * D * esize, BS, kv_stride,
+                    (int)D, scale, scratch + (int64_t)tid * ROWS * G * n_pad, n_pad, os);
     }
     return 0;
 }

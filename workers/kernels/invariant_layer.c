@@ -24,21 +24,6 @@
 
 #include "vec_math.h"
 
-typedef uint32_t vlanes_u __attribute__((vector_size(LANES * sizeof(uint32_t))));
-typedef uint16_t vlanes_h __attribute__((vector_size(LANES * sizeof(uint16_t))));
-
-/* bf16 <-> fp32, round to nearest even, NaN kept quiet: the rounding torch's BFloat16 does. */
-static inline vlanes from_bf16(vlanes_h h) {
-    return (vlanes)(__builtin_convertvector(h, vlanes_u) << 16);
-}
-
-static inline vlanes_h to_bf16(vlanes x) {
-    const vlanes_u u = (vlanes_u)x;
-    const vlanes_u nan = (vlanes_u)((u & 0x7fffffffu) > 0x7f800000u);
-    const vlanes_u r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return __builtin_convertvector((nan & ((u >> 16) | 0x40u)) | (~nan & r), vlanes_h);
-}
-
 /* The value x would hold once stored in the model's dtype. */
 static inline vlanes round_to(vlanes x, int bf16) { return bf16 ? from_bf16(to_bf16(x)) : x; }
 
@@ -108,10 +93,11 @@ int rms_norm(void *h, const void *delta, const void *w, void *out, int64_t T, in
  * kv_index: [T] where the row's key and value go in the paged cache: block * BS + offset.
  * Returns -1 (nothing written) if a position lies outside the tables or an index outside the pool.
  * Writes q_out [T, H, D] (fp32), keys into kt [num_blocks, Hkv, D, BS] (transposed) and values into
- * v [num_blocks, Hkv, BS, D], both fp32, at (block, head, offset). */
+ * v [num_blocks, Hkv, BS, D] at (block, head, offset), in fp32 or (kv_bf16) bf16. A bf16 model's keys
+ * and values are bf16 values already, so storing them as bf16 loses nothing. */
 int rope_kv(const void *qkv, int64_t qkv_stride, const int64_t *pos, const int64_t *kv_index, const void *cos,
-            const void *sin, float *q_out, float *kt, float *v, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-            int64_t BS, int64_t num_blocks, int64_t max_len, int bf16, int nthreads) {
+            const void *sin, float *q_out, void *kt, void *v, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+            int64_t BS, int64_t num_blocks, int64_t max_len, int bf16, int kv_bf16, int nthreads) {
     if (D % 2 || D > 1024 || Hkv <= 0 || BS <= 0) return -1;
     for (int64_t t = 0; t < T; t++)
         if (pos[t] < 0 || pos[t] >= max_len || kv_index[t] < 0 || kv_index[t] >= num_blocks * BS) return -1;
@@ -144,15 +130,21 @@ int rope_kv(const void *qkv, int64_t qkv_stride, const int64_t *pos, const int64
             if (hh < H) {
                 __builtin_memcpy(q_out + (t * H + hh) * D, y, (size_t)D * sizeof(float));
             } else {
-                float *k = kt + ((blk * Hkv + (hh - H)) * D) * BS + off;
-                for (int64_t d = 0; d < D; d++) k[d * BS] = y[d];
+                const int64_t k0 = ((blk * Hkv + (hh - H)) * D) * BS + off;  /* key d at k0 + d * BS */
+                if (kv_bf16) {
+                    uint16_t kh[1024];
+                    for (int64_t d = 0; d < D; d += LANES) store(kh, d, load(y, d, CHUNK(D, d), 0), CHUNK(D, d), 1);
+                    for (int64_t d = 0; d < D; d++) ((uint16_t *)kt)[k0 + d * BS] = kh[d];
+                } else {
+                    for (int64_t d = 0; d < D; d++) ((float *)kt)[k0 + d * BS] = y[d];
+                }
             }
         }
         for (int64_t g = 0; g < Hkv; g++) {
-            float *dst = v + ((blk * Hkv + g) * BS + off) * D;
+            const int64_t v0 = ((blk * Hkv + g) * BS + off) * D;
             for (int64_t d = 0; d < D; d += LANES) {
                 const int n = CHUNK(D, d);
-                store(dst, d, load(qkv, row + (H + Hkv + g) * D + d, n, bf16), n, 0);
+                store(v, v0 + d, load(qkv, row + (H + Hkv + g) * D + d, n, bf16), n, kv_bf16);
             }
         }
     }

@@ -22,6 +22,42 @@ static inline vlanes load_lanes(const float *p) {
 }
 
 typedef int32_t vlanes_i __attribute__((vector_size(LANES * sizeof(int32_t))));
+typedef uint32_t vlanes_u __attribute__((vector_size(LANES * sizeof(uint32_t))));
+typedef uint16_t vlanes_h __attribute__((vector_size(LANES * sizeof(uint16_t))));
+
+/* bf16 <-> fp32, round to nearest even, NaN kept quiet: the rounding torch's BFloat16 does. Widening is
+ * exact, so a bf16 value read back is the fp32 value it was rounded to. */
+static inline vlanes from_bf16(vlanes_h h) {
+    return (vlanes)(__builtin_convertvector(h, vlanes_u) << 16);
+}
+
+static inline vlanes_h to_bf16(vlanes x) {
+    const vlanes_u u = (vlanes_u)x;
+    const vlanes_u nan = (vlanes_u)((u & 0x7fffffffu) > 0x7f800000u);
+    const vlanes_u r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return __builtin_convertvector((nan & ((u >> 16) | 0x40u)) | (~nan & r), vlanes_h);
+}
+
+/* LANES values of a KV cache at p[i ..]: fp32, or bf16 (bf16 != 0) widened to fp32. */
+static inline vlanes load_kv(const void *p, int64_t i, const int bf16) {
+    if (bf16) {
+        vlanes_h h;
+        __builtin_memcpy(&h, (const uint16_t *)p + i, sizeof h);
+        return from_bf16(h);
+    }
+    return load_lanes((const float *)p + i);
+}
+
+/* One value of a KV cache, as load_kv reads it. */
+static inline float load_kv1(const void *p, int64_t i, const int bf16) {
+    if (bf16) {
+        const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+        float x;
+        __builtin_memcpy(&x, &u, sizeof x);
+        return x;
+    }
+    return ((const float *)p)[i];
+}
 
 /* exp(x) for x <= 0, lane by lane (Cody-Waite reduction, Cephes' degree-6 polynomial), in vector
  * arithmetic only: every lane computes the same function, so a key's weight never depends on the
