@@ -145,3 +145,18 @@ def test_memory_follows_the_pool_not_max_num_seqs_times_max_model_len(tiny_loade
     assert eng.kv.num_blocks == 256 and eng.runner.kv_bytes == 4096 * TINY_TOKEN_BYTES
     out = eng.generate(rand_prompts(3, 23, 5, 10), {"max_tokens": 6, "ignore_eos": True})
     assert [len(o) for o in out] == [6, 6, 6]
+
+
+def test_with_a_pool_of_one_full_request_every_admissible_request_completes_and_longer_ones_are_refused(tiny_loaded):
+    """The pool holds exactly one request of max_model_len: a full-length request beside others completes
+    (it waits or preempts, never hangs), and one that could never fit is refused naming max_tokens."""
+    from workers.errors import InvalidRequestError
+
+    eng = _engine(tiny_loaded, kv_tokens=128, proposers=[])
+    assert eng.kv.num_blocks * eng.kv.block_size == 128 == eng.max_model_len
+    full, short = rand_prompts(2, 5, 100, 100)[0], rand_prompts(2, 6, 20, 20)[0]
+    outs = eng.generate([short, full, short], {"max_tokens": 28, "ignore_eos": True})
+    assert [len(o) for o in outs] == [28, 28, 28]
+    with pytest.raises(InvalidRequestError, match="max_tokens") as e:
+        eng.add_request("over", full, {"max_tokens": 29})
+    assert e.value.param == "max_tokens" and not eng.has_work()
