@@ -182,9 +182,8 @@ class DraftBlocks:
     """Block tables for a proposer's own KV cache (a draft model, an EAGLE head).
 
     A draft cache holds every committed position of a request plus lookahead for the drafts it feeds; it
-    never shares blocks (no prefix cache: a draft's KV is cheap to recompute), so this is only allocation:
-    the lowest free block first, so the pages of a lazily committed pool that are ever touched stay those
-    of the most blocks held at once, not the whole budget.
+    never shares blocks (no prefix cache: a draft's KV is cheap to recompute), so this is only allocation,
+    lowest free block first.
     When the pool runs short, requests are served oldest first (the order they first got blocks): a
     request that cannot get blocks for its committed positions gets no drafts this step, and one already
     holding blocks gives them all back (it re-prefills when it is served again). That is vLLM's scheduler
