@@ -117,6 +117,13 @@ BENCHMARKS = [
     ),
     Benchmark(
         "serving",
+        "benchmarks.serving.long_context",
+        "With max_model_len 8192, 128 running requests and a 1.5 GiB KV pool, does a 6,000-token prompt complete "
+        "beside 96 streams, and what RSS do the target and draft replicas reach?",
+        "long_context.json",
+    ),
+    Benchmark(
+        "serving",
         "benchmarks.serving.serving_profile",
         "Where does the CPU go per output token, process by process?",
         "serving_profile.json",

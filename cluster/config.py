@@ -95,7 +95,23 @@ class DraftConfig(BaseModel):
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: str = "auto"
     num_threads: int | None = Field(None, ge=1, description="torch threads in the draft replica.")
-    max_num_seqs: int = Field(64, ge=1, description="Requests the draft keeps KV for, over all target replicas.")
+    max_num_seqs: int = Field(
+        256,
+        ge=1,
+        le=4096,
+        description="Requests the draft keeps state for, over all target replicas; more run without drafts "
+        "(output unchanged). Their KV comes from kv_cache_memory_gb, not from this times max_model_len.",
+    )
+    kv_cache_memory_gb: float = Field(
+        0.5,
+        gt=0,
+        le=4096,
+        description="GiB of the draft worker's paged KV pools (the draft model's and the EAGLE head's hold the same "
+        "number of tokens; engine.block_size tokens per block). A request holds blocks for the tokens it has plus its "
+        "drafts; when the pool is full the youngest requests run without drafts (output unchanged). 0.5 GiB holds "
+        "~87k tokens with the shipped 3-layer draft and EAGLE head in fp32 (4.5 + 1.5 KiB per token). Capped at what "
+        "max_num_seqs requests of engine.max_model_len can use; must hold one such request (an error naming this key).",
+    )
     call_timeout_s: float = Field(
         2.0, gt=0, description="A draft call slower than this is abandoned; the step runs plain (output unchanged)."
     )

@@ -6,6 +6,7 @@ the DraftModelProposer, keyed by request id; see deployments/remote_draft.py for
 protocol that keeps it consistent with the target. State that no call has touched for
 ``draft.state_ttl_s`` (its target replica died, or a release was lost) is swept; a live
 request that was only idle resyncs on its next call, so sweeping never changes output.
+The proposers' KV is paged: pools sized by ``draft.kv_cache_memory_gb`` (see draft_kv_blocks).
 """
 
 from __future__ import annotations
@@ -31,6 +32,24 @@ if TYPE_CHECKING:
 log = logging.getLogger("ray.serve")
 
 
+def draft_kv_blocks(
+    budget_gb: float, bytes_per_token: list[int], block_size: int, max_model_len: int, max_seqs: int
+) -> int:
+    """Blocks of each draft KV pool: ``budget_gb`` holds the same number of tokens in every pool (one per
+    proposer, ``bytes_per_token`` each), capped at what ``max_seqs`` requests of ``max_model_len`` can use.
+    A budget under one full-length request is a deploy error naming the key: that request would never draft."""
+    per_seq = -(-max_model_len // block_size)
+    fit = int(budget_gb * 2**30 // (sum(bytes_per_token) * block_size))
+    if fit < per_seq:
+        gib = per_seq * block_size * sum(bytes_per_token) / 2**30
+        raise ValueError(
+            f"draft.kv_cache_memory_gb={budget_gb} holds {fit * block_size} tokens per draft KV pool; one request of "
+            f"engine.max_model_len={max_model_len} needs {max_model_len} ({gib:.3f} GiB)"
+            ": raise draft.kv_cache_memory_gb or lower engine.max_model_len"
+        )
+    return min(fit, max_seqs * per_seq)
+
+
 @serve.deployment(name="DraftWorker")
 class DraftWorker:
     def __init__(self, app_config: dict) -> None:
@@ -38,6 +57,7 @@ class DraftWorker:
         # build the app graph, and that build then takes a second instead of several.
         import torch
 
+        from workers.eagle_head import load_head
         from workers.model_loader import load_model
         from workers.proposers.draft_model import DraftModelProposer
         from workers.proposers.eagle import EagleProposer
@@ -46,27 +66,41 @@ class DraftWorker:
         d = cfg.draft
         if d.num_threads:
             torch.set_num_threads(d.num_threads)
+
         target = load_model(cfg.engine.model)
         loaded = target if d.model == "target" else load_model(d.model)
+        head = load_head(d.eagle) if d.eagle else None
+        elt = torch.tensor([], dtype=getattr(torch, d.dtype)).element_size()
+        mc = loaded.model.config
+        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        per_token = [2 * mc.num_hidden_layers * mc.num_key_value_heads * head_dim * elt]  # bytes of K and V
+        if head is not None:
+            per_token.append(2 * head.cfg.num_key_value_heads * head.cfg.head_dim * elt)  # one layer
+        bs, max_len = cfg.engine.block_size, cfg.engine.max_model_len
+        num_blocks = draft_kv_blocks(d.kv_cache_memory_gb, per_token, bs, max_len, d.max_num_seqs)
         self.proposer = DraftModelProposer(
             loaded.model,
             num_slots=d.max_num_seqs,
-            max_model_len=cfg.engine.max_model_len,
+            max_model_len=max_len,
             dtype=d.dtype,
             device=d.device,
             target_vocab_size=target.model.config.vocab_size,
             vocab_ids=loaded.draft_vocab,
+            num_blocks=num_blocks,
+            block_size=bs,
         )
         # the EAGLE head (optional) drafts from the target's hidden states, which each call carries
         self.eagle: EagleProposer | None = None
-        if d.eagle:
+        if head is not None:
             self.eagle = EagleProposer(
-                d.eagle,
+                head,
                 target.model,
                 num_slots=d.max_num_seqs,
-                max_model_len=cfg.engine.max_model_len,
+                max_model_len=max_len,
                 dtype=d.dtype,
                 device=d.device,
+                num_blocks=num_blocks,
+                block_size=bs,
             )
         self._hidden: dict[str, torch.Tensor] = {}  # eagle requests: [len(known) - 1, hidden] fp16
         self._known: dict[str, list[int]] = {}
@@ -186,12 +220,22 @@ class DraftWorker:
         m.create_observable_gauge(
             "specserve_draft_active_requests",
             callbacks=[lambda _o: [Observation(self.proposer.num_active)]],
-            description="Requests holding a draft KV slot.",
+            description="Requests holding draft model state (and KV blocks).",
         )
         m.create_observable_gauge(
             "specserve_draft_kv_tokens_in_use",
             callbacks=[lambda _o: [Observation(self.proposer.kv_tokens_in_use)]],
-            description="Draft KV cache tokens in use.",
+            description="Draft model KV cache tokens in use (committed tokens and fed drafts).",
+        )
+        m.create_observable_gauge(
+            "specserve_draft_kv_tokens_capacity",
+            callbacks=[lambda _o: [Observation(self.proposer.kv_tokens_capacity)]],
+            description="Tokens the draft model's KV pool holds (draft.kv_cache_memory_gb).",
+        )
+        m.create_observable_gauge(
+            "specserve_draft_kv_usage",
+            callbacks=[lambda _o: [Observation(self.proposer.kv_blocks_in_use / self.proposer.blocks.num_blocks)]],
+            description="Fraction of the draft model's KV blocks held by requests (vLLM's kv_cache_usage_perc).",
         )
 
     def metrics_samples(self) -> list[dict[str, Any]]:
@@ -210,6 +254,8 @@ class DraftWorker:
         return {
             "active": self.proposer.num_active,
             "kv_tokens_in_use": self.proposer.kv_tokens_in_use,
+            "kv_tokens_capacity": self.proposer.kv_tokens_capacity,
+            "kv_blocks_in_use": self.proposer.kv_blocks_in_use,
             "calls": self.num_calls,
             "known": len(self._known),
             "swept": self.num_swept,

@@ -144,7 +144,7 @@ class Ingress:
         explicit = (getattr(req, "max_completion_tokens", None) or req.max_tokens) is not None
         prompts = self._prompts(req, is_chat)
         for prompt_ids in prompts:
-            self._check_len(prompt_ids, params, explicit)
+            self._check_len(prompt_ids, params, explicit, "messages" if is_chat else "prompt")
         rid = P.new_id("chatcmpl" if is_chat else "cmpl")
         deadline = time.monotonic() + self.cfg.ingress.request_timeout_s
         choices = [
@@ -286,13 +286,13 @@ class Ingress:
             "repetition_penalty": req.repetition_penalty,
         }
 
-    def _check_len(self, prompt_ids: list[int], params: dict[str, Any], explicit: bool) -> None:
+    def _check_len(self, prompt_ids: list[int], params: dict[str, Any], explicit: bool, field: str) -> None:
         ctx = self.cfg.engine.max_model_len
         if len(prompt_ids) >= ctx:
             raise HTTPError(
                 400,
                 f"prompt has {len(prompt_ids)} tokens; this model's context is {ctx} tokens",
-                "messages",
+                field,
                 code="context_length_exceeded",
             )
         if len(prompt_ids) + params["max_tokens"] > ctx:

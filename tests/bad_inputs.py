@@ -100,6 +100,10 @@ HOSTILE: list[tuple[str, str, Any, str | None, int | None]] = [
     ("completions prompt a number", COMPL, {"prompt": 12345}, None, None),
     ("completions with messages", COMPL, {"messages": [{"role": "user", "content": "x"}]}, "messages", None),
     ("completions unknown proposer", COMPL, {"proposer": "telepathy"}, "proposer", None),
+    # the e2e cluster serves max_model_len 512 (cluster/local_cluster.py); " word" is one token
+    ("prompt + max_tokens over max_model_len", COMPL, {"prompt": " word" * 400, "max_tokens": 200}, "max_tokens", 400),
+    ("chat prompt over max_model_len", CHAT, {"messages": [{"role": "user", "content": " w" * 600}]}, "messages", 400),
+    ("completions prompt over max_model_len", COMPL, {"prompt": " word" * 600, "max_tokens": None}, "prompt", 400),
     ("unknown route", "/v1/embeddings", {}, None, 404),
     ("wrong method", "GET " + CHAT, None, None, 405),
 ]

@@ -199,13 +199,14 @@ def test_slots_are_freed_and_reused(model: LlamaForCausalLM) -> None:
     prop.propose([req(prompt(4, 0), 2, rid="a"), req(prompt(5, 1), 2, rid="b")])
     assert prop.num_active == 2
     assert prop.kv_tokens_in_use == 4 + 1 + 5 + 1
-    with pytest.raises(RuntimeError, match="no free draft KV slot"):
-        prop.propose([req(prompt(4, 2), 2, rid="c")])
+    # beyond num_slots a request gets no drafts this step (it runs plain) and no state
+    assert prop.propose([req(prompt(4, 2), 2, rid="c")]).draft_token_ids == [[]]
+    assert not prop.has("c")
     prop.finish("a", [])
     assert prop.num_active == 1
     p = prompt(6, 3)
     assert prop.propose([req(p, 3, rid="c")]).draft_token_ids == [greedy_reference(model, p, 3)]
-    assert prop._states["c"].slot == 0  # the lowest free slot
+    assert prop.blocks.tables["c"] == [0]  # the lowest free block, given back by "a"
     prop.finish("b", [])
     prop.finish("c", [])
     prop.finish("never-seen", [])
@@ -283,3 +284,48 @@ def test_draft_vocab_file_is_validated(tmp_path) -> None:
         (tmp_path / "draft_vocab.json").write_text(f'{{"token_ids": {bad}}}')
         with pytest.raises(ValueError, match="token_ids"):
             read_draft_vocab(tmp_path, VOCAB)
+
+
+def test_a_pool_too_small_for_all_still_drafts_exactly_for_those_holding_blocks(model: LlamaForCausalLM) -> None:
+    """4 blocks of 16 for requests of 20-30 tokens: the oldest get their blocks and the same drafts as an
+    unbounded proposer; the rest get none (they run plain, output unchanged) until blocks come back."""
+    prompts = {rid: prompt(n, 40 + n) for rid, n in (("a", 20), ("b", 25), ("c", 28))}
+    small = DraftModelProposer(model, num_slots=8, max_model_len=MAX_LEN, device="cpu", num_blocks=4, block_size=16)
+    out = small.propose([req(p, 4, rid=rid) for rid, p in prompts.items()]).draft_token_ids
+    assert out[:2] == [greedy_reference(model, prompts[r], 4) for r in "ab"] and out[2] == []
+    assert small.kv_blocks_in_use == 4 and not small.has("c")
+    # "a" grows past its second block: the pool is full, so it gets the drafts its blocks still hold
+    prompts["a"] = prompts["a"] + out[0] + [7, 8, 9, 10, 11, 12]  # 30 committed tokens, 2 blocks hold 32 positions
+    again = small.propose([req(prompts["a"], 4, rid="a")]).draft_token_ids[0]
+    assert again == greedy_reference(model, prompts["a"], 3)  # positions 30, 31 fed: 3 drafts
+    small.finish("b")
+    assert small.propose([req(prompts["c"], 4, rid="c")]).draft_token_ids == [greedy_reference(model, prompts["c"], 4)]
+
+
+def test_a_request_that_cannot_hold_its_tokens_gives_its_blocks_back(model: LlamaForCausalLM) -> None:
+    prop = DraftModelProposer(model, num_slots=4, max_model_len=MAX_LEN, device="cpu", num_blocks=3, block_size=16)
+    a, b = prompt(20, 1), prompt(10, 2)
+    prop.propose([req(a, 2, rid="a"), req(b, 2, rid="b")])  # a: 2 blocks, b: 1
+    b = b + [3] * 20  # b now needs 2 blocks for its 30 committed tokens; none is free
+    assert prop.propose([req(b, 2, rid="b")]).draft_token_ids == [[]]
+    assert not prop.has("b") and prop.kv_blocks_in_use == 2 and prop.kv_tokens_in_use == len(a) + 1
+    prop.finish("a")
+    assert prop.propose([req(b, 2, rid="b")]).draft_token_ids == [greedy_reference(model, b, 2)]  # re-prefilled
+
+
+def test_draft_kv_follows_the_tokens_in_use_not_slots_times_max_model_len(model: LlamaForCausalLM) -> None:
+    """128 slots of 8192 positions would be 1M positions; the pool holds what it is given, and a request
+    holds blocks for its tokens plus its drafts' lookahead only."""
+    prop = DraftModelProposer(model, num_slots=128, max_model_len=8192, device="cpu", num_blocks=600, block_size=16)
+    per_block = prop.runner.kv_bytes_per_block
+    assert prop.runner.kv_bytes == 600 * per_block and prop.kv_tokens_capacity == 9600
+    prop.propose([req(prompt(40, 3), 4, rid="a"), req(prompt(3, 4), 2, rid="b")])
+    assert prop.kv_blocks_in_use == 3 + 1  # ceil((40 + 3) / 16) + ceil((3 + 1) / 16)
+    assert prop.kv_tokens_in_use == 43 + 4
+    long = prompt(8000, 5)  # a full-length request fits the pool beside the others, drafting as one slot would
+    alone = DraftModelProposer(model, num_slots=1, max_model_len=8192, device="cpu")
+    assert prop.propose([req(long, 4, rid="long")]).draft_token_ids == alone.propose([req(long, 4)]).draft_token_ids
+    assert prop.kv_blocks_in_use == 4 + 501
+    for rid in ("a", "b", "long"):
+        prop.finish(rid)
+    assert prop.kv_blocks_in_use == 0 and prop.kv_tokens_in_use == 0

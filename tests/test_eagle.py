@@ -245,12 +245,13 @@ def test_training_time_test_unroll_matches_the_proposers_drafting_chain(tiny_loa
         torch.testing.assert_close(preds[0], head.forward_train(feats[None], embed[toks[1:]][None]))
     for j in (0, 5, 10):
         prop = EagleProposer(head, target, num_slots=1, max_model_len=64, device="cpu")
-        f = prop._forward([0], [0], feats[: j + 1], toks[1 : j + 2], [j + 1])  # true pairs 0 .. j
+        table = [0, 1, 2, 3]  # the blocks of 64 positions
+        f = prop._forward([table], [0], feats[: j + 1], toks[1 : j + 2], [j + 1])  # true pairs 0 .. j
         for s in range(1, 4):
             if j + s >= T:
                 break
             torch.testing.assert_close(f[0], preds[s - 1][0, j], atol=1e-4, rtol=1e-4)
-            f = prop._forward([0], [j + s], f, toks[j + s + 1 : j + s + 2], [1])  # [f^_{j+s} ; embed(t_{j+s+1})]
+            f = prop._forward([table], [j + s], f, toks[j + s + 1 : j + s + 2], [1])  # [f^_{j+s} ; embed(t_{j+s+1})]
 
 
 def test_scaling_heldout_acceptance_counts_what_the_proposer_would_have_accepted(tiny_loaded) -> None:

@@ -357,3 +357,18 @@ def test_admission_keeps_a_watermark_while_others_run(tiny_loaded, one_thread):
     kv = KVCacheManager(num_blocks=4, block_size=16)
     assert not kv.admit(_req("c", list(range(64))), 64, use_cache=False, keep_free=1)
     assert kv.admit(_req("c", list(range(48))), 48, use_cache=False, keep_free=1) and kv.num_free == 1
+
+
+def test_with_a_pool_of_one_full_request_every_admissible_request_completes_and_longer_ones_are_refused(tiny_loaded):
+    """The pool holds exactly one request of max_model_len: a full-length request beside others completes
+    (it waits or preempts, never hangs), and one that could never fit is refused naming max_tokens."""
+    from workers.errors import InvalidRequestError
+
+    eng = _engine(tiny_loaded, kv_tokens=128, proposers=[])
+    assert eng.kv.num_blocks * eng.kv.block_size == 128 == eng.max_model_len
+    full, short = rand_prompts(2, 5, 100, 100)[0], rand_prompts(2, 6, 20, 20)[0]
+    outs = eng.generate([short, full, short], {"max_tokens": 28, "ignore_eos": True})
+    assert [len(o) for o in outs] == [28, 28, 28]
+    with pytest.raises(InvalidRequestError, match="max_tokens") as e:
+        eng.add_request("over", full, {"max_tokens": 29})
+    assert e.value.param == "max_tokens" and not eng.has_work()

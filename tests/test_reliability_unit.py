@@ -356,7 +356,8 @@ def test_draft_worker_sweeps_state_nobody_releases(tiny_model_dir, monkeypatch):
         }
 
     w.propose([msg("orphan"), msg("live")], [])
-    assert w.stats()["active"] == 2 and w.stats()["kv_tokens_in_use"] > 0
+    assert w.stats()["active"] == 2 and w.stats()["kv_tokens_in_use"] == 2 * (4 + 1)  # prompt + draft 0 fed
+    assert w.stats()["kv_blocks_in_use"] == 2  # one block of 16 each: KV follows the tokens in use
     w.release(["live"])  # released by its target: freed at once
     assert w.stats()["active"] == 1
     t0 = time.monotonic()
@@ -364,6 +365,7 @@ def test_draft_worker_sweeps_state_nobody_releases(tiny_model_dir, monkeypatch):
         time.sleep(0.05)
     s = w.stats()
     assert s["active"] == 0 and s["kv_tokens_in_use"] == 0 and s["swept"] == 1 and s["known"] == 0
+    assert s["kv_blocks_in_use"] == 0  # the sweep gave the blocks back
     # a request that was only idle resyncs on its next call (its offset no longer matches)
     assert w.propose([{**msg("orphan"), "offset": 4, "new_tokens": [5]}], []) == [{"resync": True}]
 
@@ -439,3 +441,17 @@ def test_resubmissions_are_bounded_and_a_refused_one_fails_the_stream():
 
     with pytest.raises(RuntimeError, match="resubmission refused"):
         asyncio.run(drain(refused, 3))
+
+
+def test_draft_kv_budget_sizes_the_pools_and_too_small_a_budget_names_the_key(tiny_model_dir, monkeypatch):
+    from deployments.draft import DraftWorker, draft_kv_blocks
+
+    # 1 GiB over 6 KiB per token (two pools) = 174762 tokens = 10922 blocks of 16, capped at 4 x 8192 tokens
+    assert draft_kv_blocks(1.0, [4608, 1536], 16, 8192, 4) == 4 * 512
+    assert draft_kv_blocks(1.0, [4608, 1536], 16, 8192, 256) == 10922
+    monkeypatch.setattr("ray.serve.get_replica_context", lambda: None)
+    cfg = {"engine": {"model": tiny_model_dir, "max_model_len": 128}, "draft": {"model": "target", "max_num_seqs": 4}}
+    w = DraftWorker.func_or_class({**cfg, "draft": {**cfg["draft"], "kv_cache_memory_gb": 0.00015}})
+    assert w.stats()["kv_tokens_capacity"] == 19 * 16  # 512 B per token: budget-bound, not max_num_seqs x max_model_len
+    with pytest.raises(ValueError, match=r"draft\.kv_cache_memory_gb=1e-05 .* engine\.max_model_len=128"):
+        DraftWorker.func_or_class({**cfg, "draft": {**cfg["draft"], "kv_cache_memory_gb": 1e-5}})

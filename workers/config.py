@@ -105,9 +105,15 @@ class EngineConfig(BaseModel):
         "(cluster/cpu_priority.py): with every core running an engine thread, another process waking up "
         "otherwise stalls a whole parallel op. 'inherit': whatever Ray started the worker with.",
     )
-    max_num_seqs: int = Field(32, ge=1, le=1024, description="Running requests; more wait in the queue.")
+    max_num_seqs: int = Field(
+        128,
+        ge=1,
+        le=1024,
+        description="Running requests; more wait in the queue. Costs no memory by itself: KV comes from the block "
+        "pool (kv_cache_memory_gb), and requests beyond what the pool holds wait or are preempted.",
+    )
     max_model_len: int = Field(
-        2048,
+        8192,
         ge=16,
         description="Context length per request (prompt + output + drafts), up to the model's own "
         "limit. Memory comes from the KV block pool (kv_cache_memory_gb), not from this times max_num_seqs.",

@@ -19,6 +19,7 @@ Nothing here imports torch: the runner (workers/runner.py) owns the tensors, thi
 from __future__ import annotations
 
 import collections
+import heapq
 from typing import Sequence
 
 from workers.request import Request
@@ -189,3 +190,64 @@ class KVCacheManager:
         self.pool.release(r.block_table)
         r.block_table = []
         r.block_hashes = []
+
+
+class DraftBlocks:
+    """Block tables for a proposer's own KV cache (a draft model, an EAGLE head).
+
+    A draft cache holds every committed position of a request plus lookahead for the drafts it feeds; it
+    never shares blocks (no prefix cache: a draft's KV is cheap to recompute), so this is only allocation,
+    lowest free block first.
+    When the pool runs short, requests are served oldest first (the order they first got blocks): a
+    request that cannot get blocks for its committed positions gets no drafts this step, and one already
+    holding blocks gives them all back (it re-prefills when it is served again). That is vLLM's scheduler
+    rule, admit while blocks last and preempt the youngest by recompute: a draft never evicts the state of
+    an older request it cannot tell is idle (the other target replicas' requests are called in other
+    steps, and evicting them would thrash), and a request left without drafts still decodes, with the
+    same output, only without the speedup. Orphans are the owner's job (the draft worker's TTL sweep).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks))  # min-heap of free block ids
+        self.block_size = block_size
+        self.tables: dict[str, list[int]] = {}  # request id -> its blocks, position p in table[p // block_size]
+        self._order: dict[str, int] = {}  # request id -> when it first got blocks (oldest served first)
+        self._next = 0
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def reserve(self, asks: Sequence[tuple[str, int, int]]) -> list[int]:
+        """For each ``(request id, need, want)``: grow its table to cover ``want`` positions if the pool
+        allows, else as many as it can above ``need``; the positions covered, or 0 where even ``need``
+        does not fit (that request then holds no blocks). Requests holding blocks are served first,
+        oldest first, then new ones in the order given."""
+        order = sorted(range(len(asks)), key=lambda i: self._order.get(asks[i][0], self._next + i))
+        out = [0] * len(asks)
+        for i in order:
+            rid, need, want = asks[i]
+            table = self.tables.get(rid, [])
+            room = (len(table) + len(self._free)) * self.block_size
+            if room < need:
+                self.free(rid)
+                continue
+            more = self.blocks_for(min(want, room)) - len(table)
+            if more > 0:
+                table = table + [heapq.heappop(self._free) for _ in range(more)]
+            if rid not in self.tables:
+                self._order[rid] = self._next
+                self._next += 1
+            self.tables[rid] = table
+            out[i] = len(table) * self.block_size
+        return out
+
+    def free(self, request_id: str) -> None:
+        """Give back the request's blocks (unknown ids are ignored)."""
+        for b in self.tables.pop(request_id, []):
+            heapq.heappush(self._free, b)
+        self._order.pop(request_id, None)

@@ -8,9 +8,14 @@ the request's own temperature / top-k / top-p, and ``q_j`` is returned so the
 rejection sampler can accept with ``min(1, p_j(x_j) / q_j(x_j))``. Greedy
 requests take the draft's argmax and return no ``q`` (one-hot).
 
-State per request (keyed by request id): a slot in the draft's own KV cache
-(:class:`workers.runner.ModelRunner`) and the list of tokens whose keys/values
-that slot holds. Each step the proposer feeds only what the cache lacks:
+State per request (keyed by request id): a block table in the draft's own paged
+KV cache (:class:`workers.runner.ModelRunner` over a pool of ``num_blocks``
+blocks, :class:`workers.kv_blocks.DraftBlocks`) and the list of tokens whose
+keys/values those blocks hold. A request holds blocks for the positions it has
+(committed tokens plus the drafts it feeds), growing block by block, so memory
+follows the tokens in use, not ``num_slots x max_model_len``; when the pool runs
+short a request gets fewer or no drafts (its output is unchanged, see
+DraftBlocks). Each step the proposer feeds only what the cache lacks:
 
 * committed tokens never change, and draft tokens the target rejected must be
   rolled back, so the reusable part of the cache is the longest common prefix
@@ -32,12 +37,12 @@ else shares its batch.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from workers.kv_blocks import DraftBlocks
 from workers.proposers.base import ProposalRequest, Proposals, Proposer, coupled_key, draw_drafts, stack_draft_probs
 from workers.sampler import make_generator, process_logits, sampling_tensors
 from workers.sampling_params import SamplingParams
@@ -74,8 +79,7 @@ def common_prefix_len(cached: list[int], token_ids: list[int], hint: int = 0) ->
 class _DraftState:
     """One request's share of the draft model."""
 
-    slot: int
-    cached: list[int] = field(default_factory=list)  # tokens whose KV is in the slot, position = index
+    cached: list[int] = field(default_factory=list)  # tokens whose KV is in the request's blocks, position = index
     num_committed: int = 0  # len(token_ids) at the last propose: a known-common prefix of `cached`
     generator: torch.Generator | None = None
     generator_ready: bool = False  # created on first sampled use (None when unseeded)
@@ -87,9 +91,11 @@ class DraftModelProposer(Proposer):
     Args:
         model: the draft LM (HF ``PreTrainedModel``, Llama family); its weights
             are copied into a :class:`~workers.runner.ModelRunner`.
-        num_slots: how many requests can hold draft KV at once.
+        num_slots: how many requests can hold draft state at once (more get no drafts).
         max_model_len: longest sequence (prompt + output) the draft cache holds;
             drafts are cut so that ``len(token_ids) + k <= max_model_len``.
+        num_blocks, block_size: the draft's KV pool, shared by every request; None
+            sizes it for ``num_slots`` requests of ``max_model_len`` (never short).
         dtype, device: of the draft's weights and cache (``device="auto"``:
             CUDA when present). ``dtype`` may be a ``torch.dtype`` or its name.
         target_vocab_size: when given, must equal the draft's vocabulary size:
@@ -114,6 +120,8 @@ class DraftModelProposer(Proposer):
         device: torch.device | str = "auto",
         target_vocab_size: int | None = None,
         vocab_ids: Sequence[int] | None = None,
+        num_blocks: int | None = None,
+        block_size: int = 16,
     ) -> None:
         from workers.runner import ModelRunner
 
@@ -133,25 +141,32 @@ class DraftModelProposer(Proposer):
                 raise ValueError(f"unknown dtype {dtype!r}")
             dtype = resolved
         self.runner: ModelRunner = ModelRunner(
-            model, num_slots, max_model_len, dtype=dtype, device=device, head_rows=vocab_ids
+            model,
+            num_slots,
+            max_model_len,
+            dtype=dtype,
+            device=device,
+            head_rows=vocab_ids,
+            num_blocks=num_blocks,
+            block_size=block_size,
         )
+        self.blocks = DraftBlocks(self.runner.num_blocks, block_size)
         self.vocab_size = draft_vocab
         # [V_draft] the full-vocabulary id of each logit column, or None when the head is whole
         self._vocab_ids = None if vocab_ids is None else torch.as_tensor(list(vocab_ids), device=self.runner.device)
         self.num_slots = num_slots
         self.max_model_len = max_model_len
-        self._free_slots: list[int] = list(range(num_slots))  # min-heap: lowest free slot first
         self._states: dict[str, _DraftState] = {}
 
     # ------------------------------------------------------------------ state
 
     @property
     def num_active(self) -> int:
-        """Requests holding a draft slot."""
+        """Requests holding draft state (and KV blocks)."""
         return len(self._states)
 
     def has(self, request_id: str) -> bool:
-        """Whether the request holds a draft slot."""
+        """Whether the request holds draft state."""
         return request_id in self._states
 
     @property
@@ -159,14 +174,23 @@ class DraftModelProposer(Proposer):
         """Tokens whose keys/values sit in the draft cache, over all requests."""
         return sum(len(st.cached) for st in self._states.values())
 
+    @property
+    def kv_tokens_capacity(self) -> int:
+        """Positions the draft's KV pool holds, over all requests."""
+        return self.blocks.num_blocks * self.blocks.block_size
+
+    @property
+    def kv_blocks_in_use(self) -> int:
+        """Blocks held by requests: committed tokens plus the lookahead of their drafts."""
+        return self.blocks.num_used
+
     def finish(self, request_id: str, token_ids: Sequence[int] = ()) -> None:
-        """Free the request's slot and state (unknown ids are ignored)."""
-        st = self._states.pop(request_id, None)
-        if st is not None:
-            heapq.heappush(self._free_slots, st.slot)
+        """Free the request's blocks and state (unknown ids are ignored)."""
+        self._states.pop(request_id, None)
+        self.blocks.free(request_id)
 
     def reset(self, request_id: str) -> None:
-        """Forget the request's cached KV (the next propose re-prefills it); the slot
+        """Forget the request's cached KV (the next propose re-prefills it); its blocks
         and the draft generator's stream are kept."""
         st = self._states.get(request_id)
         if st is not None:
@@ -200,24 +224,36 @@ class DraftModelProposer(Proposer):
                 raise ValueError(f"request {r.request_id!r} has no tokens")
             tokens_of.append(tokens)
             k_of.append(max(0, min(r.k, self.max_model_len - len(tokens))))
-        rows = [i for i in range(len(requests)) if k_of[i] > 0]  # requests in the current forward
-        new = [i for i in rows if requests[i].request_id not in self._states]
-        if len(new) > len(self._free_slots):
-            raise RuntimeError(
-                f"no free draft KV slot: {len(new)} new requests but only {len(self._free_slots)} of "
-                f"{self.num_slots} slots free; finish() requests or raise num_slots"
-            )
-        for i in new:
-            self._states[requests[i].request_id] = _DraftState(slot=heapq.heappop(self._free_slots))
+        # Requests beyond num_slots and those the pool cannot hold now get no drafts (DraftBlocks).
+        free = self.num_slots - len(self._states)
+        rows = []
+        for i in range(len(requests)):
+            if k_of[i] > 0 and (requests[i].request_id in self._states or free > 0):
+                free -= requests[i].request_id not in self._states
+                rows.append(i)
+        # Positions fed: the committed tokens, then every draft but the last.
+        covered = self.blocks.reserve(
+            [(requests[i].request_id, len(tokens_of[i]), len(tokens_of[i]) + k_of[i] - 1) for i in rows]
+        )
+        held = []
+        for i, c in zip(rows, covered):
+            rid = requests[i].request_id
+            if c == 0:
+                self._states.pop(rid, None)  # its blocks went back to the pool: it re-prefills later
+                continue
+            k_of[i] = min(k_of[i], c - len(tokens_of[i]) + 1)
+            self._states.setdefault(rid, _DraftState())
+            held.append(i)
+        rows = held
         states = {i: self._states[requests[i].request_id] for i in rows}  # every row's, new ones included
 
         # Step 0: one ragged forward feeding what each request's cache lacks.
-        slots, starts, feeds = [], [], []
+        tables = {i: self.blocks.tables[requests[i].request_id] for i in rows}
+        starts, feeds = [], []
         for i in rows:
             st, tokens = states[i], tokens_of[i]
             lcp = common_prefix_len(st.cached, tokens, st.num_committed)
             lcp = min(lcp, len(tokens) - 1)  # always feed at least the last committed token
-            slots.append(st.slot)
             starts.append(lcp)
             feeds.append(tokens[lcp:])
             st.cached = tokens  # a fresh list (copied above); drafts fed later are appended
@@ -225,13 +261,20 @@ class DraftModelProposer(Proposer):
         step = 0
         while rows:
             if step == 0:
-                batch = StepBatch(slots, starts, feeds, [[len(f) - 1] for f in feeds])
+                batch = StepBatch(
+                    [0] * len(rows),
+                    starts,
+                    feeds,
+                    [[len(f) - 1] for f in feeds],
+                    block_tables=[tables[i] for i in rows],
+                )
             else:
                 batch = StepBatch(
-                    [states[i].slot for i in rows],
+                    [0] * len(rows),
                     [len(states[i].cached) for i in rows],
                     [[drafts[i][-1]] for i in rows],
                     [[0] for _ in rows],
+                    block_tables=[tables[i] for i in rows],
                 )
                 for i in rows:  # the previous draft is now in the cache
                     states[i].cached.append(drafts[i][-1])

@@ -6,8 +6,9 @@ token. The engine passes the target's final-norm features of every committed pos
 (``ProposalRequest.hidden_states``, positions ``0 .. n-2`` for ``n`` committed tokens: the last
 token has not been read by the target yet), because this proposer sets ``needs_hidden_states``.
 
-Per request (keyed by id) the proposer keeps a slot in the head's own KV cache (one layer) and
-``n_true``: how many pairs at the front of that slot were computed from the target's *true*
+Per request (keyed by id) the proposer keeps a block table in the head's own paged KV cache (one
+layer; blocks held for the pairs it has, as the draft model proposer does, workers/kv_blocks.py
+DraftBlocks) and ``n_true``: how many pairs at the front of that slot were computed from the target's *true*
 features. Each step it
 
 1. feeds the pairs ``j = n_true .. n-2`` (the features committed since the last call; at the first
@@ -23,7 +24,6 @@ so no feedback from the verifier is needed.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.eagle_head import EagleHead, load_head
+from workers.kv_blocks import DraftBlocks
 from workers.proposers.base import ProposalRequest, Proposals, Proposer, coupled_key, draw_drafts, stack_draft_probs
 from workers.proposers.draft_model import DRAFT_SEED_SALT
 from workers.sampler import make_generator, process_logits, sampling_tensors
@@ -39,8 +40,7 @@ from workers.sampling_params import SamplingParams
 
 @dataclass
 class _EagleState:
-    slot: int
-    n_true: int = 0  # pairs 0 .. n_true-1 in the slot were built from the target's true features
+    n_true: int = 0  # pairs 0 .. n_true-1 in the request's blocks were built from the target's true features
     generator: torch.Generator | None = None
     generator_ready: bool = False
 
@@ -51,7 +51,9 @@ class EagleProposer(Proposer):
     Args:
         head: an :class:`EagleHead`, or the directory it was saved to (models/smollm2-eagle).
         target_model: the target HF model: its embedding and LM head (frozen) are read from it.
-        num_slots, max_model_len: requests with head KV at once, and their longest sequence.
+        num_slots, max_model_len: requests with head KV at once (more get no drafts), and their longest sequence.
+        num_blocks, block_size: the head's KV pool, shared by every request; None sizes it for
+            ``num_slots`` requests of ``max_model_len``.
         dtype, device: of the head's weights and cache (``device="auto"``: CUDA when present).
     """
 
@@ -66,6 +68,8 @@ class EagleProposer(Proposer):
         max_model_len: int,
         dtype: torch.dtype | str = torch.float32,
         device: torch.device | str = "auto",
+        num_blocks: int | None = None,
+        block_size: int = 16,
     ) -> None:
         from workers.runner import pick_device
 
@@ -93,10 +97,14 @@ class EagleProposer(Proposer):
         self.num_slots = num_slots
         self.max_model_len = max_model_len
         c = self.cfg
-        shape = (num_slots, c.num_key_value_heads, max_model_len, c.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        if num_blocks is None:
+            num_blocks = num_slots * -(-max_model_len // block_size)
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        self.blocks = DraftBlocks(num_blocks, block_size)
+        shape = (num_blocks, c.num_key_value_heads, block_size, c.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)  # [num_blocks, nkv, BS, D]
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        self._free: list[int] = list(range(num_slots))
         self._states: dict[str, _EagleState] = {}
 
     # ------------------------------------------------------------------ state
@@ -109,13 +117,24 @@ class EagleProposer(Proposer):
     def kv_tokens_in_use(self) -> int:
         return sum(st.n_true for st in self._states.values())
 
+    @property
+    def kv_tokens_capacity(self) -> int:
+        return self.blocks.num_blocks * self.blocks.block_size
+
+    @property
+    def kv_blocks_in_use(self) -> int:
+        return self.blocks.num_used
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+
     def has(self, request_id: str) -> bool:
         return request_id in self._states
 
     def finish(self, request_id: str, token_ids: Sequence[int] = ()) -> None:
-        st = self._states.pop(request_id, None)
-        if st is not None:
-            heapq.heappush(self._free, st.slot)
+        self._states.pop(request_id, None)
+        self.blocks.free(request_id)
 
     def reset(self, request_id: str) -> None:
         st = self._states.get(request_id)
@@ -127,7 +146,7 @@ class EagleProposer(Proposer):
     @torch.inference_mode()
     def _forward(
         self,
-        slots: list[int],
+        tables: list[list[int]],  # per request: its blocks, position p in table[p // block_size]
         starts: list[int],  # position of each request's first new pair
         feats: torch.Tensor,  # [T, hidden] features of the new pairs, requests concatenated
         tokens: torch.Tensor,  # [T] the next token of each pair
@@ -140,16 +159,18 @@ class EagleProposer(Proposer):
         q, k, v = hd.qkv_proj(x, cos, sin)  # [T, nq, D], [T, nkv, D], [T, nkv, D]
         attn_out = []
         off = 0
-        for slot, s, n in zip(slots, starts, counts):
-            pos = positions[off : off + n]
-            self.k_cache[slot, :, pos] = k[off : off + n].transpose(0, 1)  # [nkv, n, D] at (slot, :, pos)
-            self.v_cache[slot, :, pos] = v[off : off + n].transpose(0, 1)
+        BS, nkv, D = self.blocks.block_size, self.k_cache.shape[1], self.k_cache.shape[3]
+        for table, s, n in zip(tables, starts, counts):
             kv_len = s + n
+            bt = torch.tensor(table[: -(-kv_len // BS)], dtype=torch.long, device=self.device)  # [nb]
+            pos = positions[off : off + n]
+            self.k_cache[bt[pos // BS], :, pos % BS] = k[off : off + n]  # [n, nkv, D] at (block, :, offset)
+            self.v_cache[bt[pos // BS], :, pos % BS] = v[off : off + n]
             # one layer: only the last pair's output is needed, and it attends to every pair so far (no mask)
             a = F.scaled_dot_product_attention(
                 q[off + n - 1 : off + n].transpose(0, 1).unsqueeze(0),  # [1, nq, 1, D]
-                self.k_cache[slot : slot + 1, :, :kv_len],
-                self.v_cache[slot : slot + 1, :, :kv_len],
+                self.k_cache[bt].transpose(0, 1).reshape(1, nkv, -1, D)[:, :, :kv_len],  # [1, nkv, kv_len, D]
+                self.v_cache[bt].transpose(0, 1).reshape(1, nkv, -1, D)[:, :, :kv_len],
                 enable_gqa=True,
             )  # [1, nq, 1, D]
             attn_out.append(a[0, :, 0])  # [nq, D]
@@ -179,22 +200,36 @@ class EagleProposer(Proposer):
             k_of.append(max(0, min(r.k, self.max_model_len - n)))
             if k_of[i] > 0 and n >= 2:
                 rows.append(i)
-        new = [i for i in rows if requests[i].request_id not in self._states]
-        if len(new) > len(self._free):
-            raise RuntimeError(f"no free EAGLE KV slot: {len(new)} new requests, {len(self._free)} free")
-        for i in new:
-            self._states[requests[i].request_id] = _EagleState(slot=heapq.heappop(self._free))
+        # Requests beyond num_slots and those the pool cannot hold now get no drafts (DraftBlocks).
+        free = self.num_slots - len(self._states)
+        admitted = []
+        for i in rows:
+            if requests[i].request_id in self._states or free > 0:
+                free -= requests[i].request_id not in self._states
+                admitted.append(i)
+        # Positions fed: the n - 1 committed pairs, then one pair per draft but the last.
+        n_of = {i: len(requests[i].token_ids) for i in admitted}
+        covered = self.blocks.reserve([(requests[i].request_id, n_of[i] - 1, n_of[i] + k_of[i] - 2) for i in admitted])
+        rows = []
+        for i, c in zip(admitted, covered):
+            rid = requests[i].request_id
+            if c == 0:
+                self._states.pop(rid, None)  # its blocks went back to the pool: it re-prefills later
+                continue
+            k_of[i] = min(k_of[i], c - n_of[i] + 2)
+            self._states.setdefault(rid, _EagleState())
+            rows.append(i)
         states = {i: self._states[requests[i].request_id] for i in rows}
 
         # Step 0: the pairs committed since the last call (at least the last one, re-fed if nothing is new).
-        slots, starts, counts, feats = [], [], [], []
+        tables = {i: self.blocks.tables[requests[i].request_id] for i in rows}
+        starts, counts, feats = [], [], []
         toks: list[int] = []
         for i in rows:
             r, st = requests[i], states[i]
             assert r.hidden_states is not None, "the engine passes EAGLE's requests their hidden states"
             n = len(r.token_ids)
             s = min(st.n_true, n - 2)
-            slots.append(st.slot)
             starts.append(s)
             counts.append(n - 1 - s)
             feats.append(r.hidden_states[s : n - 1])  # [n-1-s, hidden] f_s .. f_{n-2}
@@ -205,7 +240,7 @@ class EagleProposer(Proposer):
         while rows:
             if f_prev is None:
                 f = self._forward(
-                    slots,
+                    [tables[i] for i in rows],
                     starts,
                     torch.cat(feats).to(self.device, self.dtype),
                     torch.tensor(toks, device=self.device),
@@ -213,7 +248,7 @@ class EagleProposer(Proposer):
                 )
             else:
                 f = self._forward(
-                    [states[i].slot for i in rows],
+                    [tables[i] for i in rows],
                     [pos_next[i] for i in rows],
                     f_prev,
                     torch.tensor([drafts[i][-1] for i in rows], device=self.device),
