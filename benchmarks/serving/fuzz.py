@@ -24,6 +24,8 @@ from typing import Any
 
 import requests
 
+# positive: requests the description allows; negative: requests it refuses (each must be a described 4xx)
+MODES = ("positive", "negative")
 CHECK_NAMES = (
     "not_a_server_error",
     "status_code_conformance",
@@ -64,7 +66,8 @@ def fuzz(base_url: str, api_key: str | None, max_examples: int, request_timeout_
     session = requests.Session()
     for result in schema.get_all_operations():
         for key in [api_key, None] if api_key else [None]:
-            _fuzz_operation(result.ok(), base_url, key, max_examples, request_timeout_s, session, tally)
+            for mode in MODES:
+                _fuzz_operation(result.ok(), base_url, key, mode, max_examples, request_timeout_s, session, tally)
     return {
         "cases": sum(tally.cases.values()),
         "by_operation": dict(sorted(tally.cases.items())),
@@ -73,6 +76,7 @@ def fuzz(base_url: str, api_key: str | None, max_examples: int, request_timeout_
         "slowest_s": tally.slowest_s,
         "checks": list(CHECK_NAMES),
         "max_examples": max_examples,
+        "modes": list(MODES),
     }
 
 
@@ -80,17 +84,20 @@ def _fuzz_operation(
     op: Any,
     base_url: str,
     key: str | None,
+    mode: str,
     max_examples: int,
     request_timeout_s: float,
     session: requests.Session,
     tally: Tally,
 ) -> None:
     from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis.errors import Unsatisfiable
     from schemathesis.core.failures import FailureGroup
+    from schemathesis.generation import GenerationMode
 
     checks = _checks()
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    label = f"{op.method.upper()} {op.path} {'key' if key else 'no key'}"
+    label = f"{op.method.upper()} {op.path} {'key' if key else 'no key'} {mode}"
 
     @settings(
         max_examples=max_examples,
@@ -100,7 +107,7 @@ def _fuzz_operation(
         phases=[Phase.explicit, Phase.generate],
         suppress_health_check=list(HealthCheck),
     )
-    @given(case=op.as_strategy())
+    @given(case=op.as_strategy(generation_mode=GenerationMode(mode)))
     def one(case: Any) -> None:  # findings are collected, not raised: no shrinking, the run goes on
         t0 = time.monotonic()
         try:
@@ -127,7 +134,10 @@ def _fuzz_operation(
                 {"operation": label, "check": ", ".join(titles), "status": resp.status_code, "detail": str(e)[:1500]}
             )
 
-    one()
+    try:
+        one()
+    except Unsatisfiable:  # negative mode on an operation that takes nothing: no request to make
+        pass
 
 
 def greedy(base_url: str, api_key: str | None) -> str:
