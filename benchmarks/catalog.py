@@ -145,6 +145,12 @@ BENCHMARKS = [
         "Does a running service stay correct and leak-free through minutes of mixed load with disconnects?",
         "soak_long.json",
     ),
+    Benchmark(
+        "serving",
+        "benchmarks.serving.fuzz",
+        "Does a property-based fuzzer over /openapi.json find a 5xx, a hang or an undescribed answer?",
+        "fuzz.json",
+    ),
 ]
 
 # Shared modules, not run on their own.

@@ -118,3 +118,20 @@ def test_a_tool_message_without_its_call_id_is_refused_by_both(doc):
     assert not accepts(doc, "ChatCompletionRequest", body)
     with pytest.raises(ValueError, match="tool_call_id"):
         P.ChatCompletionRequest.model_validate(body)
+
+
+def test_a_streamed_event_is_described_as_its_chunk_not_as_a_string(doc):
+    """What the fuzzer found first: the stream's schema said "string", while OpenAPI 3.1 reads a
+    text/event-stream schema as each event's; each event's data is now a chunk, an error body or [DONE]."""
+    event = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
+    payload = event["properties"]["data"]["anyOf"][1]["contentSchema"]
+    chunk = P.chat_chunk("chatcmpl-1", MODEL, {"role": "assistant", "content": "hi"}, None, 0)
+    for data in ("[DONE]", '{"id": "x"}'):
+        assert jsonschema.Draft202012Validator(event).is_valid({"data": data})
+    check = jsonschema.Draft202012Validator({**payload, "components": doc["components"]})
+    assert check.is_valid(chunk) and check.is_valid(P.error_body("failed", "server_error"))
+    assert not check.is_valid({"id": "x"})
+    completion = doc["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]["text/event-stream"]
+    payload = completion["schema"]["properties"]["data"]["anyOf"][1]["contentSchema"]
+    check = jsonschema.Draft202012Validator({**payload, "components": doc["components"]})
+    assert check.is_valid(P.completion_chunk("cmpl-1", MODEL, "hi", "stop", 0))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -162,21 +163,24 @@ def main() -> None:
     from cluster.local_cluster import LocalCluster
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--examples", type=int, default=200, help="generated cases per operation and key mode")
-    ap.add_argument("--quick", action="store_true", help="10 cases per operation")
+    ap.add_argument("--examples", type=int, default=200, help="generated cases per operation, key and mode")
+    ap.add_argument("--quick", action="store_true", help="10 cases per operation, key and mode")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "fuzz")
     args = ap.parse_args()
     examples = 10 if args.quick else args.examples
     env = env_info()
     timeout_s, key = 30.0, "sk-fuzz"
-    import tempfile
-
+    # caps the description carries too: generated requests stay within a few seconds of engine time
+    ingress = {
+        "api_key": key,
+        "request_timeout_s": timeout_s,
+        "max_tokens_cap": 64,
+        "default_max_tokens": 32,
+        "max_n": 2,
+        "max_prompts": 4,
+    }
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = LocalCluster(
-            Path(tmp),
-            nodes=1,
-            args_patch={"ingress": {"api_key": key, "request_timeout_s": timeout_s, "max_tokens_cap": 64}},
-        )
+        cluster = LocalCluster(Path(tmp), nodes=1, args_patch={"ingress": ingress})
         cluster.start()
         try:
             before = greedy(cluster.base_url, key)
@@ -184,9 +188,11 @@ def main() -> None:
             out = fuzz(cluster.base_url, key, examples, timeout_s)
             out["wall_s"] = time.monotonic() - t0
             out["greedy_identical_after"] = greedy(cluster.base_url, key) == before
+            out["greedy_answer"] = before
         finally:
             cluster.stop()
     out["env"] = env
+    out["ingress"] = {k: v for k, v in ingress.items() if k != "api_key"}
     fig, (ax,) = figure(1, width=9, height=6)
     labels = list(out["by_operation"])
     ax.barh(labels, [out["by_operation"][k] for k in labels])
