@@ -385,16 +385,13 @@ class CompletionRequest(_Common):
 
 def strip_unsupported(data: dict[str, Any], chat: bool) -> str | None:
     """Before validation: drop the settings that ask for nothing this server does not do anyway
-    (``response_format`` text, ``best_of`` = n, ``parallel_tool_calls`` without tools) and return the
+    (``best_of`` = n, a null ``parallel_tool_calls`` without tools) and return the
     first real OpenAI field it does not implement, or None. The 400 then says "not supported" (a
     feature gap), not "unknown field" (a typo)."""
-    rf = data.get("response_format")
-    if isinstance(rf, dict) and rf.get("type") == "text":
-        data.pop("response_format")
     if not chat and "best_of" in data and data["best_of"] == data.get("n", 1):
         data.pop("best_of")
-    if data.get("tools") is None:
-        data.pop("parallel_tool_calls", None)
+    if data.get("tools") is None and "parallel_tool_calls" in data and data["parallel_tool_calls"] is None:
+        data.pop("parallel_tool_calls")  # what is there is validated: a flag of the wrong type is a 400
     for name in UNSUPPORTED_CHAT if chat else UNSUPPORTED_COMPLETION:
         if data.get(name) is not None:
             return name

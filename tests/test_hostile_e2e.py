@@ -120,6 +120,11 @@ def test_openapi_describes_real_requests_and_responses(cluster, doc):
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
     r = exchange(doc, base, "post", "/v1/chat/completions", chat_body(max_tokens=100_000), False, headers=AUTH)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    junk = {"type": "text", "json_schema": {"name": "x", "schema": False}}  # the fuzzer's find: was a 200
+    r = exchange(doc, base, "post", "/v1/chat/completions", chat_body(response_format=junk), False, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("response_format")
+    body = chat_body(response_format={"type": "text"})
+    assert exchange(doc, base, "post", "/v1/chat/completions", body, headers=AUTH).status_code == 200
     r = exchange(doc, base, "post", "/v1/chat/completions", chat_body(model="gpt-4"), False, headers=AUTH)
     assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found"
     r = exchange(doc, base, "get", "/v1/models/nope", headers=AUTH)
