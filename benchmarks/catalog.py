@@ -170,6 +170,7 @@ HELPERS = {
 RECORDS = {
     "cpu_priority_ab": "engine-first priorities vs Ray's own (one-off A/B, script in git history)",
     "draft_eval_chat24": "draft_eval on 24 held-out prompts",
+    "fuzz_before_fix": "fuzz before response_format text was validated (10 refused requests answered 200)",
     "guidellm_load_burner_bound": "guidellm_load, an older run whose bound burnt guidellm's whole-run CPU",
     "guidellm_load_steady_slow": "guidellm_load, the steady-state rerun on a slow hour",
     "guidellm_paired": "guidellm_paired with max_ttft_ms 700",

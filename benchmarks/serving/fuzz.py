@@ -4,9 +4,10 @@
 
 Starts a one-node local cluster (cluster/local_cluster.py) with an API key and a short request
 timeout, then drives every operation of the served description with schemathesis-generated
-requests, each once with the key and once without. A finding is any response that is a 5xx, that
-does not conform to the description (status, content type, body schema), or a request that did not
-answer within the request timeout. Before and after the fuzz one greedy request is made; the two
+requests, each once with the key and once without, both requests the description allows and requests
+it refuses (schemathesis' positive and negative modes). A finding is a 5xx, a response that does not
+conform to the description (status, content type, body schema), a success for a request the
+description refuses, or a request not answered within the request timeout. Before and after the fuzz one greedy request is made; the two
 answers must be identical (the fuzz left no state behind).
 
 ``fuzz`` is also what tests/test_hostile_e2e.py runs, with a few hundred cases. Writes
@@ -32,6 +33,7 @@ CHECK_NAMES = (
     "status_code_conformance",
     "content_type_conformance",
     "response_schema_conformance",
+    "negative_data_rejection",
 )
 
 
@@ -39,11 +41,18 @@ def _checks() -> list[Any]:
     from schemathesis.checks import not_a_server_error
     from schemathesis.specs.openapi.checks import (
         content_type_conformance,
+        negative_data_rejection,
         response_schema_conformance,
         status_code_conformance,
     )
 
-    return [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+    return [
+        not_a_server_error,
+        status_code_conformance,
+        content_type_conformance,
+        response_schema_conformance,
+        negative_data_rejection,  # a request the description refuses must not succeed
+    ]
 
 
 @dataclasses.dataclass
