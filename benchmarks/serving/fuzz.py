@@ -7,8 +7,8 @@ timeout, then drives every operation of the served description with schemathesis
 requests, each once with the key and once without, both requests the description allows and requests
 it refuses (schemathesis' positive and negative modes). A finding is a 5xx, a response that does not
 conform to the description (status, content type, body schema), a success for a request the
-description refuses, or a request not answered within the request timeout. Before and after the fuzz one greedy request is made; the two
-answers must be identical (the fuzz left no state behind).
+description refuses, or a request not answered within the request timeout. Before and after the
+fuzz one greedy request is made; the two answers must be identical (the fuzz left no state behind).
 
 ``fuzz`` is also what tests/test_hostile_e2e.py runs, with a few hundred cases. Writes
 benchmarks/results/fuzz.{json,png}: the cases per operation and status, and every finding.
