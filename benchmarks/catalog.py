@@ -158,6 +158,12 @@ BENCHMARKS = [
         "Does a running service stay correct and leak-free through minutes of mixed load with disconnects?",
         "soak_long.json",
     ),
+    Benchmark(
+        "serving",
+        "benchmarks.serving.fuzz",
+        "Does a property-based fuzzer over /openapi.json find a 5xx, a hang or an undescribed answer?",
+        "fuzz.json",
+    ),
 ]
 
 # Shared modules, not run on their own.
@@ -178,6 +184,7 @@ RECORDS = {
     "attention_kv_dtype": "attention_bench --kv-dtype-ab: the native kernel over an fp32 vs a bf16 KV cache",
     "cpu_priority_ab": "engine-first priorities vs Ray's own (one-off A/B, script in git history)",
     "draft_eval_chat24": "draft_eval on 24 held-out prompts",
+    "fuzz_before_fix": "fuzz before response_format text was validated (10 refused requests answered 200)",
     "guidellm_load_burner_bound": "guidellm_load, an older run whose bound burnt guidellm's whole-run CPU",
     "guidellm_load_steady_slow": "guidellm_load, the steady-state rerun on a slow hour",
     "guidellm_paired": "guidellm_paired with max_ttft_ms 700",

@@ -28,13 +28,15 @@ from deployments import protocol as P
 from deployments import sse
 from deployments import tools as T
 from deployments.ingress_telemetry import IngressTelemetry, RequestTelemetry, gather_cluster_samples
+from deployments.openapi import describe
 from deployments.resume import ResumableStream
 from deployments.router_client import RouterClient
 from deployments.structured import structured_params
 from workers.kv_blocks import block_hashes
 
 log = logging.getLogger("ray.serve")
-app = FastAPI(title="specserve", docs_url=None, redoc_url=None)
+# /openapi.json is the Ingress's own route: the document names this deployment's model and limits.
+app = FastAPI(title="specserve", docs_url=None, redoc_url=None, openapi_url=None)
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -106,6 +108,7 @@ class Ingress:
         self.proposers = [
             p.name for p in self.cfg.engine.proposers if p.name not in DRAFT_WORKER_PROPOSERS or self.cfg.draft.enabled
         ]
+        self.openapi_doc: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ the completion path
 
@@ -597,6 +600,13 @@ class Ingress:
                 ).response(),
             )
         return self._counted("/v1/models/{id}", JSONResponse(self._model_card()))
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request) -> Response:
+        """Bodies and responses from the models the routes validate with (deployments/openapi.py)."""
+        if self.openapi_doc is None:
+            self.openapi_doc = describe(request.app, self.cfg, self.proposers, len(self.tokenizer))
+        return JSONResponse(self.openapi_doc)
 
     @app.get("/health")
     async def health(self) -> Response:

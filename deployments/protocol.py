@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
 
 from deployments.structured import ResponseFormat, StructuredOutputs
 
@@ -28,6 +28,23 @@ class TextPart(BaseModel):
 
     type: Literal["text"]
     text: str
+
+
+# The fields checked by hand-written validators (so that an error names the field itself) are described to
+# /openapi.json by these schemas: what the validators accept, nothing more.
+_TEXT_PART_SCHEMA = TextPart.model_json_schema()
+_TEXT_PART_SCHEMA.pop("title", None)
+_CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART_SCHEMA}, {"type": "null"}]}
+_TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        _TOKEN_IDS_SCHEMA,
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+        {"type": "array", "items": _TOKEN_IDS_SCHEMA, "minItems": 1},
+    ]
+}
+_STOP_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]}
 
 
 class FunctionCall(BaseModel):
@@ -47,8 +64,37 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+def _message_by_role(schema: dict[str, Any]) -> None:
+    """ChatMessage's JSON schema as its validators judge it: one shape per role (content may be null only
+    on an assistant message, tool_call_id only and always on a 'tool' message)."""
+    props = schema.pop("properties")
+    schema.pop("required", None)
+    schema.pop("additionalProperties", None)
+    content = {"anyOf": _CONTENT_SCHEMA["anyOf"][:2]}
+
+    def shape(roles: list[str], required: list[str], **fields: Any) -> dict[str, Any]:
+        return {
+            "type": "object",
+            "properties": {"role": {"type": "string", "enum": roles}, "name": props["name"], **fields},
+            "required": ["role", *required],
+            "additionalProperties": False,
+        }
+
+    schema["anyOf"] = [
+        shape(["system", "developer", "user"], ["content"], content=content),
+        {  # content, or calls (then content may be null)
+            **shape(["assistant"], [], content=props["content"], tool_calls=props["tool_calls"]),
+            "anyOf": [
+                {"required": ["content"], "properties": {"content": content}},
+                {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}},
+            ],
+        },
+        shape(["tool"], ["content", "tool_call_id"], content=content, tool_call_id={"type": "string"}),
+    ]
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_message_by_role)
 
     # tool_calls and tool_call_id come before content: the validators of the later fields read the earlier ones.
     role: Role
@@ -57,7 +103,9 @@ class ChatMessage(BaseModel):
         None, description="Calls an assistant message made (its content may then be null)."
     )
     tool_call_id: str | None = Field(None, validate_default=True, description="The call a 'tool' message answers.")
-    content: Any = Field(None, validate_default=True, description="A string, or a list of text parts.")
+    content: Annotated[Any, WithJsonSchema(_CONTENT_SCHEMA)] = Field(
+        None, validate_default=True, description="A string, or a list of text parts."
+    )
 
     @field_validator("tool_calls")
     @classmethod
@@ -148,7 +196,9 @@ class _Common(BaseModel):
     n: int = Field(1, ge=1, description="Choices per prompt, each its own engine request (seed + i when seeded).")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: list[str] = Field(default_factory=list, description="A string or a list of strings.")
+    stop: Annotated[list[str], WithJsonSchema(_STOP_SCHEMA)] = Field(
+        default_factory=list, description="A string or a list of strings."
+    )
     seed: int | None = None
     user: str | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -218,6 +268,9 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(_Common):
+    """OpenAI's chat completions request with our extensions. Types are strict: an integer field refuses
+    5.0 (which a JSON schema cannot tell from 5) and "5", a boolean refuses 1."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = Field(False, description="Return each output token's log probability.")
@@ -292,7 +345,12 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: Any = Field(description="Text, token ids, or a list of either (one choice set per prompt).")
+    """OpenAI's (legacy) completions request with our extensions. Types are strict: an integer field
+    refuses 5.0 (which a JSON schema cannot tell from 5) and "5", a boolean refuses 1."""
+
+    prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)] = Field(
+        description="Text, token ids, or a list of either (one choice set per prompt)."
+    )
     echo: bool = Field(False, description="Return the prompt before the completion.")
     logprobs: int | None = Field(
         None, ge=0, le=20, description="Log probability of each token and this many alternatives."
@@ -302,6 +360,7 @@ class CompletionRequest(_Common):
     @classmethod
     def _prompt_shape(cls, v: Any) -> Any:
         # One validator instead of a pydantic union, so that an error names 'prompt' itself.
+
         def ids(x: Any) -> bool:
             return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
@@ -326,16 +385,13 @@ class CompletionRequest(_Common):
 
 def strip_unsupported(data: dict[str, Any], chat: bool) -> str | None:
     """Before validation: drop the settings that ask for nothing this server does not do anyway
-    (``response_format`` text, ``best_of`` = n, ``parallel_tool_calls`` without tools) and return the
+    (``best_of`` = n, a null ``parallel_tool_calls`` without tools) and return the
     first real OpenAI field it does not implement, or None. The 400 then says "not supported" (a
     feature gap), not "unknown field" (a typo)."""
-    rf = data.get("response_format")
-    if isinstance(rf, dict) and rf.get("type") == "text":
-        data.pop("response_format")
     if not chat and "best_of" in data and data["best_of"] == data.get("n", 1):
         data.pop("best_of")
-    if data.get("tools") is None:
-        data.pop("parallel_tool_calls", None)
+    if data.get("tools") is None and "parallel_tool_calls" in data and data["parallel_tool_calls"] is None:
+        data.pop("parallel_tool_calls")  # what is there is validated: a flag of the wrong type is a 400
     for name in UNSUPPORTED_CHAT if chat else UNSUPPORTED_COMPLETION:
         if data.get(name) is not None:
             return name
