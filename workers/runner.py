@@ -75,6 +75,12 @@ class _AttnGroup:
 # bf16 runners on CPUs without native bf16 GEMMs switch to fp32 packed weights from this many rows:
 # from there on the emulated bf16 GEMM is slower than the packed fp32 one (docs/benchmarks.md).
 _WIDE_ROWS = 3
+# oneDNN (and the ideep layer over it) cache a primitive per input shape, up to 1024 of each, and
+# every entry holds its own buffers: a runner fed every row count from 1 to thousands (a draft's
+# ragged prefill steps) grows its memory for as long as new counts appear, and past 1024 it evicts
+# and rebuilds on every step. Non-invariant runners therefore multiply at most this many rows at a
+# time, which bounds the shapes a process ever sees to this many per weight (docs/operations.md).
+_ONEDNN_MAX_ROWS = 64
 
 
 def _pack(w: torch.Tensor) -> torch.Tensor:
@@ -313,6 +319,8 @@ class ModelRunner:
         # x: [T, in] -> [T, out]
         if self.batch_invariant:
             return bi.blocked(lambda xb: self._linear_kernel(xb, L, name), x, self.row_blocking[name])
+        if x.shape[0] > _ONEDNN_MAX_ROWS and (self._packed or self._wide_f32):
+            return torch.cat([self._linear_kernel(xb, L, name) for xb in x.split(_ONEDNN_MAX_ROWS)])  # [T, out]
         return self._linear_kernel(x, L, name)
 
     def _linear_kernel(self, x: torch.Tensor, L: dict[str, torch.Tensor], name: str) -> torch.Tensor:
