@@ -314,7 +314,7 @@ def test_soak_short(cluster, probe, tmp_path):
         str(out),
         # a 10 s warm-up is short of the draft worker's plateau (its oneDNN caches fill with one entry per
         # row count seen, up to 64 per weight: docs/operations.md#memory), so 20% here; the steady-state
-        # check at 5% is the long soak with its 120 s warm-up (docs/benchmarks.md#soak).
+        # check at 5% is the long soak with its 300 s warm-up (docs/benchmarks.md#soak).
         "--rss-tolerance",
         "0.2",
     ]

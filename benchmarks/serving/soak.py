@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--warmup",
         type=float,
-        default=120.0,
+        default=300.0,
         help="seconds of the same load before the RSS baseline: long enough for every process to reach its plateau",
     )
     ap.add_argument("--concurrency", type=int, default=32)
