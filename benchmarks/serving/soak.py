@@ -17,8 +17,9 @@ Checked, and reported as one JSON object (exit status 1 when a check fails):
   same text, whatever path (speculative / plain / draft model) and batch produced it;
 - resident memory (RSS) of every Serve replica process (found through the Ray dashboard's
   Serve REST API, read locally with psutil; with ``--local`` also the Serve controller and the
-  HTTP proxy) at start, after warm-up, every ``rss_every_s`` and at the end: the end must be
-  within ``rss_tolerance`` of the post-warm-up value, and no replica may have restarted. The
+  HTTP proxy) at start, after warm-up, every ``rss_every_s`` and at the end: the median over the
+  last ``rss_window_s`` of the load must be within ``rss_tolerance`` of the median over the last
+  ``rss_window_s`` of the warm-up, and no replica may have restarted. The
   warm-up must outlast the memory a process takes once and keeps (first-touch pages, library
   caches filling up: docs/operations.md), so that the baseline is the plateau;
 - nothing left running: after the load stops (requests still in flight ``grace_s`` after the
@@ -38,6 +39,7 @@ import asyncio
 import ipaddress
 import json
 import random
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -338,10 +340,25 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     rss["end"] = rss_mb(pids)
 
     growth: dict[str, float | None] = {}
+    # RSS swings with the batch (the target's by several percent between samples), so each side is the
+    # median of the samples in the last ``rss_window_s`` of the warm-up and of the load, where there are any
+    windows = {
+        "after_warmup": (args.warmup - args.rss_window_s, args.warmup),
+        "end": (args.warmup + args.duration - args.rss_window_s, args.warmup + args.duration),
+    }
+    rss_median: dict[str, dict[str, float | None]] = {}
+    for side, (t0, t1) in windows.items():
+        rss_median[side] = {}
+        for name in pids:
+            vals = [x[name] for x in timeline if t0 <= x["t"] <= t1 and x.get(name) is not None]
+            rss_median[side][name] = statistics.median(vals) if vals else rss[side].get(name)
     for name in pids:
-        a, b = rss["after_warmup"].get(name), rss["end"].get(name)
+        a, b = rss_median["after_warmup"][name], rss_median["end"][name]
         growth[name] = None if (a is None or b is None) else round(b / a - 1, 4)
-    now_pids = replica_pids(args.dashboard)
+    now_pids = {
+        **replica_pids(args.dashboard),
+        **{n: p for n, p in getattr(args, "system_pids", {}).items() if rss["end"].get(n) is not None},
+    }
     restarted = sorted(n for n in pids if now_pids.get(n) != pids[n] or rss["end"].get(n) is None)
     lat = sorted(tally.latencies_s)
     report = {
@@ -367,6 +384,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         "by_kind": tally.by_kind,
         "latency_s": {"p50": round(lat[len(lat) // 2], 2), "p99": round(lat[int(len(lat) * 0.99)], 2)} if lat else {},
         "rss_mb": rss,
+        "rss_median_mb": rss_median,
         "rss_growth_after_warmup": growth,
         "rss_tolerance": args.rss_tolerance,
         "rss_timeline_mb": timeline,
@@ -406,6 +424,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--drain-timeout-s", type=float, default=30.0)
     ap.add_argument("--rss-tolerance", type=float, default=0.05)
+    ap.add_argument(
+        "--rss-window-s",
+        type=float,
+        default=60.0,
+        help="the RSS check compares medians of the samples in the last this many seconds of warm-up and of load",
+    )
     ap.add_argument("--progress-every-s", type=float, default=30.0, help="a progress line on stderr this often")
     ap.add_argument("--rss-every-s", type=float, default=15.0, help="RSS timeline sampling period")
     ap.add_argument("--dashboard", default=None, help="Ray dashboard URL, to find the replica processes (RSS)")
