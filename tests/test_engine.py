@@ -63,6 +63,25 @@ def test_runner_logits_match_hf_and_rollback(tiny_loaded):
     assert (torch.cat(step) - ref[20:25]).abs().max() < 1e-4
 
 
+def test_long_prefill_runs_in_bounded_row_counts_and_matches_hf(tiny_loaded, monkeypatch):
+    """A non-invariant runner multiplies at most ``_ONEDNN_MAX_ROWS`` rows at a time, padded to a
+    multiple of 8 (so oneDNN's per-shape caches stay small), and a 150-token prefill still matches HF."""
+    import workers.runner as runner_mod
+
+    model = tiny_loaded.model
+    r = ModelRunner(model, num_slots=1, max_model_len=256)
+    ids = rand_prompts(1, 5, 150, 150)[0]
+    seen: set[int] = set()
+    kernel = r._linear_kernel
+    monkeypatch.setattr(r, "_linear_kernel", lambda x, L, name: (seen.add(x.shape[0]), kernel(x, L, name))[1])
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]  # [150, V]
+    out = r.forward_tokens(0, 0, ids)  # [150, V]
+    assert (out - ref).abs().max() < 1e-4
+    if r._packed:
+        assert max(seen) <= runner_mod._ONEDNN_MAX_ROWS and seen == {64, 24}
+
+
 def test_bf16_runner_tracks_fp32_in_one_and_many_row_steps(tiny_loaded):
     """bf16 one-row steps (bf16 weights) and many-row steps (which, on CPUs without native bf16
     GEMMs, multiply through fp32 packed copies of the same bf16 weights) both stay within bf16

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +75,26 @@ class _AttnGroup:
 # bf16 runners on CPUs without native bf16 GEMMs switch to fp32 packed weights from this many rows:
 # from there on the emulated bf16 GEMM is slower than the packed fp32 one (docs/benchmarks.md).
 _WIDE_ROWS = 3
+# oneDNN (and the ideep layer over it) cache a primitive per input shape, up to 1024 of each, and
+# every entry holds its own buffers: a runner fed every row count from 1 to thousands (a draft's
+# ragged prefill steps) grows its memory for as long as new counts appear, and past 1024 it evicts
+# and rebuilds on every step. Non-invariant runners therefore multiply at most this many rows at a
+# time, padded above 8 rows to a multiple of 8: 15 shapes per weight, all seen early under load, so
+# memory reaches its plateau early (docs/operations.md#memory).
+_ONEDNN_MAX_ROWS = 64
+
+
+def _bounded_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn`` over ``x [T, in]`` in chunks of at most ``_ONEDNN_MAX_ROWS`` rows, each padded with zero rows
+    to a multiple of 8 (above 8 rows); returns ``[T, out]``."""
+    out = []
+    for xb in x.split(_ONEDNN_MAX_ROWS):
+        n = xb.shape[0]
+        padded = n if n <= 8 else -(-n // 8) * 8
+        if padded != n:
+            xb = F.pad(xb, (0, 0, 0, padded - n))  # [padded, in]
+        out.append(fn(xb)[:n])  # [n, out]
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def _pack(w: torch.Tensor) -> torch.Tensor:
@@ -318,6 +338,8 @@ class ModelRunner:
         # x: [T, in] -> [T, out]
         if self.batch_invariant:
             return bi.blocked(lambda xb: self._linear_kernel(xb, L, name), x, self.row_blocking[name])
+        if self._packed or self._wide_f32:
+            return _bounded_rows(lambda xb: self._linear_kernel(xb, L, name), x)
         return self._linear_kernel(x, L, name)
 
     def _linear_kernel(self, x: torch.Tensor, L: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -557,6 +579,8 @@ class ModelRunner:
         """
         if self.batch_invariant:
             return bi.blocked(self._lm_head_kernel, hs, self.row_blocking["lm_head"])
+        if self._packed or self._wide_f32:
+            return _bounded_rows(self._lm_head_kernel, hs)
         return self._lm_head_kernel(hs)
 
     def _lm_head_kernel(self, hs: torch.Tensor) -> torch.Tensor:

@@ -16,11 +16,20 @@ Checked, and reported as one JSON object (exit status 1 when a check fails):
 - greedy consistency: every greedy answer to the same (prompt, route, max_tokens) is the
   same text, whatever path (speculative / plain / draft model) and batch produced it;
 - resident memory (RSS) of every Serve replica process (found through the Ray dashboard's
-  Serve REST API, read locally with psutil) at start, after warm-up and at the end: the end must
-  be within ``rss_tolerance`` of the post-warm-up value, and no replica may have restarted;
+  Serve REST API, read locally with psutil; with ``--local`` also the Serve controller and the
+  HTTP proxy) at start, after warm-up, every ``rss_every_s`` and at the end: the median over the
+  last ``rss_window_s`` of the load must be within ``rss_tolerance`` of the median over the last
+  ``rss_window_s`` of the warm-up, and no replica may have restarted. The
+  warm-up must outlast the memory a process takes once and keeps (first-touch pages, library
+  caches filling up: docs/operations.md), so that the baseline is the plateau;
 - nothing left running: after the load stops (requests still in flight ``grace_s`` after the
   end are hung up on, which cancels them), every target replica's ``running`` and ``waiting``
-  (from ``/v1/speculation/stats``) return to 0 within ``drain_timeout_s``.
+  (from ``/v1/speculation/stats``) return to 0 within ``drain_timeout_s``; with ``--local``, the
+  draft worker holds no request state after ``draft.state_ttl_s`` (+ a sweep period), and once
+  the cluster is stopped none of its processes is left.
+
+A progress line goes to stderr every ``progress_every_s``; with ``--json`` a PNG of RSS over
+time per process is written beside the JSON.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import asyncio
 import ipaddress
 import json
 import random
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -82,6 +92,20 @@ def is_loopback(url: str) -> bool:
 
 
 # ----------------------------------------------------------------------------- replica memory
+
+
+def serve_system_pids(procs: list[Any]) -> dict[str, int]:
+    """The Serve controller and HTTP proxy among a local cluster's processes (Ray names them ``ray::<Actor>``)."""
+    out: dict[str, int] = {}
+    for p in procs:
+        try:
+            title = " ".join(p.cmdline()[:1])
+        except Exception:  # psutil.Error: gone, or not ours to read
+            continue
+        for actor in ("ServeController", "ProxyActor"):
+            if title.startswith(f"ray::{actor}"):
+                out[f"{actor}#{p.pid}"] = p.pid
+    return out
 
 
 def replica_pids(dashboard: str | None) -> dict[str, int]:
@@ -257,7 +281,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     tally_warm, tally = Tally(), Tally()
     greedy_ref: dict = {}
-    pids = replica_pids(args.dashboard)
+    pids = {**replica_pids(args.dashboard), **getattr(args, "system_pids", {})}
     rss = {"start": rss_mb(pids)}
     timeline: list[dict[str, Any]] = []
     t_start = time.monotonic()
@@ -282,9 +306,24 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             rss["after_warmup"] = rss_mb(pids)
 
         async def sample_rss() -> None:  # a timeline, to tell a plateau from a leak in long runs
+            next_progress = args.progress_every_s
             while True:
                 await asyncio.sleep(args.rss_every_s)
-                timeline.append({"t": round(time.monotonic() - t_start), **rss_mb(pids)})
+                t = round(time.monotonic() - t_start)
+                timeline.append({"t": t, **rss_mb(pids)})
+                if t >= next_progress:
+                    next_progress += args.progress_every_s
+                    phase = "warm-up" if time.monotonic() < warm_end else "measured"
+                    mem = " ".join(f"{n.split('#')[0]}={v}" for n, v in timeline[-1].items() if n != "t")
+                    print(
+                        f"[soak] t={t}s/{args.warmup + args.duration:.0f}s {phase}: requests "
+                        f"{tally_warm.started + tally.started} ok {tally_warm.ok + tally.ok} errors "
+                        f"{tally_warm.errors + tally.errors} greedy mismatches "
+                        f"{tally.greedy_mismatches + tally_warm.greedy_mismatches}; "
+                        f"RSS MB {mem}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
 
         marker = asyncio.create_task(mark_warm())
         sampler = asyncio.create_task(sample_rss())
@@ -301,10 +340,25 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     rss["end"] = rss_mb(pids)
 
     growth: dict[str, float | None] = {}
+    # RSS swings with the batch (the target's by several percent between samples), so each side is the
+    # median of the samples in the last ``rss_window_s`` of the warm-up and of the load, where there are any
+    windows = {
+        "after_warmup": (args.warmup - args.rss_window_s, args.warmup),
+        "end": (args.warmup + args.duration - args.rss_window_s, args.warmup + args.duration),
+    }
+    rss_median: dict[str, dict[str, float | None]] = {}
+    for side, (t0, t1) in windows.items():
+        rss_median[side] = {}
+        for name in pids:
+            vals = [x[name] for x in timeline if t0 <= x["t"] <= t1 and x.get(name) is not None]
+            rss_median[side][name] = statistics.median(vals) if vals else rss[side].get(name)
     for name in pids:
-        a, b = rss["after_warmup"].get(name), rss["end"].get(name)
+        a, b = rss_median["after_warmup"][name], rss_median["end"][name]
         growth[name] = None if (a is None or b is None) else round(b / a - 1, 4)
-    now_pids = replica_pids(args.dashboard)
+    now_pids = {
+        **replica_pids(args.dashboard),
+        **{n: p for n, p in getattr(args, "system_pids", {}).items() if rss["end"].get(n) is not None},
+    }
     restarted = sorted(n for n in pids if now_pids.get(n) != pids[n] or rss["end"].get(n) is None)
     lat = sorted(tally.latencies_s)
     report = {
@@ -330,7 +384,9 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         "by_kind": tally.by_kind,
         "latency_s": {"p50": round(lat[len(lat) // 2], 2), "p99": round(lat[int(len(lat) * 0.99)], 2)} if lat else {},
         "rss_mb": rss,
+        "rss_median_mb": rss_median,
         "rss_growth_after_warmup": growth,
+        "rss_tolerance": args.rss_tolerance,
         "rss_timeline_mb": timeline,
         "replicas": pids,
         "replicas_restarted": restarted,
@@ -350,7 +406,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--duration", type=float, default=60.0, help="measured seconds of load, after the warm-up")
-    ap.add_argument("--warmup", type=float, default=10.0, help="seconds of the same load before the RSS baseline")
+    ap.add_argument(
+        "--warmup",
+        type=float,
+        default=300.0,
+        help="seconds of the same load before the RSS baseline: long enough for every process to reach its plateau",
+    )
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--max-requests", type=int, default=100_000, help="stop after this many requests in all")
     ap.add_argument("--disconnect-rate", type=float, default=0.1)
@@ -362,7 +423,14 @@ def main(argv: list[str] | None = None) -> int:
         help="after the end, how long requests in flight may finish before they are hung up on",
     )
     ap.add_argument("--drain-timeout-s", type=float, default=30.0)
-    ap.add_argument("--rss-tolerance", type=float, default=0.10)
+    ap.add_argument("--rss-tolerance", type=float, default=0.05)
+    ap.add_argument(
+        "--rss-window-s",
+        type=float,
+        default=60.0,
+        help="the RSS check compares medians of the samples in the last this many seconds of warm-up and of load",
+    )
+    ap.add_argument("--progress-every-s", type=float, default=30.0, help="a progress line on stderr this often")
     ap.add_argument("--rss-every-s", type=float, default=15.0, help="RSS timeline sampling period")
     ap.add_argument("--dashboard", default=None, help="Ray dashboard URL, to find the replica processes (RSS)")
     ap.add_argument("--api-key", default=None)
@@ -391,10 +459,11 @@ def _soak_local(args: argparse.Namespace) -> int:
     import tempfile
     from pathlib import Path
 
-    from cluster.local_cluster import LocalCluster
+    from cluster.local_cluster import LocalCluster, shipped_app_args
 
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = LocalCluster(Path(tmp), args_patch=json.loads(args.args_patch) if args.args_patch else None)
+        patch = json.loads(args.args_patch) if args.args_patch else {}
+        cluster = LocalCluster(Path(tmp), args_patch=patch or None)
         try:
             t0 = time.time()
             cluster.start()
@@ -404,16 +473,88 @@ def _soak_local(args: argparse.Namespace) -> int:
                 flush=True,
             )
             args.url, args.dashboard = cluster.base_url, f"http://127.0.0.1:{cluster.dash_port}"
-            return _report(asyncio.run(soak(args)), args)
+            procs = cluster.processes()
+            args.system_pids = serve_system_pids(procs)
+            report = asyncio.run(soak(args))
+            ttl = float({**shipped_app_args().get("draft", {}), **patch.get("draft", {})}.get("state_ttl_s", 60.0))
+            report["draft_state"] = _draft_state_after(cluster, ttl + min(5.0, ttl / 2) + 5.0)
+            report["checks"]["draft_state_freed"] = report["draft_state"].get("known") == 0
         finally:
             cluster.stop()
+        report["leftover_processes"] = _leftovers(procs, timeout_s=15.0)
+        report["checks"]["no_leftover_processes"] = not report["leftover_processes"]
+        report["passed"] = all(report["checks"].values())
+        return _report(report, args)
+
+
+def _draft_state_after(cluster: Any, wait_s: float) -> dict[str, Any]:
+    """The draft worker's stats once its state sweep has had time to run (``known``: requests it holds state for)."""
+    t0 = time.monotonic()
+    last: dict[str, Any] = {}
+    while True:
+        try:
+            last = cluster.call("DraftWorker", "stats")
+        except Exception as e:  # no draft worker in this app, or the call failed: say so in the report
+            return {"error": str(e)[-300:]}
+        if last.get("known") == 0 or time.monotonic() - t0 > wait_s:
+            return {**last, "seconds": round(time.monotonic() - t0, 1)}
+        time.sleep(5.0)
+
+
+def _leftovers(procs: list[Any], timeout_s: float) -> list[str]:
+    """Processes of the stopped cluster still alive after ``timeout_s`` (same pid and start time)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    alive: list[Any] = list(procs)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.5)
+    out = []
+    for p in alive:
+        try:
+            out.append(f"{p.pid} {' '.join(p.cmdline()[:2])}"[:200])
+        except psutil.Error:
+            pass
+    return out
 
 
 def _report(report: dict[str, Any], args: argparse.Namespace) -> int:
     print(json.dumps(report, indent=2))
     if args.json:
-        save_result(Path(args.json).with_suffix(""), report)
+        save_result(Path(args.json).with_suffix(""), report, fig=_plot(report), title="soak: RSS per process")
     return 0 if report["passed"] else 1
+
+
+def _plot(report: dict[str, Any]) -> Any:
+    """RSS over time per process, each relative to its post-warm-up value (the band is the tolerance)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, axr) = plt.subplots(1, 2, figsize=(12, 4.5))
+    tl = report["rss_timeline_mb"]
+    base = report["rss_mb"].get("after_warmup", {})
+    for name in report["replicas"]:
+        pts = [(s["t"], s[name]) for s in tl if s.get(name) is not None]
+        if not pts:
+            continue
+        ts, mb = zip(*pts)
+        ax.plot(ts, mb, label=name.split("#")[0])
+        if base.get(name):
+            axr.plot(ts, [100 * (m / base[name] - 1) for m in mb], label=name.split("#")[0])
+    for a in (ax, axr):
+        a.axvline(report["warmup_s"], color="grey", ls=":", label="end of warm-up")
+        a.set_xlabel("seconds since start")
+    tol = 100 * report.get("rss_tolerance", 0.05)
+    axr.axhspan(-tol, tol, color="green", alpha=0.1)
+    ax.set_ylabel("RSS (MB)")
+    ax.set_yscale("log")
+    axr.set_ylabel("RSS vs post-warm-up (%)")
+    ax.legend(fontsize=7)
+    ax.set_title(f"{report['requests']} requests, c={report['concurrency']}, {report['errors']} errors", fontsize=9)
+    return fig
 
 
 if __name__ == "__main__":
