@@ -63,6 +63,8 @@ def load_checked(config: str) -> dict[str, Any]:
     except (OSError, yaml.YAMLError) as e:
         sys.exit(f"[specserve] cannot read {config}: {e}")
     problems = check_serve_config(cfg)
+    if not problems:
+        problems = kv_budget_problems(cfg["applications"][0].get("args") or {})
     if problems:
         n = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
         sys.exit(
@@ -70,6 +72,76 @@ def load_checked(config: str) -> dict[str, Any]:
             + "\n  ".join(problems)
         )
     return cfg
+
+
+def _model_dims(model: str) -> dict[str, Any] | None:
+    """A model's config.json as a dict, where it is on disk (the shipped model once converted, or a local
+    Hugging Face directory); None before the first start has converted it."""
+    from workers.model_loader import SMOLLM2, cache_dir, resolve_local_dir, smollm2_cache_subdir
+
+    path = cache_dir() / smollm2_cache_subdir() if model == SMOLLM2 else resolve_local_dir(model)
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _kv_per_token(dims: dict[str, Any], layers: int, elt: int) -> int:
+    head_dim = dims.get("head_dim") or dims["hidden_size"] // dims["num_attention_heads"]
+    return layers * 2 * dims["num_key_value_heads"] * head_dim * elt
+
+
+def kv_budget_problems(args: dict[str, Any]) -> list[str]:
+    """The KV budgets against the models' sizes, before anything starts: a budget too small for one
+    request of max_model_len is named here in seconds, not by a replica that fails to start (which checks
+    the same rule, workers/kv_blocks.py:pool_blocks). Models whose files are not on disk yet are skipped."""
+    from cluster.config import AppConfig
+    from workers.hardware import resolve_dtype
+    from workers.kv_blocks import pool_blocks
+
+    cfg = AppConfig.model_validate(args)
+    e, d = cfg.engine, cfg.draft
+    problems: list[str] = []
+    dims = _model_dims(e.model)
+    if dims is not None:
+        import torch
+
+        dtype = resolve_dtype(e.dtype, torch.device("cpu")) if e.kv_cache_dtype == "auto" else None
+        elt = dtype.itemsize if dtype is not None else (4 if e.kv_cache_dtype == "float32" else 2)
+        max_len = min(e.max_model_len, dims.get("max_position_embeddings") or e.max_model_len)
+        per_token = _kv_per_token(dims, dims["num_hidden_layers"], elt)
+        try:
+            pool_blocks(
+                e.kv_cache_memory_gb, per_token, e.block_size, max_len, e.max_num_seqs, "engine.kv_cache_memory_gb"
+            )
+        except ValueError as err:
+            problems.append(str(err))
+    draft_dims = dims if d.model == "target" else _model_dims(d.model)
+    if d.enabled and draft_dims is not None:
+        from workers.eagle_head import CONFIG_FILE
+
+        elt = 4 if d.dtype == "float32" else 2
+        per_token = _kv_per_token(draft_dims, draft_dims["num_hidden_layers"], elt)
+        if d.eagle:
+            from workers.model_loader import resolve_local_dir
+
+            try:
+                head = json.loads((resolve_local_dir(d.eagle) / CONFIG_FILE).read_text())
+                per_token += _kv_per_token(head, 1, elt)
+            except (OSError, ValueError):
+                pass
+        try:
+            pool_blocks(
+                d.kv_cache_memory_gb,
+                per_token,
+                e.block_size,
+                e.max_model_len,
+                d.max_num_seqs,
+                "draft.kv_cache_memory_gb",
+            )
+        except ValueError as err:
+            problems.append(str(err))
+    return problems
 
 
 def app_status(name: str, timeout_s: float = 2.0) -> dict[str, Any] | None:

@@ -21,6 +21,7 @@ from ray import serve
 
 from cluster.config import AppConfig
 from cluster.telemetry import Telemetry
+from workers.kv_blocks import pool_blocks
 from workers.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -38,16 +39,7 @@ def draft_kv_blocks(
     """Blocks of each draft KV pool: ``budget_gb`` holds the same number of tokens in every pool (one per
     proposer, ``bytes_per_token`` each), capped at what ``max_seqs`` requests of ``max_model_len`` can use.
     A budget under one full-length request is a deploy error naming the key: that request would never draft."""
-    per_seq = -(-max_model_len // block_size)
-    fit = int(budget_gb * 2**30 // (sum(bytes_per_token) * block_size))
-    if fit < per_seq:
-        gib = per_seq * block_size * sum(bytes_per_token) / 2**30
-        raise ValueError(
-            f"draft.kv_cache_memory_gb={budget_gb} holds {fit * block_size} tokens per draft KV pool; one request of "
-            f"engine.max_model_len={max_model_len} needs {max_model_len} ({gib:.3f} GiB)"
-            ": raise draft.kv_cache_memory_gb or lower engine.max_model_len"
-        )
-    return min(fit, max_seqs * per_seq)
+    return pool_blocks(budget_gb, sum(bytes_per_token), block_size, max_model_len, max_seqs, "draft.kv_cache_memory_gb")
 
 
 @serve.deployment(name="DraftWorker")

@@ -126,3 +126,20 @@ def test_deploy_failure_ends_the_wait_only_for_this_deploy(monkeypatch):
     assert serve_local.deploy_failure("specserve", now) is None
     monkeypatch.setattr(serve_local, "app_status", lambda name: None)  # dashboard not up yet
     assert serve_local.deploy_failure("specserve", now) is None
+
+
+def test_a_kv_budget_too_small_for_one_request_is_named_before_anything_starts(tmp_path):
+    """Both pools are checked against the models' sizes (read from their config files) before Ray starts."""
+    cfg = shipped_config()
+    args = cfg["applications"][0]["args"]
+    args["engine"].update({"model": "models/smollm2-draft", "kv_cache_memory_gb": 0.01})
+    args["draft"].update({"kv_cache_memory_gb": 0.001})
+    path = tmp_path / "small.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = _cli("start", "--config", str(path))
+    assert out.returncode == 1, out.stderr
+    assert "would have run" not in out.stderr + out.stdout  # nothing started
+    assert "engine.kv_cache_memory_gb=0.01 holds" in out.stderr and "raise engine.kv_cache_memory_gb" in out.stderr
+    assert "draft.kv_cache_memory_gb=0.001 holds" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert serve_local.kv_budget_problems(shipped_config()["applications"][0]["args"]) == []

@@ -31,7 +31,7 @@ from workers.detokenizer import IncrementalDetokenizer
 from workers.errors import InvalidRequestError
 from workers.grammar import Grammar, GrammarRuntime
 from workers.hardware import resolve_dtype
-from workers.kv_blocks import KVCacheManager
+from workers.kv_blocks import KVCacheManager, pool_blocks
 from workers.logprobs import token_logprobs
 from workers.model_loader import LoadedModel
 from workers.output_processor import FrontierRow, OutputProcessor, output
@@ -162,17 +162,15 @@ class LLMEngine:
         what ``max_num_seqs`` requests of ``max_model_len`` can hold; at least one such request."""
         cfg = self.config
         head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
-        kv_elt = self.kv_dtype.itemsize
-        block_bytes = hf_cfg.num_hidden_layers * 2 * hf_cfg.num_key_value_heads * head_dim * cfg.block_size * kv_elt
-        per_seq = -(-self.max_model_len // cfg.block_size)
-        fit = int(cfg.kv_cache_memory_gb * 2**30 // block_bytes)
-        if fit < per_seq:
-            raise ValueError(
-                f"engine.kv_cache_memory_gb={cfg.kv_cache_memory_gb} holds {fit} blocks of {cfg.block_size} tokens; "
-                f"one request of max_model_len={self.max_model_len} needs {per_seq} "
-                f"({per_seq * block_bytes / 2**30:.3f} GiB): raise kv_cache_memory_gb or lower max_model_len"
-            )
-        return min(fit, cfg.max_num_seqs * per_seq)
+        per_token = hf_cfg.num_hidden_layers * 2 * hf_cfg.num_key_value_heads * head_dim * self.kv_dtype.itemsize
+        return pool_blocks(
+            cfg.kv_cache_memory_gb,
+            per_token,
+            cfg.block_size,
+            self.max_model_len,
+            cfg.max_num_seqs,
+            "engine.kv_cache_memory_gb",
+        )
 
     @property
     def prefix_cache_queries(self) -> int:

@@ -251,3 +251,21 @@ class DraftBlocks:
         for b in self.tables.pop(request_id, []):
             heapq.heappush(self._free, b)
         self._order.pop(request_id, None)
+
+
+def pool_blocks(
+    budget_gb: float, bytes_per_token: int, block_size: int, max_model_len: int, max_seqs: int, key: str
+) -> int:
+    """Blocks of a KV pool of ``budget_gb`` GiB, capped at what ``max_seqs`` requests of ``max_model_len`` can
+    use. A budget under one request of ``max_model_len`` is an error naming ``key``: that request could never
+    run (the engine) or never draft (the draft worker), so the deploy must fail rather than the request."""
+    per_seq = -(-max_model_len // block_size)
+    block_bytes = bytes_per_token * block_size
+    fit = int(budget_gb * 2**30 // block_bytes)
+    if fit < per_seq:
+        raise ValueError(
+            f"{key}={budget_gb} holds {fit * block_size} tokens ({fit} blocks of {block_size}); one request of "
+            f"engine.max_model_len={max_model_len} needs {per_seq} blocks ({per_seq * block_bytes / 2**30:.3f} GiB): "
+            f"raise {key} or lower engine.max_model_len"
+        )
+    return min(fit, max_seqs * per_seq)

