@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import RESULTS_DIR, env_info, format_table, loadavg, progress, save_result
+from benchmarks.common import RESULTS_DIR, bar_panel, env_info, figure, format_table, loadavg, progress, save_result
 from benchmarks.fidelity.invariance_bench import PROMPT
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
@@ -141,6 +141,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"same greedy tokens on both sides: {same}")
     env["loadavg_end"] = loadavg()
+    fig, axes = figure(ncols=1, width=6)
+    bar_panel(
+        axes[0],
+        [f"{r['dtype'][:4]}/c{r['c']}" for r in rows],
+        {"B/A step time": [r["ratio"] for r in rows]},
+        title=f"tree / {args.ref}: decode step ({args.clock} clock, {args.threads} threads; < 1 = faster)",
+        ylabel="B/A",
+        fmt="{:.3f}",
+    )
     save_result(
         RESULTS_DIR / args.out,
         {
