@@ -43,6 +43,18 @@ BENCHMARKS = [
         "attention_bench.json",
     ),
     Benchmark(
+        "engine",
+        "benchmarks.engine.decode_floor",
+        "How far is a decode step (engine, draft, HTTP) above the memory floor, and where does the rest go?",
+        "decode_floor.json",
+    ),
+    Benchmark(
+        "engine",
+        "benchmarks.engine.step_ab",
+        "Is the runner at a git ref faster or slower than the working tree's, paired in one process?",
+        "step_ab.json",
+    ),
+    Benchmark(
         "fidelity",
         "benchmarks.fidelity.invariance_bench",
         "What do batch-invariant kernels cost against the library kernels, decode and prefill?",
@@ -172,6 +184,7 @@ HELPERS = {
     "benchmarks.catalog": "this list, `python -m benchmarks` and the results index",
     "benchmarks.serving.loadgen": "HTTP load generators (closed loop, continuous load)",
     "benchmarks.serving.switchback": "switchback windows for `http_sweep --switchback-rounds`",
+    "benchmarks.engine.step_split": "timers around one engine's step phases (GEMMs with GB/s, attention, Python)",
     "benchmarks.serving.step_profile": "engine steps read the same way in process and in the replica",
     "benchmarks.serving.guidellm_workload": "the guidellm workload, shared by the two guidellm benchmarks",
     "benchmarks.serving.guidellm_report": "guidellm's report and the steady-state view of it",

@@ -63,6 +63,11 @@ def test_silu_mul_rows_are_invariant_and_match_torch(ops, dtype, n_inter):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
     assert out[0, 0] == 0 and torch.isfinite(out).all()
+    padded = torch.zeros(3, n_inter, dtype=dtype)  # the runner's zero-padded GEMM input: rows 1..2 stay zero
+    ops.silu_mul(gu[50:51].clone(), out=padded[:1])
+    assert torch.equal(padded[0], out[50]) and not padded[1:].any()
+    with pytest.raises(ValueError, match="out must be"):
+        ops.silu_mul(gu[:2].clone(), out=padded[:1])
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])

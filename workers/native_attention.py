@@ -311,10 +311,14 @@ class NativeLayerOps:
             )
         return q
 
-    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
-        """``[T, 2 I]`` (gate, up) -> ``[T, I]`` silu(gate) * up."""
+    def silu_mul(self, gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``[T, 2 I]`` (gate, up) -> ``[T, I]`` silu(gate) * up, into ``out`` when given (the first rows of a
+        preallocated, zero-padded GEMM input)."""
         T, two_i = gu.shape
-        bf16 = self._bf16(gu)
-        out = torch.empty(T, two_i // 2, dtype=gu.dtype)
+        if out is None:
+            out = torch.empty(T, two_i // 2, dtype=gu.dtype)
+        elif out.shape != (T, two_i // 2):
+            raise ValueError("silu_mul: out must be [T, I]")
+        bf16 = self._bf16(gu, out)
         self._silu(gu.data_ptr(), out.data_ptr(), T, two_i // 2, bf16, torch.get_num_threads())
         return out

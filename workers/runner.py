@@ -365,11 +365,6 @@ class ModelRunner:
             self._probe()
         num_new = [len(t) for t in batch.token_ids]
         nreq = len(num_new)
-        flat_ids = torch.tensor([t for ts in batch.token_ids for t in ts], dtype=torch.long, device=dev)  # [T]
-        total = flat_ids.shape[0]
-        positions = torch.tensor(
-            [p for s, n in zip(batch.start_pos, num_new) for p in range(s, s + n)], dtype=torch.long, device=dev
-        )  # [T]
         max_q = max(num_new)
         max_kv = max(s + n for s, n in zip(batch.start_pos, num_new))
         if max_kv > self.max_model_len:
@@ -383,14 +378,23 @@ class ModelRunner:
                 raise ValueError(f"a block table of {len(t)} blocks cannot hold {s + n} positions")
         # [num_requests, nb] block ids, padded with block 0 (finite, never visible) to the step's key axis
         width = -(-(bi.padded_keys(max_kv) if self.batch_invariant else max_kv) // BS)
-        bt = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.long, device=dev)
-        if int(bt.min()) < 0 or int(bt.max()) >= self.num_blocks:
+        rows_bt = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
+        if min(min(r) for r in rows_bt) < 0 or max(max(r) for r in rows_bt) >= self.num_blocks:
             raise ValueError(f"a block id outside the pool of {self.num_blocks} blocks")
-        req_of_tok = torch.tensor(
-            [i for i, n in enumerate(num_new) for _ in range(n)], dtype=torch.long, device=dev
-        )  # [T]
-        kv_index = bt[req_of_tok, positions // BS] * BS + positions % BS  # [T] block * BS + offset of each row
-        blk_of_tok, off_of_tok = kv_index // BS, kv_index % BS
+        # The per-token index vectors are built in Python and made one tensor (a step's few small ops, not ~15).
+        pos_l = [p for s, n in zip(batch.start_pos, num_new) for p in range(s, s + n)]
+        kv_l = [t[p // BS] * BS + p % BS for t, s, n in zip(rows_bt, batch.start_pos, num_new) for p in range(s, s + n)]
+        req_l = [i for i, n in enumerate(num_new) for _ in range(n)]
+        total = len(pos_l)
+        idx = torch.tensor(
+            [t for ts in batch.token_ids for t in ts] + pos_l + kv_l + req_l + [p + 1 for p in pos_l],
+            dtype=torch.long,
+            device=dev,
+        ).view(5, total)  # [5, T]
+        flat_ids, positions, kv_index, req_of_tok = idx[0], idx[1], idx[2], idx[3]  # [T] each
+        bt = torch.tensor(rows_bt, dtype=torch.long, device=dev)  # [num_requests, nb]
+        if not self.native_ops:  # the torch layers write the cache at (block, offset)
+            blk_of_tok, off_of_tok = kv_index // BS, kv_index % BS
 
         # One request decoding one token sees every cached key: no mask needed (the common c=1 step).
         # One request with several tokens: a causal mask offset by its start. Several requests: one
@@ -402,7 +406,7 @@ class ModelRunner:
         mask = None
         groups: list[_AttnGroup] = []
         if self.native_attn:  # every row attends to its own keys: no groups, no mask
-            nvis = positions + 1  # [T] keys each query row sees
+            nvis = idx[4]  # [T] keys each query row sees: its position + 1
         elif self.batch_invariant:
             groups = self._attention_groups(batch, num_new, offsets, pad_keys=True)
         elif nreq == 1 and not single:
@@ -521,6 +525,15 @@ class ModelRunner:
         assert ops is not None and attn is not None  # the caller checked: the native library loaded
         x = torch.empty_like(h)  # [T, hidden] the normalized rows each GEMM reads
         delta = None
+        # When the down projection's row blocking pads this step's rows (one call of call_rows > T: e.g. a
+        # kernel that needs 2 rows, at batch 1), SiLU * up writes into the first rows of one zero-padded
+        # buffer per step instead of every layer concatenating zero rows: the same call, the same numbers.
+        T = h.shape[0]
+        down_in = None  # [call_rows, inter]
+        if self.batch_invariant:
+            sizes = self.row_blocking["down"].sizes(T)
+            if len(sizes) == 1 and sizes[0][1] > T:
+                down_in = h.new_zeros(sizes[0][1], self.intermediate_size)
         for li, L in enumerate(self.layers):
             ops.add_rms_norm(h, delta, L["in_norm"], x, self.eps)
             qkv = self._linear(x, L, "qkv")  # [T, (H + 2 Hkv) * D]
@@ -529,7 +542,11 @@ class ModelRunner:
             delta = self._linear(o.view(-1, H * D).to(self.dtype), L, "o")  # [T, hidden]
             ops.add_rms_norm(h, delta, L["post_norm"], x, self.eps)
             gu = self._linear(x, L, "gate_up")  # [T, 2 * inter]
-            delta = self._linear(ops.silu_mul(gu), L, "down")  # [T, hidden]
+            if down_in is not None:
+                ops.silu_mul(gu, out=down_in[:T])
+                delta = self._linear_kernel(down_in, L, "down")[:T]  # [T, hidden]
+            else:
+                delta = self._linear(ops.silu_mul(gu), L, "down")  # [T, hidden]
         assert delta is not None  # a model has at least one layer
         return h + delta
 

@@ -1,0 +1,309 @@
+"""The decode step against the memory floor: a step must read every weight once, nothing more.
+
+    python -m benchmarks.engine.decode_floor [--rounds 5] [--steps 16] [--http]
+
+In one run, with the thread count the engine uses:
+1. the machine's read bandwidth: a torch sum over a buffer far larger than the last-level cache,
+   best of several (``--buffer-mb``);
+2. the served weights' bytes: every linear weight plus the LM head rows a step computes, per dtype;
+   floor = bytes / bandwidth (the KV cache read at the measured context is listed beside it);
+3. the engine's plain decode step (batch-invariant, as served) at c = 1, 2, 4 in bf16 and fp32, and
+   the draft model's (models/smollm2-draft) step at c = 1, 2, 4, each as a ratio to its own floor.
+   Cells are interleaved round by round; the table gives the median and min..max over rounds;
+4. the step split: one batch-1 step of each dtype (and the draft's) timed phase by phase
+   (benchmarks/engine/step_split.py): each weight GEMM with its achieved GB/s, attention, row-wise ops,
+   sampling, the engine's Python;
+5. ``--http``: c=1 TPOT over HTTP from a local cluster (the served config: bf16 where the CPU has
+   native bf16), its ratio to the floor, and the replica path (TPOT less the in-process step).
+
+Writes benchmarks/results/decode_floor.{json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from benchmarks.common import RESULTS_DIR, bar_panel, env_info, figure, format_table, loadavg, progress, save_result
+from benchmarks.engine.step_split import StepSplit, weight_bytes
+from benchmarks.fidelity.invariance_bench import PROMPT, decode_step_s
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.hardware import resolve_dtype
+from workers.model_loader import load_model
+from workers.runner import ModelRunner, StepBatch
+
+CONCURRENCY = (1, 2, 4)
+DTYPES = ("bfloat16", "float32")
+DRAFT = "models/smollm2-draft"
+MAX_LEN = 512
+
+
+def read_bandwidth_gbs(buffer_mb: int, reps: int = 7) -> dict[str, float]:
+    """Best and median GB/s of ``buf.sum()`` over a fp32 buffer (a pure read) at torch's thread count."""
+    buf = torch.ones(buffer_mb * (1 << 20) // 4, dtype=torch.float32)  # [N]
+    buf.sum()  # first touch
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t0)
+    nbytes = buf.numel() * 4
+    return {"best_gb_s": nbytes / min(times) / 1e9, "median_gb_s": nbytes / statistics.median(times) / 1e9}
+
+
+def kv_bytes_per_step(runner: ModelRunner, context: int) -> int:
+    """Keys and values one request's decode step reads at ``context`` positions (all layers)."""
+    esize = runner.k_cache[0].element_size()
+    return 2 * runner.num_layers * runner.num_kv_heads * runner.head_dim * context * esize
+
+
+class DraftStepper:
+    """The draft model's runner stepped as its proposer does: ``c`` slots, one token each per step."""
+
+    def __init__(self, runner: ModelRunner, prompt: list[int]) -> None:
+        self.runner, self.prompt = runner, prompt
+
+    def step_s(self, c: int, steps: int) -> float:
+        """Median seconds of one ``c``-slot decode forward after a prefill of the prompt."""
+        r, n = self.runner, len(self.prompt)
+        for s in range(c):
+            r.forward(StepBatch([s], [0], [self.prompt], [[n - 1]]))
+        times = []
+        for i in range(steps + 1):
+            batch = StepBatch(list(range(c)), [n + i] * c, [[self.prompt[i % n]]] * c, [[0]] * c)
+            t0 = time.perf_counter()
+            r.forward(batch)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+
+def split_engine(eng: LLMEngine, prompt: list[int], steps: int) -> list[dict[str, Any]]:
+    """The step split of ``steps`` batch-1 plain decode steps."""
+    eng.add_request(f"split-{time.monotonic_ns()}", prompt, {"max_tokens": steps + 4, "ignore_eos": True})
+    while any(r.in_prefill for r in eng.running) or eng.waiting:
+        eng.step()
+    eng.step()
+    with StepSplit(engine=eng) as sp:
+        for _ in range(steps):
+            eng.step()
+    while eng.has_work():
+        eng.step()
+    return sp.table(steps)
+
+
+def split_draft(d: DraftStepper, steps: int) -> list[dict[str, Any]]:
+    r, n = d.runner, len(d.prompt)
+    r.forward(StepBatch([0], [0], [d.prompt], [[n - 1]]))
+    with StepSplit(runner=r) as sp:
+        for i in range(steps):
+            r.forward(StepBatch([0], [n + i], [[d.prompt[i % n]]], [[0]]))
+    return sp.table(steps)
+
+
+def http_tpot_ms(steps: int, reps: int) -> list[float]:
+    """c=1 TPOT samples (ms) over HTTP from a fresh local cluster with the served defaults."""
+    import tempfile
+    from pathlib import Path
+
+    from benchmarks.serving.http_overhead import over_http
+    from cluster.local_cluster import LocalCluster
+
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = LocalCluster(Path(tmp), args_patch={"engine": {"max_model_len": MAX_LEN, "num_threads": 2}})
+        try:
+            cluster.start()
+            over_http(cluster.base_url, PROMPT, 4, speculation="off")
+            for _ in range(reps):
+                s, k, _ = over_http(cluster.base_url, PROMPT, steps, speculation="off")
+                out.append(1e3 * s / (k - 1))
+        finally:
+            cluster.stop()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=16, help="decode steps timed per cell and round")
+    ap.add_argument("--split-steps", type=int, default=32)
+    ap.add_argument("--buffer-mb", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads: the engine's num_threads")
+    ap.add_argument("--http", action="store_true", help="also c=1 TPOT over HTTP (starts a local cluster)")
+    ap.add_argument("--http-reps", type=int, default=5)
+    ap.add_argument("--out", default="decode_floor", help="result name under benchmarks/results")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    env = env_info()
+
+    loaded = load_model("smollm2")
+    draft_loaded = load_model(DRAFT)
+    engines = {
+        dt: LLMEngine(
+            EngineConfig(
+                dtype=dt,
+                batch_invariant=True,
+                max_num_seqs=max(CONCURRENCY),
+                enable_prefix_caching=False,
+                max_model_len=MAX_LEN,
+                proposers=[],
+            ),
+            loaded,
+        )
+        for dt in DTYPES
+    }
+    prompt = engines["float32"].tokenize_chat([{"role": "user", "content": PROMPT}])
+    drafts = {
+        dt: DraftStepper(
+            ModelRunner(
+                draft_loaded.model,
+                max(CONCURRENCY),
+                MAX_LEN,
+                dtype=getattr(torch, dt),
+                head_rows=draft_loaded.draft_vocab,
+            ),
+            prompt,
+        )
+        for dt in DTYPES
+    }
+    for dt in DTYPES:  # warm-up: oneDNN generates its kernels on first use
+        decode_step_s(engines[dt], prompt, max(CONCURRENCY), 2)
+        drafts[dt].step_s(max(CONCURRENCY), 2)
+
+    bw_samples = [read_bandwidth_gbs(args.buffer_mb)]
+    step_s: dict[tuple[str, str, int], list[float]] = {}
+    for rnd in progress(range(args.rounds), desc="rounds"):
+        cells = [(m, dt, c) for m in ("engine", "draft") for dt in DTYPES for c in CONCURRENCY]
+        for m, dt, c in cells if rnd % 2 == 0 else reversed(cells):
+            s = decode_step_s(engines[dt], prompt, c, args.steps) if m == "engine" else drafts[dt].step_s(c, args.steps)
+            step_s.setdefault((m, dt, c), []).append(s)
+        bw_samples.append(read_bandwidth_gbs(args.buffer_mb))
+    bw = max(b["best_gb_s"] for b in bw_samples)
+
+    runners = {("engine", dt): engines[dt].runner for dt in DTYPES} | {
+        ("draft", dt): drafts[dt].runner for dt in DTYPES
+    }
+    context = len(prompt) + args.steps // 2  # the middle of a timed cell
+    weights = {
+        f"{m}/{dt}": {
+            **weight_bytes(r),
+            "total": sum(weight_bytes(r).values()),
+            "kv_at_context": kv_bytes_per_step(r, context),
+        }
+        for (m, dt), r in runners.items()
+    }
+    rows: list[dict[str, Any]] = []
+    for (m, dt, c), v in step_s.items():
+        floor_s = weights[f"{m}/{dt}"]["total"] / (bw * 1e9)
+        rows.append(
+            {
+                "model": m,
+                "dtype": dt,
+                "c": c,
+                "step_ms": 1e3 * statistics.median(v),
+                "floor_ms": 1e3 * floor_s,
+                "ratio": statistics.median(v) / floor_s,
+                "ratio_min": min(v) / floor_s,
+                "ratio_max": max(v) / floor_s,
+                "weights_mb": weights[f"{m}/{dt}"]["total"] / 1e6,
+            }
+        )
+    rows.sort(key=lambda r: (r["model"], r["dtype"], r["c"]))
+
+    splits = {f"engine/{dt}": split_engine(engines[dt], prompt, args.split_steps) for dt in DTYPES}
+    splits |= {f"draft/{dt}": split_draft(drafts[dt], args.split_steps) for dt in DTYPES}
+
+    http: dict[str, Any] | None = None
+    if args.http:
+        tp = http_tpot_ms(args.steps * 3, args.http_reps)
+        served = "bfloat16" if resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16 else "float32"
+        inproc = next(r["step_ms"] for r in rows if r["model"] == "engine" and r["dtype"] == served and r["c"] == 1)
+        floor_ms = next(r["floor_ms"] for r in rows if r["model"] == "engine" and r["dtype"] == served)
+        http = {
+            "dtype": served,
+            "tpot_ms": statistics.median(tp),
+            "tpot_samples_ms": tp,
+            "ratio": statistics.median(tp) / floor_ms,
+            "replica_path_ms": statistics.median(tp) - inproc,
+        }
+
+    table = format_table(
+        rows,
+        [
+            ("model", "model", "s"),
+            ("dtype", "dtype", "s"),
+            ("c", "c", "d"),
+            ("weights_mb", "weights MB", ".1f"),
+            ("floor_ms", "floor ms", ".2f"),
+            ("step_ms", "step ms", ".2f"),
+            ("ratio", "x floor", ".2f"),
+            ("ratio_min", "min", ".2f"),
+            ("ratio_max", "max", ".2f"),
+        ],
+        title=f"Decode step vs memory floor ({bw:.1f} GB/s read, {args.threads} threads), {args.rounds} rounds",
+    )
+    print(table)
+    for name, split in splits.items():
+        print(
+            format_table(
+                split,
+                [("phase", "phase", "s"), ("ms", "ms/step", ".3f"), ("gb_s", "GB/s", ".1f")],
+                title=f"step split: {name}, batch 1",
+            )
+        )
+    if http:
+        print(
+            f"HTTP c=1 TPOT {http['tpot_ms']:.2f} ms = {http['ratio']:.2f}x the {http['dtype']} floor; "
+            f"replica path {http['replica_path_ms']:.2f} ms beyond the in-process step"
+        )
+    env["loadavg_end"] = loadavg()
+    result = {
+        "env": env,
+        "contended": True,
+        "args": vars(args),
+        "bandwidth": {"gb_s": bw, "samples": bw_samples, "buffer_mb": args.buffer_mb},
+        "weights_bytes": weights,
+        "rows": rows,
+        "split": splits,
+        "http": http,
+        "raw_step_s": {f"{m}/{dt}/c{c}": v for (m, dt, c), v in step_s.items()},
+    }
+    fig, axes = figure(ncols=2, width=6.5)
+    bar_panel(
+        axes[0],
+        [f"{r['model'][0]}/{r['dtype'][:4]}/c{r['c']}" for r in rows] + (["http/c1"] if http else []),
+        {"x floor": [r["ratio"] for r in rows] + ([http["ratio"]] if http else [])},
+        title="step / memory floor (1.0 = every weight read once at peak)",
+        ylabel="x floor",
+        fmt="{:.2f}",
+    )
+    _split_panel(axes[1], splits)
+    save_result(RESULTS_DIR / args.out, result, fig, title=f"Decode at the memory floor ({env['cpu']}, contended)")
+    return 0
+
+
+def _split_panel(ax: Any, splits: dict[str, list[dict[str, Any]]]) -> None:
+    """Stacked bars: each phase's ms per batch-1 step."""
+    names = list(splits)
+    phases: list[str] = []
+    for s in splits.values():
+        phases += [r["phase"] for r in s if r["phase"] not in ("step", "forward") and r["phase"] not in phases]
+    bottom = [0.0] * len(names)
+    for ph in phases:
+        vals = [max(next((r["ms"] for r in splits[n] if r["phase"] == ph), 0.0), 0.0) for n in names]
+        ax.bar(names, vals, bottom=bottom, label=ph)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_title("batch-1 step split (ms)")
+    ax.set_ylabel("ms")
+    ax.tick_params(axis="x", labelsize=7)
+    ax.legend(fontsize=6)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
