@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -79,6 +80,11 @@ def test_the_launcher_demotes_only_rays_background_daemons():
     )  # the raylet names the agent
     procs = {name: subprocess.Popen([sys.executable, "-c", script, *name.split()]) for name in names}
     try:
+        # a child shows its own command line only once it has exec'd: under load that can take a while
+        deadline = time.monotonic() + 30
+        while not all(name.split()[0] in " ".join(psutil.Process(p.pid).cmdline()) for name, p in procs.items()):
+            assert time.monotonic() < deadline, "the children never showed their command lines"
+            time.sleep(0.05)
         changed = cpu_priority.demote_background([psutil.Process(p.pid) for p in procs.values()])
         assert changed >= 3
         got = {
