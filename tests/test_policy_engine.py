@@ -40,7 +40,8 @@ def test_threshold_request_switches_to_plain_when_load_rises_output_unchanged(ti
                 spec_seen = o.spec.spec_steps
         steps += 1
     assert out == plain
-    crowd = [i for i, p in enumerate(path) if p.endswith(("@3", "@4"))]
+    # above T: on a loaded machine the time-sized prefill chunks can admit the crowd over several steps
+    crowd = [i for i, p in enumerate(path) if int(p.split("@")[1]) >= 2]
     assert crowd, path
     assert any(p.startswith("spec") for p in path[: crowd[0]]), path  # speculated while alone
     assert all(path[i].startswith("plain") for i in crowd), path  # plain while the batch is above T
