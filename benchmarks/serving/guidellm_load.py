@@ -282,6 +282,16 @@ def stopped(procs: list[psutil.Process]) -> Iterator[None]:
                 held.append(p)
             except psutil.Error:  # gone or not ours: nothing to stop
                 pass
+        # SIGSTOP lands asynchronously: on a loaded machine a process can run on for a moment after it
+        deadline = time.monotonic() + 5
+        for p in held:
+            while time.monotonic() < deadline:
+                try:
+                    if p.status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                        break
+                except psutil.Error:
+                    break
+                time.sleep(0.01)
         yield
     finally:
         for p in held:
