@@ -196,6 +196,7 @@ HELPERS = {
 RECORDS = {
     "attention_kv_dtype": "attention_bench --kv-dtype-ab: the native kernel over an fp32 vs a bf16 KV cache",
     "cpu_priority_ab": "engine-first priorities vs Ray's own (one-off A/B, script in git history)",
+    "decode_floor_http": "decode_floor --http --rounds 3: the same cells plus c=1 TPOT over HTTP, quiet machine",
     "draft_eval_chat24": "draft_eval on 24 held-out prompts",
     "fuzz_before_fix": "fuzz before response_format text was validated (10 refused requests answered 200)",
     "guidellm_load_burner_bound": "guidellm_load, an older run whose bound burnt guidellm's whole-run CPU",
