@@ -32,6 +32,12 @@ class Benchmark:
 BENCHMARKS = [
     Benchmark(
         "engine",
+        "benchmarks.engine.gather_ab",
+        "What does paging cost a decode step: KV in runs of blocks vs scattered over the pool, paired?",
+        "gather_ab.json",
+    ),
+    Benchmark(
+        "engine",
         "benchmarks.engine.engine_bench",
         "How fast is plain decode against HF generate, and how does throughput grow with concurrency?",
         "engine_bench.json",
