@@ -32,7 +32,13 @@ def cluster(tmp_path_factory):
         tmp_path_factory.mktemp("obs"),
         policy={"name": "goodput"},
         nodes=1,
-        args_patch={"telemetry": {"tracing": "memory"}, "target": {"num_replicas": 2, "num_cpus": 0.5}},
+        args_patch={
+            "telemetry": {"tracing": "memory"},
+            "target": {"num_replicas": 2, "num_cpus": 0.5},
+            # six conversations' turns arrive at once: however their first turns split, every later turn may
+            # follow its blocks (the shipped threshold would move some, by design, when the split is 4 / 2)
+            "router": {"prefix_affinity_max_imbalance": 6},
+        },
     )
     try:
         c.start()
@@ -303,12 +309,12 @@ def test_each_turn_of_a_conversation_finds_its_blocks_on_the_replica_that_holds_
         if v > total(before, "specserve_requests_total", **labels)
     }
     assert len(served) == 2, "the first turns should have been spread over both replicas"
-    # turns 2 and 3 follow their blocks; one or two may not be counted as hits on a busy machine: a turn
-    # yields to load past the imbalance threshold, or the ingress serves it without a late Router answer
+    # turns 2 and 3 follow their blocks; one may go uncounted on a busy machine, when the ingress serves it
+    # without a late Router answer (its cached_tokens above still say where it landed)
     assert (
         total(after, "specserve_router_prefix_affinity_total", result="hit")
         - total(before, "specserve_router_prefix_affinity_total", result="hit")
-        >= 2 * len(TOPICS) - 2
+        >= 2 * len(TOPICS) - 1
     )
     # vLLM's names, beside ours, on each target replica: exactly what the responses reported
     d_hits = total(after, "vllm:prefix_cache_hits_total") - total(before, "vllm:prefix_cache_hits_total")
