@@ -29,6 +29,7 @@ from deployments import sse
 from deployments import tools as T
 from deployments.ingress_telemetry import IngressTelemetry, RequestTelemetry, gather_cluster_samples
 from deployments.openapi import describe
+from deployments.proxy_middleware import ENFORCED_HEADER, IDLE_HEADER
 from deployments.resume import ResumableStream
 from deployments.router_client import RouterClient
 from deployments.structured import structured_params
@@ -109,6 +110,10 @@ class Ingress:
             p.name for p in self.cfg.engine.proposers if p.name not in DRAFT_WORKER_PROPOSERS or self.cfg.draft.enabled
         ]
         self.openapi_doc: dict[str, Any] | None = None
+        idle = self.cfg.ingress.stream_idle_timeout_s
+        # The proxy in front enforces the idle limit it reads here (deployments/proxy_middleware.py).
+        self.stream_headers = {IDLE_HEADER.decode(): f"{idle:g}"} if idle else None
+        self.warned_unenforced = False
 
     # ------------------------------------------------------------------ the completion path
 
@@ -178,7 +183,13 @@ class Ingress:
                 tool_names,
             )
             events = self._sse(gens, choices, framer, deadline, bool(so and so.include_usage), rt)
-            return StreamingResponse(events, media_type="text/event-stream")
+            if self.stream_headers and not self.warned_unenforced and ENFORCED_HEADER.decode() not in request.headers:
+                self.warned_unenforced = True
+                log.warning(
+                    "ingress.stream_idle_timeout_s is set but the HTTP proxy does not enforce it: start Ray with "
+                    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=deployments.proxy_middleware.middlewares"
+                )
+            return StreamingResponse(events, media_type="text/event-stream", headers=self.stream_headers)
 
         # or read every choice to its end, and respond
         try:
