@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from workers import batch_invariant as bi
-from workers import native_attention
+from workers import hugepages, native_attention
 
 
 @dataclass
@@ -142,6 +142,7 @@ class ModelRunner:
         num_blocks: int | None = None,
         block_size: int = 16,
         kv_dtype: torch.dtype | None = None,
+        native_kernels: bool | None = None,
     ) -> None:
         """``num_blocks`` x ``block_size``: the paged KV pool; None sizes it for ``num_slots`` requests of
         ``max_model_len`` (slot mode). ``block_size`` is a multiple of the native kernel's 16 lanes.
@@ -150,7 +151,10 @@ class ModelRunner:
         ``batch_invariant``: every position's logits and hidden states are bit-identical whatever
         else the step holds (workers/batch_invariant.py); ``False`` runs the library's kernels as chosen by shape.
         ``kv_dtype``: what the KV cache stores, fp32 or bf16; None: ``dtype``. A bf16 model's keys and values
-        are bf16 values, so either holds them exactly (the same logits); an fp32 model's would be rounded."""
+        are bf16 values, so either holds them exactly (the same logits); an fp32 model's would be rounded.
+        ``native_kernels``: the native attention and row-wise ops (workers/native_attention.py) on the CPU; None:
+        with ``batch_invariant``. A runner that need not be invariant (a draft model) may still take them for
+        speed: they round differently from the torch ops, which changes its drafts, not the output."""
         if cpu_gemm not in ("onednn", "mkl"):
             raise ValueError(f"cpu_gemm must be 'onednn' or 'mkl', got {cpu_gemm!r}")
         cfg = hf_model.config
@@ -249,7 +253,8 @@ class ModelRunner:
 
         # The invariant attention: one native call per layer where a C compiler is found (CPU), else torch
         # ops (workers/batch_invariant.py). The two round differently, so this is part of the fingerprint.
-        self.native_attn = native_attention.load() if batch_invariant and self.device.type == "cpu" else None
+        native = batch_invariant if native_kernels is None else native_kernels
+        self.native_attn = native_attention.load() if native and self.device.type == "cpu" else None
         # With it come the layer's row-wise ops (residual + RMSNorm, RoPE + cache write, SiLU * up) as
         # three native calls, where torch makes ~35 small ones (workers/kernels/invariant_layer.c).
         self.native_ops = native_attention.load_layer_ops() if self.native_attn else None
@@ -262,9 +267,10 @@ class ModelRunner:
         # Every path reads and writes keys as [blocks, Hkv, BS, D]; for the native kernel that is a view of
         # keys stored transposed within a block ([blocks, Hkv, D, BS], contiguous), the layout it reads.
         k_storage = (self.num_blocks, self.num_kv_heads, self.head_dim, block_size) if self.native_attn else kv_shape
-        self._k_storage = [torch.zeros(k_storage, dtype=kv_dtype, device=self.device) for _ in range(self.num_layers)]
+        # On huge pages: a step reads each request's blocks wherever they lie in the pool (workers/hugepages.py).
+        self._k_storage = [hugepages.zeros(k_storage, kv_dtype, self.device) for _ in range(self.num_layers)]
         self.k_cache = [kt.transpose(2, 3) for kt in self._k_storage] if self.native_attn else self._k_storage
-        self.v_cache = [torch.zeros(kv_shape, dtype=kv_dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v_cache = [hugepages.zeros(kv_shape, kv_dtype, self.device) for _ in range(self.num_layers)]
         # One row blocking per weight shape (all layers share them), probed with the thread count the
         # steps run with (a library partitions work by thread count too): re-probed if that changes.
         self.row_blocking: dict[str, bi.RowBlocking] = {}
@@ -293,11 +299,11 @@ class ModelRunner:
 
     @property
     def attention_kernel(self) -> str:
-        """Which attention this runner uses: ``native`` or ``torch`` (invariant, each its own rounding), or
-        ``sdpa`` (the library's, not invariant)."""
-        if not self.batch_invariant:
-            return "sdpa"
-        return "native" if self.native_attn else "torch"
+        """Which attention this runner uses: ``native`` (invariant by construction) or ``torch`` (invariant, its
+        own rounding), or ``sdpa`` (the library's, not invariant)."""
+        if self.native_attn:
+            return "native"
+        return "torch" if self.batch_invariant else "sdpa"
 
     @property
     def kv_bytes(self) -> int:

@@ -35,8 +35,18 @@
 #define MAX_GROUP 16  /* query heads per kv head */
 #define MAX_DBLOCKS 16  /* head_dim up to MAX_DBLOCKS * LANES */
 #define ROWS 4  /* query rows of one slot (a prompt chunk) that share each key and value load */
+#define AHEAD 2  /* blocks of keys or values asked for ahead of their use */
 
 #include "vec_math.h"
+
+/* Ask for n elements from element offset off of a cache (bf16 if KB) ahead of their use: a request's
+ * next block is anywhere in the pool, where the hardware prefetcher, which follows runs of addresses,
+ * cannot guess it. A hint only: it changes no value and never faults. */
+static inline __attribute__((always_inline)) void prefetch_block(const void *base, int64_t off, int64_t n, const int KB) {
+    const char *p = (const char *)base + off * (KB ? 2 : 4);
+    const int64_t bytes = n * (KB ? 2 : 4);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+}
 
 /* A tile: R query rows of one request (R = 1, or ROWS for rows of a prompt chunk, which share their
  * keys) times the G query heads of one kv head, against the request's first n[r] keys each.
@@ -63,6 +73,9 @@ static inline __attribute__((always_inline)) void attend_tile_g(
         vlanes acc[ROWS * MAX_GROUP];
         for (int i = 0; i < R * G; i++) acc[i] = (vlanes){0};
         const int64_t kb = bt[j0 / BS] * kv_stride + j0 % BS;  /* LANES keys, never across blocks */
+        if (j0 % BS == 0)  /* the next blocks lie anywhere in the pool: fetch them ahead */
+            for (int64_t b = j0 == 0 ? 1 : AHEAD; b <= AHEAD && j0 + b * BS < nb; b++)
+                prefetch_block(kt, bt[j0 / BS + b] * kv_stride, (int64_t)D * BS, KB);
         for (int d = 0; d < D; d++) {
             const vlanes k = load_kv(kt, kb + (int64_t)d * BS, KB);
             for (int i = 0; i < R * G; i++) acc[i] = acc[i] + q[i][d] * k;
@@ -101,6 +114,8 @@ static inline __attribute__((always_inline)) void attend_tile_g(
         const float *sp = s + (int64_t)r0 * G * n_pad;
         for (int j0 = 0; j0 < n_max; j0 += (int)BS) {  /* block by block, key by key within: key 0 up */
             const int64_t vb = bt[j0 / BS] * kv_stride;
+            for (int64_t b = j0 == 0 ? 1 : AHEAD; b <= AHEAD && j0 + b * BS < n_max; b++)
+                prefetch_block(v, bt[j0 / BS + b] * kv_stride, (int64_t)D * BS, KB);
             const int jn = n_max - j0 < BS ? n_max - j0 : (int)BS;
             for (int jj = 0; jj < jn; jj++) {
                 const int64_t vj = vb + (int64_t)jj * D;
