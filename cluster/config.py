@@ -94,6 +94,12 @@ class DraftConfig(BaseModel):
     )
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: str = "auto"
+    native_kernels: bool = Field(
+        True,
+        description="Run the draft model's attention and row-wise ops (RMSNorm, RoPE, SiLU) as the target's native "
+        "kernels on a CPU with a C compiler, instead of torch ops: a shorter draft step (docs/benchmarks.md). They "
+        "round differently, which may change a draft, never the output.",
+    )
     num_threads: int | None = Field(None, ge=1, description="torch threads in the draft replica.")
     max_num_seqs: int = Field(
         256,

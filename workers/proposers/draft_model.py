@@ -122,6 +122,7 @@ class DraftModelProposer(Proposer):
         vocab_ids: Sequence[int] | None = None,
         num_blocks: int | None = None,
         block_size: int = 16,
+        native_kernels: bool = False,
     ) -> None:
         from workers.runner import ModelRunner
 
@@ -149,6 +150,7 @@ class DraftModelProposer(Proposer):
             head_rows=vocab_ids,
             num_blocks=num_blocks,
             block_size=block_size,
+            native_kernels=native_kernels,
         )
         self.blocks = DraftBlocks(self.runner.num_blocks, block_size)
         self.vocab_size = draft_vocab
