@@ -298,7 +298,7 @@ def test_a_pool_too_small_for_all_still_drafts_exactly_for_those_holding_blocks(
     small = DraftModelProposer(model, num_slots=8, max_model_len=MAX_LEN, device="cpu", num_blocks=4, block_size=16)
     out = small.propose([req(p, 4, rid=rid) for rid, p in prompts.items()]).draft_token_ids
     assert out[:2] == [greedy_reference(model, prompts[r], 4) for r in "ab"] and out[2] == []
-    assert small.kv_blocks_in_use == 4 and not small.has("c")
+    assert small.blocks.num_used == 4 and not small.has("c")
     # "a" grows past its second block: the pool is full, so it gets the drafts its blocks still hold
     prompts["a"] = prompts["a"] + out[0] + [7, 8, 9, 10, 11, 12]  # 30 committed tokens, 2 blocks hold 32 positions
     again = small.propose([req(prompts["a"], 4, rid="a")]).draft_token_ids[0]
@@ -313,7 +313,7 @@ def test_a_request_that_cannot_hold_its_tokens_gives_its_blocks_back(model: Llam
     prop.propose([req(a, 2, rid="a"), req(b, 2, rid="b")])  # a: 2 blocks, b: 1
     b = b + [3] * 20  # b now needs 2 blocks for its 30 committed tokens; none is free
     assert prop.propose([req(b, 2, rid="b")]).draft_token_ids == [[]]
-    assert not prop.has("b") and prop.kv_blocks_in_use == 2 and prop.kv_tokens_in_use == len(a) + 1
+    assert not prop.has("b") and prop.blocks.num_used == 2 and prop.kv_tokens_in_use == len(a) + 1
     prop.finish("a")
     assert prop.propose([req(b, 2, rid="b")]).draft_token_ids == [greedy_reference(model, b, 2)]  # re-prefilled
 
@@ -323,17 +323,17 @@ def test_draft_kv_follows_the_tokens_in_use_not_slots_times_max_model_len(model:
     holds blocks for its tokens plus its drafts' lookahead only."""
     prop = DraftModelProposer(model, num_slots=128, max_model_len=8192, device="cpu", num_blocks=600, block_size=16)
     per_block = prop.runner.kv_bytes_per_block
-    assert prop.runner.kv_bytes == 600 * per_block and prop.kv_tokens_capacity == 9600
+    assert prop.runner.kv_bytes == 600 * per_block and prop.blocks.tokens_capacity == 9600
     prop.propose([req(prompt(40, 3), 4, rid="a"), req(prompt(3, 4), 2, rid="b")])
-    assert prop.kv_blocks_in_use == 3 + 1  # ceil((40 + 3) / 16) + ceil((3 + 1) / 16)
+    assert prop.blocks.num_used == 3 + 1  # ceil((40 + 3) / 16) + ceil((3 + 1) / 16)
     assert prop.kv_tokens_in_use == 43 + 4
     long = prompt(8000, 5)  # a full-length request fits the pool beside the others, drafting as one slot would
     alone = DraftModelProposer(model, num_slots=1, max_model_len=8192, device="cpu")
     assert prop.propose([req(long, 4, rid="long")]).draft_token_ids == alone.propose([req(long, 4)]).draft_token_ids
-    assert prop.kv_blocks_in_use == 4 + 501
+    assert prop.blocks.num_used == 4 + 501
     for rid in ("a", "b", "long"):
         prop.finish(rid)
-    assert prop.kv_blocks_in_use == 0 and prop.kv_tokens_in_use == 0
+    assert prop.blocks.num_used == 0 and prop.kv_tokens_in_use == 0
 
 
 def test_native_kernels_draft_from_the_same_distribution(model: LlamaForCausalLM) -> None:

@@ -176,16 +176,6 @@ class DraftModelProposer(Proposer):
         """Tokens whose keys/values sit in the draft cache, over all requests."""
         return sum(len(st.cached) for st in self._states.values())
 
-    @property
-    def kv_tokens_capacity(self) -> int:
-        """Positions the draft's KV pool holds, over all requests."""
-        return self.blocks.num_blocks * self.blocks.block_size
-
-    @property
-    def kv_blocks_in_use(self) -> int:
-        """Blocks held by requests: committed tokens plus the lookahead of their drafts."""
-        return self.blocks.num_used
-
     def finish(self, request_id: str, token_ids: Sequence[int] = ()) -> None:
         """Free the request's blocks and state (unknown ids are ignored)."""
         self._states.pop(request_id, None)
