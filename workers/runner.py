@@ -527,8 +527,25 @@ class ModelRunner:
         # h: [T, hidden] (a fresh tensor, never the embedding table) -> [T, hidden]; kv_index: [T] where each
         # row's key and value go; bt: [num_requests, nb] block tables; req_of_tok, nvis: [T] each row's request
         # and visible keys
-        ops, attn, H, D = self.native_ops, self.native_attn, self.num_heads, self.head_dim
+        ops, attn, D = self.native_ops, self.native_attn, self.head_dim
         assert ops is not None and attn is not None  # the caller checked: the native library loaded
+        # every native call's arguments checked and converted once for the whole step
+        step = native_attention.NativeStep(
+            ops,
+            attn,
+            self.dtype,
+            list(zip(self._k_storage, self.v_cache)),
+            self.num_heads,
+            positions,
+            kv_index,
+            self.cos,
+            self.sin,
+            bt,
+            req_of_tok,
+            nvis,
+            max_kv,
+            D**-0.5,
+        )
         x = torch.empty_like(h)  # [T, hidden] the normalized rows each GEMM reads
         delta = None
         # When the down projection's row blocking pads this step's rows (one call of call_rows > T: e.g. a
@@ -536,23 +553,25 @@ class ModelRunner:
         # buffer per step instead of every layer concatenating zero rows: the same call, the same numbers.
         T = h.shape[0]
         down_in = None  # [call_rows, inter]
+        padded = False
         if self.batch_invariant:
             sizes = self.row_blocking["down"].sizes(T)
             if len(sizes) == 1 and sizes[0][1] > T:
-                down_in = h.new_zeros(sizes[0][1], self.intermediate_size)
+                down_in, padded = h.new_zeros(sizes[0][1], self.intermediate_size), True
+        if down_in is None:
+            down_in = h.new_empty(T, self.intermediate_size)
         for li, L in enumerate(self.layers):
-            ops.add_rms_norm(h, delta, L["in_norm"], x, self.eps)
+            step.add_rms_norm(h, delta, L["in_norm"], x, self.eps)
             qkv = self._linear(x, L, "qkv")  # [T, (H + 2 Hkv) * D]
-            q = ops.rope_kv(qkv, positions, kv_index, self.cos, self.sin, self._k_storage[li], self.v_cache[li], H)
-            o = attn(q, self._k_storage[li], self.v_cache[li], bt, req_of_tok, nvis, max_kv, D**-0.5)  # [T, H, D] fp32
-            delta = self._linear(o.view(-1, H * D).to(self.dtype), L, "o")  # [T, hidden]
-            ops.add_rms_norm(h, delta, L["post_norm"], x, self.eps)
+            step.rope_kv(qkv, li)
+            delta = self._linear(step.attention(li), L, "o")  # [T, H * D] in the model's dtype -> [T, hidden]
+            step.add_rms_norm(h, delta, L["post_norm"], x, self.eps)
             gu = self._linear(x, L, "gate_up")  # [T, 2 * inter]
-            if down_in is not None:
-                ops.silu_mul(gu, out=down_in[:T])
+            step.silu_mul(gu, down_in[:T])
+            if padded:
                 delta = self._linear_kernel(down_in, L, "down")[:T]  # [T, hidden]
             else:
-                delta = self._linear(ops.silu_mul(gu), L, "down")  # [T, hidden]
+                delta = self._linear(down_in, L, "down")  # [T, hidden]
         assert delta is not None  # a model has at least one layer
         return h + delta
 

@@ -162,13 +162,13 @@ static void attend_tile(const float *const *q, int R, int G, int kb, const int *
 /* q: [T, H, D] at q + t * q_row_stride + h * D. kt: [num_blocks, Hkv, D, BS] (keys transposed) and
  * v: [num_blocks, Hkv, BS, D], contiguous, fp32 or (kv_bf16) bf16, BS a multiple of LANES. block_table: [num_reqs, bt_stride]
  * block ids; req, nvis: [T] (the row's request and its visible keys, 1 .. bt_stride * BS).
- * out: [T, H, D] contiguous. scratch: nthreads * ROWS * G * n_pad floats, n_pad = max(nvis) rounded
+ * out: [T, H, D] contiguous; out_bf16: NULL, or [T, H, D] where out is also written rounded to bf16. scratch: nthreads * ROWS * G * n_pad floats, n_pad = max(nvis) rounded
  * up to LANES plus LANES. Returns 0, or -1 if the shapes are outside what the kernel handles or a
  * block id a row would read is outside the pool (nothing is read then). */
 int invariant_attention(const float *q, int64_t q_row_stride, const void *kt, const void *v, int kv_bf16,
                         const int64_t *block_table, int64_t bt_stride, const int64_t *req, const int64_t *nvis,
                         float *out, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t BS, int64_t num_blocks,
-                        float scale, float *scratch, int64_t n_pad, int nthreads) {
+                        float scale, float *scratch, int64_t n_pad, int nthreads, uint16_t *out_bf16) {
     if (Hkv <= 0 || H % Hkv || H / Hkv > MAX_GROUP || D / LANES > MAX_DBLOCKS || BS <= 0 || BS % LANES) return -1;
     const int64_t G = H / Hkv;
     int64_t work = 0;
@@ -211,6 +211,19 @@ int invariant_attention(const float *q, int64_t q_row_stride, const void *kt, co
         attend_tile(qs, (int)R, (int)G, kv_bf16, n, block_table + req[t0] * bt_stride,
                     (const char *)kt + g * D * BS * esize, (const char *)v + g * BS * D * esize, BS, kv_stride,
                     (int)D, scale, scratch + (int64_t)tid * ROWS * G * n_pad, n_pad, os);
+    }
+    if (out_bf16) {  /* the o projection's input in a bf16 model: out rounded as torch rounds */
+        const int64_t n = T * H * D;
+        int64_t i = 0;
+        for (; i + LANES <= n; i += LANES) {
+            const vlanes_h h = to_bf16(load_lanes(out + i));
+            __builtin_memcpy(out_bf16 + i, &h, sizeof h);
+        }
+        for (; i < n; i++) {
+            vlanes x = {0};
+            x[0] = out[i];
+            out_bf16[i] = to_bf16(x)[0];
+        }
     }
     return 0;
 }
