@@ -1,0 +1,254 @@
+/* y[M, N] = x[M, K] @ W[N, K]^T on the CPU (nn.Linear's layout, W as stored), bf16 or fp32, batch-invariant
+ * by construction, streaming W once per call for small M.
+ *
+ * Why: a GEMM library picks its kernel, tiling and reduction split by shape, so a row's result can
+ * depend on how many rows the call holds; the runner then probes which row counts agree and pads to
+ * them, and at one row its prepacked GEMMs read the weights well below the memory's bandwidth. Here
+ * every output y[m, n] is one fixed chain over K, whatever M is, whichever rows share a tile,
+ * whichever thread computes it and however N is split:
+ *
+ *   - 16 fp32 lanes; lane l accumulates, k in increasing order, the products x[m, k] * W[n, k] of
+ *     the k that map to it (fp32: k = 16 j + l, one fused multiply-add each; bf16 with AVX512-BF16:
+ *     k = 32 j + 2 l and 32 j + 2 l + 1, one VDPBF16PS each pair; bf16 otherwise: widened exactly to
+ *     fp32, then as fp32). Past K the lanes add zero products.
+ *   - The 16 lanes are then summed by one fixed tree: lane l + lane l+8, then +4, +2, +1 (the tree of
+ *     rms_norm in invariant_layer.c). fp32 addition is commutative, so every code path that follows
+ *     the tree gives the same bits.
+ *   - bf16 output is the fp32 sum rounded to nearest even, as torch rounds.
+ *
+ * Tiles of up to 4 rows of x by 4 rows of W share loads (each weight vector is used by every row of
+ * the tile, each x vector by every weight row); a tile of fewer rows runs the same per-element code.
+ * N is split across OpenMP threads in whole tiles; one thread computes each output entirely.
+ * The instructions are picked at compile time (-march=native): AVX512-BF16, AVX-512F, else portable C
+ * whose fmaf the compiler vectorizes where the CPU has FMA. Built with -ffp-contract=off.
+ */
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define MR 4          /* rows of x per tile */
+#define NR 4          /* rows of W per tile */
+#ifndef NB_BYTES
+#define NB_BYTES 65536 /* weight bytes of the tiles a thread sweeps all of x's row tiles over (stay in L2) */
+#endif
+#ifndef PF_TILES
+#define PF_TILES 2 /* prefetch the weight rows this many tiles ahead */
+#endif
+
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays quiet */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float bf16_widen(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* The fixed tree over one accumulator's 16 lanes (the portable form of reduce16 below). */
+static inline float tree16(const float *a) {
+    float t[16];
+    memcpy(t, a, sizeof t);
+    for (int h = 8; h > 0; h /= 2)
+        for (int l = 0; l < h; l++) t[l] = t[l] + t[l + h];
+    return t[0];
+}
+
+#if defined(__AVX512F__)
+
+typedef __m512 acc_t;
+
+/* acc[0..15] -> lane 4 e + j holds the tree sum of acc[e + 4 j]: four levels of pairwise sums, each
+ * pairing lanes l and l + h within an accumulator (h = 8, 4, 2, 1), as tree16. */
+static inline __m512 reduce16(const __m512 *a) {
+    __m512 u[8], z[4], y[2];
+    for (int i = 0; i < 8; i++) /* lanes l + l+8: [a_2i (8 lanes), a_2i+1 (8 lanes)] */
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xee));
+    for (int i = 0; i < 4; i++) /* + l+4: four lanes each of [a_4i, a_4i+1, a_4i+2, a_4i+3] ... */
+        z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xdd));
+    /* z[i] block e: four lanes of a_{4 i + e} */
+    for (int i = 0; i < 2; i++) /* + l+2: block e: 2 lanes of a_{8 i + e}, 2 of a_{8 i + 4 + e} */
+        y[i] = _mm512_add_ps(_mm512_shuffle_ps(z[2 * i], z[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(z[2 * i], z[2 * i + 1], 0xee));
+    /* + l+1: block e: a_e, a_{4 + e}, a_{8 + e}, a_{12 + e} */
+    return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xdd));
+}
+
+/* Where reduce16 leaves the sum of accumulator s. */
+#define LANE_OF(s) (4 * ((s) % 4) + (s) / 4)
+
+#else
+
+typedef struct {
+    float v[16];
+} acc_t;
+
+#define LANE_OF(s) (s)
+
+#endif
+
+/* Accumulator slot of tile entry (row r, weight row c): r + 4 c, so reduce16 leaves row r's four
+ * weight rows in lanes 4 r .. 4 r + 3. */
+#define SLOT(r, c) ((r) + 4 * (c))
+
+/* One tile: rows x[0..mr) (row stride ldx) against weight rows w[0..NR) (row stride K), all K.
+ * sums[LANE_OF(SLOT(r, c))] receives y[r, c] in fp32. Always inlined with a constant mr, so the
+ * accumulators stay in registers. pf: the weight rows PF_TILES tiles ahead, or NULL. */
+static inline __attribute__((always_inline)) void tile(const void *x, int64_t ldx, const void *const *w, int64_t K,
+                                                       int mr, int bf16, const void *const *pf, float *sums) {
+#if defined(__AVX512F__)
+    acc_t acc[16];
+    for (int s = 0; s < 16; s++) acc[s] = _mm512_setzero_ps();
+    if (bf16) {
+        const uint16_t *xr[MR], *wr[NR];
+        for (int r = 0; r < mr; r++) xr[r] = (const uint16_t *)x + r * ldx;
+        for (int c = 0; c < NR; c++) wr[c] = (const uint16_t *)w[c];
+        for (int64_t k = 0; k < K; k += 32) {
+            const int64_t left = K - k;
+            const __mmask32 m = left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1u);
+            if (pf)
+                for (int c = 0; c < NR; c++) _mm_prefetch((const char *)((const uint16_t *)pf[c] + k), _MM_HINT_T0);
+#if defined(__AVX512BF16__)
+            __m512bh xv[MR], wv[NR];
+            for (int r = 0; r < mr; r++) xv[r] = (__m512bh)_mm512_maskz_loadu_epi16(m, xr[r] + k);
+            for (int c = 0; c < NR; c++) wv[c] = (__m512bh)_mm512_maskz_loadu_epi16(m, wr[c] + k);
+            for (int c = 0; c < NR; c++)
+                for (int r = 0; r < mr; r++) acc[SLOT(r, c)] = _mm512_dpbf16_ps(acc[SLOT(r, c)], xv[r], wv[c]);
+#else
+            /* Widen 16 bf16 at a time (exact) and fuse multiply-add: lane l takes k + l, then k + 16 + l. */
+            for (int h = 0; h < 2; h++) {
+                const __mmask16 mh = (__mmask16)(m >> (16 * h));
+                __m512 xv[MR], wv[NR];
+                for (int r = 0; r < mr; r++)
+                    xv[r] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mh, xr[r] + k + 16 * h)), 16));
+                for (int c = 0; c < NR; c++)
+                    wv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mh, wr[c] + k + 16 * h)), 16));
+                for (int c = 0; c < NR; c++)
+                    for (int r = 0; r < mr; r++) acc[SLOT(r, c)] = _mm512_fmadd_ps(xv[r], wv[c], acc[SLOT(r, c)]);
+            }
+#endif
+        }
+    } else {
+        const float *xr[MR], *wr[NR];
+        for (int r = 0; r < mr; r++) xr[r] = (const float *)x + r * ldx;
+        for (int c = 0; c < NR; c++) wr[c] = (const float *)w[c];
+        for (int64_t k = 0; k < K; k += 16) {
+            const int64_t left = K - k;
+            const __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+            if (pf)
+                for (int c = 0; c < NR; c++) _mm_prefetch((const char *)((const float *)pf[c] + k), _MM_HINT_T0);
+            __m512 xv[MR], wv[NR];
+            for (int r = 0; r < mr; r++) xv[r] = _mm512_maskz_loadu_ps(m, xr[r] + k);
+            for (int c = 0; c < NR; c++) wv[c] = _mm512_maskz_loadu_ps(m, wr[c] + k);
+            for (int c = 0; c < NR; c++)
+                for (int r = 0; r < mr; r++) acc[SLOT(r, c)] = _mm512_fmadd_ps(xv[r], wv[c], acc[SLOT(r, c)]);
+        }
+    }
+    _mm512_storeu_ps(sums, reduce16(acc));
+#else
+    (void)pf;
+    acc_t acc[16];
+    memset(acc, 0, sizeof acc);
+    for (int64_t k = 0; k < K; k += 16) {
+        const int n = K - k < 16 ? (int)(K - k) : 16;
+        float xv[MR][16], wv[NR][16];
+        for (int r = 0; r < mr; r++)
+            for (int l = 0; l < 16; l++)
+                xv[r][l] = l >= n ? 0.0f
+                           : bf16    ? bf16_widen(((const uint16_t *)x)[r * ldx + k + l])
+                                     : ((const float *)x)[r * ldx + k + l];
+        for (int c = 0; c < NR; c++)
+            for (int l = 0; l < 16; l++)
+                wv[c][l] = l >= n ? 0.0f : bf16 ? bf16_widen(((const uint16_t *)w[c])[k + l]) : ((const float *)w[c])[k + l];
+        for (int c = 0; c < NR; c++)
+            for (int r = 0; r < mr; r++)
+                for (int l = 0; l < 16; l++)
+                    acc[SLOT(r, c)].v[l] = __builtin_fmaf(xv[r][l], wv[c][l], acc[SLOT(r, c)].v[l]);
+    }
+    for (int s = 0; s < 16; s++) sums[LANE_OF(s)] = tree16(acc[s].v);
+#endif
+}
+
+/* One row tile of mr rows (a compile-time constant after inlining) against the weight tiles
+ * [t0, t1), writing y. */
+static inline __attribute__((always_inline)) void row_tile(const void *x, int64_t m0, int mr, const void *W, void *y,
+                                                           int64_t N, int64_t K, int64_t t0, int64_t t1, int64_t tend,
+                                                           int bf16, int prefetch) {
+    const size_t es = bf16 ? 2 : 4;
+    const char *xb = (const char *)x + (size_t)(m0 * K) * es;
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t n0 = t * NR;
+        const void *w[NR], *pf[NR];
+        for (int c = 0; c < NR; c++) /* past N: repeat the last row (its sums are not stored) */
+            w[c] = (const char *)W + (size_t)((n0 + c < N ? n0 + c : N - 1) * K) * es;
+        const int ahead = PF_TILES > 0 && prefetch && t + PF_TILES < tend;
+        for (int c = 0; c < NR; c++) {
+            const int64_t n = n0 + PF_TILES * NR + c;
+            pf[c] = (const char *)W + (size_t)((n < N ? n : N - 1) * K) * es;
+        }
+        float sums[16];
+        tile(xb, K, w, K, mr, bf16, ahead ? pf : NULL, sums);
+        const int nc = N - n0 < NR ? (int)(N - n0) : NR;
+        for (int r = 0; r < mr; r++) {
+            const int64_t o = (m0 + r) * N + n0;
+            if (bf16)
+                for (int c = 0; c < nc; c++) ((uint16_t *)y)[o + c] = bf16_round(sums[LANE_OF(SLOT(r, c))]);
+            else
+                for (int c = 0; c < nc; c++) ((float *)y)[o + c] = sums[LANE_OF(SLOT(r, c))];
+        }
+    }
+}
+
+/* x: [M, K], W: [N, K], y: [M, N], all contiguous; fp32, or bf16 (bf16 != 0) as uint16. */
+int invariant_linear(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16,
+                     int nthreads) {
+    if (M < 0 || N <= 0 || K <= 0) return -1;
+    if (M == 0) return 0;
+    const int64_t tiles = (N + NR - 1) / NR;
+    const int64_t es = bf16 ? 2 : 4;
+    /* weight tiles per block: x's row tiles all sweep one block while it sits in cache */
+    int64_t nb = NB_BYTES / (NR * K * es);
+    if (nb < 1) nb = 1;
+    const int prefetch = M <= 2 * MR; /* streaming W: the next tiles are not in cache yet */
+    int nt = nthreads < 1 ? 1 : nthreads;
+    if ((double)M * N * K < 262144.0) nt = 1; /* a tiny call costs less than waking the threads */
+    if (nt > tiles) nt = (int)tiles;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+#ifdef _OPENMP
+        const int id = omp_get_thread_num();
+#else
+        const int id = 0;
+#endif
+        const int64_t lo = tiles * id / nt, hi = tiles * (id + 1) / nt; /* this thread's weight tiles */
+        for (int64_t b0 = lo; b0 < hi; b0 += nb) {
+            const int64_t b1 = b0 + nb < hi ? b0 + nb : hi;
+            int64_t m0 = 0;
+            for (; m0 + MR <= M; m0 += MR) row_tile(x, m0, MR, W, y, N, K, b0, b1, hi, bf16, prefetch);
+            switch (M - m0) {
+            case 1: row_tile(x, m0, 1, W, y, N, K, b0, b1, hi, bf16, prefetch); break;
+            case 2: row_tile(x, m0, 2, W, y, N, K, b0, b1, hi, bf16, prefetch); break;
+            case 3: row_tile(x, m0, 3, W, y, N, K, b0, b1, hi, bf16, prefetch); break;
+            default: break;
+            }
+        }
+    }
+    return 0;
+}
