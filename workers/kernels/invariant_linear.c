@@ -106,6 +106,48 @@ typedef struct {
  * weight rows in lanes 4 r .. 4 r + 3. */
 #define SLOT(r, c) ((r) + 4 * (c))
 
+#if defined(__AVX512F__)
+/* One K step of a tile: 32 bf16 (or 16 fp32) of each row; `full` (a constant after inlining) loads
+ * without a mask, else the lanes of m only (the rest read as 0). */
+static inline __attribute__((always_inline)) void step_bf16(__m512 *acc, const uint16_t *const *xr,
+                                                            const uint16_t *const *wr, int64_t k, int mr, int full,
+                                                            __mmask32 m) {
+#if defined(__AVX512BF16__)
+    __m512bh xv[MR], wv[NR];
+    for (int r = 0; r < mr; r++)
+        xv[r] = (__m512bh)(full ? _mm512_loadu_si512(xr[r] + k) : _mm512_maskz_loadu_epi16(m, xr[r] + k));
+    for (int c = 0; c < NR; c++)
+        wv[c] = (__m512bh)(full ? _mm512_loadu_si512(wr[c] + k) : _mm512_maskz_loadu_epi16(m, wr[c] + k));
+    for (int c = 0; c < NR; c++)
+        for (int r = 0; r < mr; r++) acc[SLOT(r, c)] = _mm512_dpbf16_ps(acc[SLOT(r, c)], xv[r], wv[c]);
+#else
+    /* Widen 16 bf16 at a time (exact) and fuse multiply-add: lane l takes k + l, then k + 16 + l. */
+    for (int h = 0; h < 2; h++) {
+        const __mmask16 mh = full ? (__mmask16)0xffff : (__mmask16)(m >> (16 * h));
+        __m512 xv[MR], wv[NR];
+        for (int r = 0; r < mr; r++)
+            xv[r] = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mh, xr[r] + k + 16 * h)), 16));
+        for (int c = 0; c < NR; c++)
+            wv[c] = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mh, wr[c] + k + 16 * h)), 16));
+        for (int c = 0; c < NR; c++)
+            for (int r = 0; r < mr; r++) acc[SLOT(r, c)] = _mm512_fmadd_ps(xv[r], wv[c], acc[SLOT(r, c)]);
+    }
+#endif
+}
+
+static inline __attribute__((always_inline)) void step_f32(__m512 *acc, const float *const *xr,
+                                                           const float *const *wr, int64_t k, int mr, int full,
+                                                           __mmask16 m) {
+    __m512 xv[MR], wv[NR];
+    for (int r = 0; r < mr; r++) xv[r] = full ? _mm512_loadu_ps(xr[r] + k) : _mm512_maskz_loadu_ps(m, xr[r] + k);
+    for (int c = 0; c < NR; c++) wv[c] = full ? _mm512_loadu_ps(wr[c] + k) : _mm512_maskz_loadu_ps(m, wr[c] + k);
+    for (int c = 0; c < NR; c++)
+        for (int r = 0; r < mr; r++) acc[SLOT(r, c)] = _mm512_fmadd_ps(xv[r], wv[c], acc[SLOT(r, c)]);
+}
+#endif
+
 /* One tile: rows x[0..mr) (row stride ldx) against weight rows w[0..NR) (row stride K), all K.
  * sums[LANE_OF(SLOT(r, c))] receives y[r, c] in fp32. Always inlined with a constant mr, so the
  * accumulators stay in registers. pf: the weight rows PF_TILES tiles ahead, or NULL. */
@@ -118,48 +160,28 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t ld
         const uint16_t *xr[MR], *wr[NR];
         for (int r = 0; r < mr; r++) xr[r] = (const uint16_t *)x + r * ldx;
         for (int c = 0; c < NR; c++) wr[c] = (const uint16_t *)w[c];
-        for (int64_t k = 0; k < K; k += 32) {
-            const int64_t left = K - k;
-            const __mmask32 m = left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1u);
-            if (pf)
+        int64_t k = 0;
+        if (pf)
+            for (; k + 32 <= K; k += 32) {
                 for (int c = 0; c < NR; c++) _mm_prefetch((const char *)((const uint16_t *)pf[c] + k), _MM_HINT_T0);
-#if defined(__AVX512BF16__)
-            __m512bh xv[MR], wv[NR];
-            for (int r = 0; r < mr; r++) xv[r] = (__m512bh)_mm512_maskz_loadu_epi16(m, xr[r] + k);
-            for (int c = 0; c < NR; c++) wv[c] = (__m512bh)_mm512_maskz_loadu_epi16(m, wr[c] + k);
-            for (int c = 0; c < NR; c++)
-                for (int r = 0; r < mr; r++) acc[SLOT(r, c)] = _mm512_dpbf16_ps(acc[SLOT(r, c)], xv[r], wv[c]);
-#else
-            /* Widen 16 bf16 at a time (exact) and fuse multiply-add: lane l takes k + l, then k + 16 + l. */
-            for (int h = 0; h < 2; h++) {
-                const __mmask16 mh = (__mmask16)(m >> (16 * h));
-                __m512 xv[MR], wv[NR];
-                for (int r = 0; r < mr; r++)
-                    xv[r] = _mm512_castsi512_ps(_mm512_slli_epi32(
-                        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mh, xr[r] + k + 16 * h)), 16));
-                for (int c = 0; c < NR; c++)
-                    wv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
-                        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mh, wr[c] + k + 16 * h)), 16));
-                for (int c = 0; c < NR; c++)
-                    for (int r = 0; r < mr; r++) acc[SLOT(r, c)] = _mm512_fmadd_ps(xv[r], wv[c], acc[SLOT(r, c)]);
+                step_bf16(acc, xr, wr, k, mr, 1, 0);
             }
-#endif
-        }
+        else
+            for (; k + 32 <= K; k += 32) step_bf16(acc, xr, wr, k, mr, 1, 0);
+        if (k < K) step_bf16(acc, xr, wr, k, mr, 0, (__mmask32)((1u << (K - k)) - 1u));
     } else {
         const float *xr[MR], *wr[NR];
         for (int r = 0; r < mr; r++) xr[r] = (const float *)x + r * ldx;
         for (int c = 0; c < NR; c++) wr[c] = (const float *)w[c];
-        for (int64_t k = 0; k < K; k += 16) {
-            const int64_t left = K - k;
-            const __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-            if (pf)
+        int64_t k = 0;
+        if (pf)
+            for (; k + 16 <= K; k += 16) {
                 for (int c = 0; c < NR; c++) _mm_prefetch((const char *)((const float *)pf[c] + k), _MM_HINT_T0);
-            __m512 xv[MR], wv[NR];
-            for (int r = 0; r < mr; r++) xv[r] = _mm512_maskz_loadu_ps(m, xr[r] + k);
-            for (int c = 0; c < NR; c++) wv[c] = _mm512_maskz_loadu_ps(m, wr[c] + k);
-            for (int c = 0; c < NR; c++)
-                for (int r = 0; r < mr; r++) acc[SLOT(r, c)] = _mm512_fmadd_ps(xv[r], wv[c], acc[SLOT(r, c)]);
-        }
+                step_f32(acc, xr, wr, k, mr, 1, 0);
+            }
+        else
+            for (; k + 16 <= K; k += 16) step_f32(acc, xr, wr, k, mr, 1, 0);
+        if (k < K) step_f32(acc, xr, wr, k, mr, 0, (__mmask16)((1u << (K - k)) - 1u));
     }
     _mm512_storeu_ps(sums, reduce16(acc));
 #else
@@ -205,14 +227,32 @@ static inline __attribute__((always_inline)) void row_tile(const void *x, int64_
         }
         float sums[16];
         tile(xb, K, w, K, mr, bf16, ahead ? pf : NULL, sums);
-        const int nc = N - n0 < NR ? (int)(N - n0) : NR;
+        const size_t nc = N - n0 < NR ? (size_t)(N - n0) : NR;
+#if defined(__AVX512F__)
+        /* row r's NR sums sit in lanes NR r ..: one copy per row */
+        if (bf16) {
+            uint16_t h[16];
+            const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(sums));
+            const __m512i rne = _mm512_srli_epi32(
+                _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))),
+                16);
+            const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_loadu_ps(sums), _mm512_loadu_ps(sums), _CMP_UNORD_Q);
+            const __m512i q = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)); /* NaN stays quiet */
+            _mm256_storeu_si256((__m256i *)h, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rne, q)));
+            for (int r = 0; r < mr; r++) memcpy((uint16_t *)y + (m0 + r) * N + n0, h + NR * r, nc * 2);
+        } else {
+            for (int r = 0; r < mr; r++) memcpy((float *)y + (m0 + r) * N + n0, sums + NR * r, nc * 4);
+        }
+#else
         for (int r = 0; r < mr; r++) {
             const int64_t o = (m0 + r) * N + n0;
             if (bf16)
-                for (int c = 0; c < nc; c++) ((uint16_t *)y)[o + c] = bf16_round(sums[LANE_OF(SLOT(r, c))]);
+                for (size_t c = 0; c < nc; c++) ((uint16_t *)y)[o + c] = bf16_round(sums[LANE_OF(SLOT(r, c))]);
             else
-                for (int c = 0; c < nc; c++) ((float *)y)[o + c] = sums[LANE_OF(SLOT(r, c))];
+                for (size_t c = 0; c < nc; c++) ((float *)y)[o + c] = sums[LANE_OF(SLOT(r, c))];
         }
+#endif
     }
 }
 
@@ -241,11 +281,12 @@ int invariant_linear(const void *x, const void *W, void *y, int64_t M, int64_t N
         for (int64_t b0 = lo; b0 < hi; b0 += nb) {
             const int64_t b1 = b0 + nb < hi ? b0 + nb : hi;
             int64_t m0 = 0;
-            for (; m0 + MR <= M; m0 += MR) row_tile(x, m0, MR, W, y, N, K, b0, b1, hi, bf16, prefetch);
+            /* the block's first row tile reads the weights from memory: prefetch them there */
+            for (; m0 + MR <= M; m0 += MR) row_tile(x, m0, MR, W, y, N, K, b0, b1, hi, bf16, m0 == 0 || prefetch);
             switch (M - m0) {
-            case 1: row_tile(x, m0, 1, W, y, N, K, b0, b1, hi, bf16, prefetch); break;
-            case 2: row_tile(x, m0, 2, W, y, N, K, b0, b1, hi, bf16, prefetch); break;
-            case 3: row_tile(x, m0, 3, W, y, N, K, b0, b1, hi, bf16, prefetch); break;
+            case 1: row_tile(x, m0, 1, W, y, N, K, b0, b1, hi, bf16, m0 == 0 || prefetch); break;
+            case 2: row_tile(x, m0, 2, W, y, N, K, b0, b1, hi, bf16, m0 == 0 || prefetch); break;
+            case 3: row_tile(x, m0, 3, W, y, N, K, b0, b1, hi, bf16, m0 == 0 || prefetch); break;
             default: break;
             }
         }
