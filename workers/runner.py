@@ -352,8 +352,8 @@ class ModelRunner:
 
     def _linear(self, x: torch.Tensor, L: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         # x: [T, in] -> [T, out]
-        if self.native_gemm is not None:
-            return self.native_gemm(x, L[name])
+        if self.native_gemm is not None:  # invariant at every row count: no blocking, no padding
+            return self._linear_kernel(x, L, name)
         if self.batch_invariant:
             return bi.blocked(lambda xb: self._linear_kernel(xb, L, name), x, self.row_blocking[name])
         if self._packed or self._wide_f32:
@@ -363,6 +363,8 @@ class ModelRunner:
     def _linear_kernel(self, x: torch.Tensor, L: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         # x: [T, in] -> [T, out]. Batch-invariant runners use one kernel for every row count: a bf16
         # runner on a CPU without native bf16 GEMMs always multiplies through the fp32 packed copy.
+        if self.native_gemm is not None:
+            return self.native_gemm(x, L[name])
         if self.batch_invariant and self._wide_f32:
             return _packed_linear(x.float(), L[name + "_f32"]).to(self.dtype)
         if self._packed:
@@ -613,7 +615,7 @@ class ModelRunner:
         oneDNN like the layers: about twice as fast as ``F.linear`` (docs/benchmarks.md).
         """
         if self.native_gemm is not None:
-            return self.native_gemm(hs, self.lm_head).float()  # [M, vocab]
+            return self._lm_head_kernel(hs)
         if self.batch_invariant:
             return bi.blocked(self._lm_head_kernel, hs, self.row_blocking["lm_head"])
         if self._packed or self._wide_f32:
@@ -622,6 +624,8 @@ class ModelRunner:
 
     def _lm_head_kernel(self, hs: torch.Tensor) -> torch.Tensor:
         # hs: [M, hidden] -> [M, vocab] float32
+        if self.native_gemm is not None:
+            return self.native_gemm(hs, self.lm_head).float()
         if self.batch_invariant and self._wide_f32:
             return _packed_linear(hs.float().contiguous(), self.lm_head_f32)
         if self._packed:

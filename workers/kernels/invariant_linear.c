@@ -38,7 +38,7 @@
 #define MR 4          /* rows of x per tile */
 #define NR 4          /* rows of W per tile */
 #ifndef NB_BYTES
-#define NB_BYTES 65536 /* weight bytes of the tiles a thread sweeps all of x's row tiles over (stay in L2) */
+#define NB_BYTES 24576 /* weight bytes of the tiles a thread sweeps all of x's row tiles over (stay in L1) */
 #endif
 #ifndef PF_TILES
 #define PF_TILES 2 /* prefetch the weight rows this many tiles ahead */
@@ -142,7 +142,11 @@ static inline __attribute__((always_inline)) void step_f32(__m512 *acc, const fl
                                                            __mmask16 m) {
     __m512 xv[MR], wv[NR];
     for (int r = 0; r < mr; r++) xv[r] = full ? _mm512_loadu_ps(xr[r] + k) : _mm512_maskz_loadu_ps(m, xr[r] + k);
-    for (int c = 0; c < NR; c++) wv[c] = full ? _mm512_loadu_ps(wr[c] + k) : _mm512_maskz_loadu_ps(m, wr[c] + k);
+    for (int c = 0; c < NR; c++) {
+        wv[c] = full ? _mm512_loadu_ps(wr[c] + k) : _mm512_maskz_loadu_ps(m, wr[c] + k);
+        __asm__("" : "+v"(wv[c])); /* one load per weight vector, not one folded into each row's FMA */
+    }
+    for (int r = 0; r < mr; r++) __asm__("" : "+v"(xv[r]));
     for (int c = 0; c < NR; c++)
         for (int r = 0; r < mr; r++) acc[SLOT(r, c)] = _mm512_fmadd_ps(xv[r], wv[c], acc[SLOT(r, c)]);
 }
