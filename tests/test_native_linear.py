@@ -4,8 +4,13 @@ of the call holds (row count, the row's place, the thread count), and close to `
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import platform
 import random
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,3 +95,39 @@ def test_without_the_library_native_falls_back_to_onednn(tiny_loaded, monkeypatc
     finally:
         monkeypatch.undo()
         native_attention.clear_cache()
+
+
+def _build(tmp_path, march: str) -> ctypes.CDLL | None:
+    """The linear kernel alone, built for ``march`` instead of this CPU (None where the compiler refuses)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    out = tmp_path / f"linear-{march}.so"
+    src = native_attention._KERNELS / "invariant_linear.c"
+    flags = [f for f in native_attention.FLAGS if f != "-march=native"]
+    if subprocess.run([cc, *flags, f"-march={march}", str(src), "-o", str(out)], capture_output=True).returncode:
+        return None
+    return ctypes.CDLL(str(out))
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 instruction sets")
+def test_every_instruction_set_sums_fp32_in_the_same_order(linear, tmp_path):
+    """The AVX2 + FMA path and the portable C one (built here for older x86-64 levels, run where this CPU has
+    their instructions) give rows invariant as above and, in fp32, the very bits of the native build."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(19, 301, generator=gen), torch.randn(67, 301, generator=gen)
+    want = linear(x, w)
+    tried = 0
+    for march, needs in (("x86-64-v3", ("avx2", "fma")), ("x86-64-v2", ())):
+        dll = _build(tmp_path, march)
+        if dll is None or not all(f" {n} " in flags for n in needs):
+            continue
+        other = native_attention.NativeLinear(dll)
+        assert torch.equal(other(x, w), want), march
+        assert torch.equal(other(x[7:8], w), want[7:8]), march
+        xb, wb = x.bfloat16(), w.bfloat16()
+        assert torch.equal(other(xb, wb)[3:9], other(xb[3:9], wb)), march
+        tried += 1
+    if not tried:
+        pytest.skip("no other x86-64 level builds or runs here")

@@ -19,8 +19,10 @@
  * Tiles of up to 4 rows of x by 4 rows of W share loads (each weight vector is used by every row of
  * the tile, each x vector by every weight row); a tile of fewer rows runs the same per-element code.
  * N is split across OpenMP threads in whole tiles; one thread computes each output entirely.
- * The instructions are picked at compile time (-march=native): AVX512-BF16, AVX-512F, else portable C
- * whose fmaf the compiler vectorizes where the CPU has FMA. Built with -ffp-contract=off.
+ * The instructions are picked at compile time (-march=native): AVX512-BF16, AVX-512F, AVX2 with FMA
+ * (16 lanes as two registers of 8, in 2 x 2 sub-tiles: AVX2 has 16 registers), else portable C with
+ * fmaf. fp32 results are the same bits in every build (each lane one fused multiply-add per k, the same
+ * tree); bf16 with AVX512-BF16 pairs k differently. Built with -ffp-contract=off.
  */
 
 #include <math.h>
@@ -28,7 +30,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 #ifdef _OPENMP
@@ -152,6 +154,29 @@ static inline __attribute__((always_inline)) void step_f32(__m512 *acc, const fl
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* 8 values at p[i ..] as fp32: fp32, or bf16 widened (exactly). */
+static inline __m256 ld8(const void *p, int64_t i, int bf16) {
+    if (bf16)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+/* One K step of 16 of a 2 x 2 sub-tile (rn rows: the second row repeats the first when rn is 1). */
+static inline __attribute__((always_inline)) void avx2_step(__m256 lo[2][2], __m256 hi[2][2], const void *const *xr,
+                                                            const void *const *wr, int64_t k, int rn, int bf16) {
+    __m256 xl[2], xh[2], wl[2], wh[2];
+    for (int i = 0; i < rn; i++) xl[i] = ld8(xr[i], k, bf16), xh[i] = ld8(xr[i], k + 8, bf16);
+    for (int j = 0; j < 2; j++) wl[j] = ld8(wr[j], k, bf16), wh[j] = ld8(wr[j], k + 8, bf16);
+    for (int i = 0; i < rn; i++)
+        for (int j = 0; j < 2; j++) {
+            lo[i][j] = _mm256_fmadd_ps(xl[i], wl[j], lo[i][j]);
+            hi[i][j] = _mm256_fmadd_ps(xh[i], wh[j], hi[i][j]);
+        }
+}
+#endif
+
 /* One tile: rows x[0..mr) (row stride ldx) against weight rows w[0..NR) (row stride K), all K.
  * sums[LANE_OF(SLOT(r, c))] receives y[r, c] in fp32. Always inlined with a constant mr, so the
  * accumulators stay in registers. pf: the weight rows PF_TILES tiles ahead, or NULL. */
@@ -188,6 +213,44 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t ld
         if (k < K) step_f32(acc, xr, wr, k, mr, 0, (__mmask16)((1u << (K - k)) - 1u));
     }
     _mm512_storeu_ps(sums, reduce16(acc));
+#elif defined(__AVX2__) && defined(__FMA__)
+    /* The 16 lanes as two halves of 8 (lane l: k + l of every 16 k), in sub-tiles of 2 rows by 2 weight
+     * rows: 8 accumulator registers of the 16 there are. */
+    for (int r0 = 0; r0 < mr; r0 += 2) {
+        const int rn = mr - r0 < 2 ? mr - r0 : 2;
+        for (int c0 = 0; c0 < NR; c0 += 2) {
+            const void *xr[2] = {(const char *)x + (size_t)((r0) * ldx) * (bf16 ? 2 : 4),
+                                 (const char *)x + (size_t)((r0 + rn - 1) * ldx) * (bf16 ? 2 : 4)};
+            const void *wr[2] = {w[c0], w[c0 + 1]};
+            __m256 lo[2][2], hi[2][2];
+            for (int i = 0; i < 2; i++)
+                for (int j = 0; j < 2; j++) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
+            int64_t k = 0;
+            for (; k + 16 <= K; k += 16) {
+                if (pf && r0 == 0 && (!bf16 || (k & 31) == 0))
+                    for (int j = 0; j < 2; j++)
+                        _mm_prefetch((const char *)pf[c0 + j] + (size_t)k * (bf16 ? 2 : 4), _MM_HINT_T0);
+                avx2_step(lo, hi, xr, wr, k, rn, bf16);
+            }
+            if (k < K) { /* the tail, zero-padded to 16 */
+                uint32_t buf[4][16];
+                memset(buf, 0, sizeof buf);
+                const size_t es = bf16 ? 2 : 4, n = (size_t)(K - k) * es;
+                const void *xt[2] = {buf[0], buf[1]}, *wt[2] = {buf[2], buf[3]};
+                for (int i = 0; i < 2; i++) memcpy(buf[i], (const char *)xr[i] + (size_t)k * es, n);
+                for (int j = 0; j < 2; j++) memcpy(buf[2 + j], (const char *)wr[j] + (size_t)k * es, n);
+                avx2_step(lo, hi, xt, wt, 0, rn, bf16);
+            }
+            for (int i = 0; i < rn; i++)
+                for (int j = 0; j < 2; j++) {
+                    const __m256 v = _mm256_add_ps(lo[i][j], hi[i][j]);                                /* l + l+8 */
+                    const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); /* + l+4 */
+                    const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));                               /* + l+2 */
+                    const __m128 c = _mm_add_ss(b, _mm_shuffle_ps(b, b, 1));                            /* + l+1 */
+                    sums[LANE_OF(SLOT(r0 + i, c0 + j))] = _mm_cvtss_f32(c);
+                }
+        }
+    }
 #else
     (void)pf;
     acc_t acc[16];
