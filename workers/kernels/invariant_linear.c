@@ -179,7 +179,9 @@ static inline __attribute__((always_inline)) void avx2_step(__m256 lo[2][2], __m
 
 /* One tile: rows x[0..mr) (row stride ldx) against weight rows w[0..NR) (row stride K), all K.
  * sums[LANE_OF(SLOT(r, c))] receives y[r, c] in fp32. Always inlined with a constant mr, so the
- * accumulators stay in registers. pf: the weight rows PF_TILES tiles ahead, or NULL. */
+ * accumulators stay in registers. pf[0]: the first weight row PF_TILES tiles ahead, or pf NULL: a tile's
+ * rows are contiguous, and each K step prefetches the next NR cache lines of that tile in address order
+ * (one stream, which this CPU read ~20% faster than NR streams a row apart). */
 static inline __attribute__((always_inline)) void tile(const void *x, int64_t ldx, const void *const *w, int64_t K,
                                                        int mr, int bf16, const void *const *pf, float *sums) {
 #if defined(__AVX512F__)
@@ -192,7 +194,7 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t ld
         int64_t k = 0;
         if (pf)
             for (; k + 32 <= K; k += 32) {
-                for (int c = 0; c < NR; c++) _mm_prefetch((const char *)((const uint16_t *)pf[c] + k), _MM_HINT_T0);
+                for (int c = 0; c < NR; c++) _mm_prefetch((const char *)pf[0] + 8 * k + 64 * c, _MM_HINT_T0);
                 step_bf16(acc, xr, wr, k, mr, 1, 0);
             }
         else
@@ -205,7 +207,7 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t ld
         int64_t k = 0;
         if (pf)
             for (; k + 16 <= K; k += 16) {
-                for (int c = 0; c < NR; c++) _mm_prefetch((const char *)((const float *)pf[c] + k), _MM_HINT_T0);
+                for (int c = 0; c < NR; c++) _mm_prefetch((const char *)pf[0] + 16 * k + 64 * c, _MM_HINT_T0);
                 step_f32(acc, xr, wr, k, mr, 1, 0);
             }
         else
@@ -229,7 +231,7 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t ld
             for (; k + 16 <= K; k += 16) {
                 if (pf && r0 == 0 && (!bf16 || (k & 31) == 0))
                     for (int j = 0; j < 2; j++)
-                        _mm_prefetch((const char *)pf[c0 + j] + (size_t)k * (bf16 ? 2 : 4), _MM_HINT_T0);
+                        _mm_prefetch((const char *)pf[0] + (bf16 ? 8 : 16) * k + 64 * (c0 + j), _MM_HINT_T0);
                 avx2_step(lo, hi, xr, wr, k, rn, bf16);
             }
             if (k < K) { /* the tail, zero-padded to 16 */
