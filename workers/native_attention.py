@@ -353,28 +353,22 @@ class NativeLinear:
         w: torch.Tensor,  # [N, K] x's dtype, contiguous
         out: torch.Tensor | None = None,  # [M, N] x's dtype, contiguous: written in place when given
     ) -> torch.Tensor:  # [M, N]
-        if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-            raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(w.shape)} do not multiply")
-        if x.dtype != w.dtype or x.dtype not in (torch.float32, torch.bfloat16) or not w.is_contiguous():
+        # A decode step makes ~120 of these calls: every check here is one attribute read or comparison.
+        xs, ws, dt = x.shape, w.shape, x.dtype
+        if len(xs) != 2 or len(ws) != 2 or xs[1] != ws[1]:
+            raise ValueError(f"linear: x {tuple(xs)} and weight {tuple(ws)} do not multiply")
+        if dt is not w.dtype or (dt is not torch.bfloat16 and dt is not torch.float32) or not w.is_contiguous():
             raise ValueError("linear: x and a contiguous weight, both fp32 or both bf16")
-        x = x.contiguous()
-        M, K = x.shape
-        N = w.shape[0]
+        if not x.is_contiguous():
+            x = x.contiguous()
+        M, K = xs
+        N = ws[0]
         if out is None:
-            out = torch.empty(M, N, dtype=x.dtype)
-        elif out.shape != (M, N) or out.dtype != x.dtype or not out.is_contiguous():
-            raise ValueError(f"linear: out must be a contiguous [{M}, {N}] {x.dtype} tensor")
+            out = torch.empty((M, N), dtype=dt)
+        elif out.shape != (M, N) or out.dtype is not dt or not out.is_contiguous():
+            raise ValueError(f"linear: out must be a contiguous [{M}, {N}] {dt} tensor")
         if K == 0:
             out.zero_()
         elif M and N:
-            self._fn(
-                x.data_ptr(),
-                w.data_ptr(),
-                out.data_ptr(),
-                M,
-                N,
-                K,
-                int(x.dtype == torch.bfloat16),
-                torch.get_num_threads(),
-            )
+            self._fn(x.data_ptr(), w.data_ptr(), out.data_ptr(), M, N, K, dt is torch.bfloat16, torch.get_num_threads())
         return out

@@ -181,7 +181,7 @@ static inline __attribute__((always_inline)) void avx2_step(__m256 lo[2][2], __m
  * sums[LANE_OF(SLOT(r, c))] receives y[r, c] in fp32. Always inlined with a constant mr, so the
  * accumulators stay in registers. pf[0]: the first weight row PF_TILES tiles ahead, or pf NULL: a tile's
  * rows are contiguous, and each K step prefetches the next NR cache lines of that tile in address order
- * (one stream, which this CPU read ~20% faster than NR streams a row apart). */
+ * (one stream: faster than NR streams a row apart, docs/benchmarks.md#gemm_ab). */
 static inline __attribute__((always_inline)) void tile(const void *x, int64_t ldx, const void *const *w, int64_t K,
                                                        int mr, int bf16, const void *const *pf, float *sums) {
 #if defined(__AVX512F__)
