@@ -94,6 +94,12 @@ class DraftConfig(BaseModel):
     )
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: str = "auto"
+    native_kernels: bool = Field(
+        True,
+        description="Run the draft model's attention and row-wise ops (RMSNorm, RoPE, SiLU) as the target's native "
+        "kernels on a CPU with a C compiler, instead of torch ops: a shorter draft step (docs/benchmarks.md). They "
+        "round differently, which may change a draft, never the output.",
+    )
     num_threads: int | None = Field(None, ge=1, description="torch threads in the draft replica.")
     max_num_seqs: int = Field(
         256,
@@ -139,6 +145,14 @@ class IngressConfig(BaseModel):
         None, description="If set (or env SPECSERVE_API_KEY), every route but /health needs 'Authorization: Bearer'."
     )
     request_timeout_s: float = Field(300.0, gt=0, description="A request running longer is cancelled with 408.")
+    stream_idle_timeout_s: float | None = Field(
+        60.0,
+        gt=0,
+        description="A streamed answer whose client takes no data for this long (it stopped reading without "
+        "disconnecting) is cancelled as on a disconnect: the engine aborts it and the connection is closed. "
+        "Enforced by Serve's HTTP proxy through the middleware the launchers install "
+        "(RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH, docs/operations.md); null: never.",
+    )
     max_n: int = Field(8, ge=1, le=128, description="Largest n (choices per prompt) a request may ask for.")
     max_prompts: int = Field(32, ge=1, le=1024, description="Most prompts in one batched completions request.")
     max_resumes: int = Field(

@@ -27,6 +27,10 @@ serving node does not need. The next four are settings of Ray's own throughput-o
 - ``RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE=1000``: per-request access log lines are written in
   batches of 1000, and at once when an ERROR is logged.
 
+``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` installs one middleware in Serve's HTTP proxy: a
+client that stops reading its stream is cut after ``ingress.stream_idle_timeout_s``
+(deployments/proxy_middleware.py).
+
 Two settings of that mode stay off. ``RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0`` (handle calls routed
 on the caller's event loop instead of Serve's router thread) read slower here, paired against the
 four above (benchmarks/serving/env_ab.py, ``benchmarks/results/serve_router_loop_ab.json``). It also refuses
@@ -51,6 +55,7 @@ SERVE_ENV = {
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
     "RAY_SERVE_LOG_TO_STDERR": "0",
     "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
+    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "deployments.proxy_middleware.middlewares",
 }
 
 

@@ -87,8 +87,12 @@ def _model_dims(model: str) -> dict[str, Any] | None:
 
 
 def _kv_per_token(dims: dict[str, Any], layers: int, elt: int) -> int:
+    """workers/kv_blocks.py:kv_bytes_per_token of a config.json read as a dict (the replicas read the same
+    numbers from the loaded model's config)."""
+    from workers.kv_blocks import kv_bytes_per_token
+
     head_dim = dims.get("head_dim") or dims["hidden_size"] // dims["num_attention_heads"]
-    return layers * 2 * dims["num_key_value_heads"] * head_dim * elt
+    return kv_bytes_per_token(layers, dims["num_key_value_heads"], head_dim, elt)
 
 
 def kv_budget_problems(args: dict[str, Any]) -> list[str]:

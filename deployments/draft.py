@@ -14,21 +14,26 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from opentelemetry.metrics import Observation
 from ray import serve
 
 from cluster.config import AppConfig
 from cluster.telemetry import Telemetry
-from workers.kv_blocks import pool_blocks
+from workers.kv_blocks import kv_bytes_per_token, pool_blocks
 from workers.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
     from workers.proposers.base import ProposalRequest
+    from workers.proposers.draft_model import DraftModelProposer
     from workers.proposers.eagle import EagleProposer
+
+    DraftProposer: TypeAlias = DraftModelProposer | EagleProposer  # the proposers a draft worker holds
 
 log = logging.getLogger("ray.serve")
 
@@ -40,6 +45,11 @@ def draft_kv_blocks(
     proposer, ``bytes_per_token`` each), capped at what ``max_seqs`` requests of ``max_model_len`` can use.
     A budget under one full-length request is a deploy error naming the key: that request would never draft."""
     return pool_blocks(budget_gb, sum(bytes_per_token), block_size, max_model_len, max_seqs, "draft.kv_cache_memory_gb")
+
+
+def _observe(read: Callable[[], float]) -> Callable[[Any], list[Observation]]:
+    """An observable gauge's callback: one observation of ``read()`` at each collection."""
+    return lambda _options: [Observation(read())]
 
 
 @serve.deployment(name="DraftWorker")
@@ -65,28 +75,28 @@ class DraftWorker:
         elt = torch.tensor([], dtype=getattr(torch, d.dtype)).element_size()
         mc = loaded.model.config
         head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-        per_token = [2 * mc.num_hidden_layers * mc.num_key_value_heads * head_dim * elt]  # bytes of K and V
-        if head is not None:
-            per_token.append(2 * head.cfg.num_key_value_heads * head.cfg.head_dim * elt)  # one layer
+        # (name, KV bytes per token of its pool, its constructor less the pool arguments every proposer takes)
+        makers: list[tuple[str, int, Callable[..., DraftProposer]]] = [
+            (
+                "draft_model",
+                kv_bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, head_dim, elt),
+                partial(
+                    DraftModelProposer,
+                    loaded.model,
+                    target_vocab_size=target.model.config.vocab_size,
+                    vocab_ids=loaded.draft_vocab,
+                    native_kernels=d.native_kernels,
+                ),
+            ),
+        ]
+        if head is not None:  # drafts from the target's hidden states, which each call carries; one layer
+            hc = head.cfg
+            per_token = kv_bytes_per_token(1, hc.num_key_value_heads, hc.head_dim, elt)
+            makers.append(("eagle", per_token, partial(EagleProposer, head, target.model)))
         bs, max_len = cfg.engine.block_size, cfg.engine.max_model_len
-        num_blocks = draft_kv_blocks(d.kv_cache_memory_gb, per_token, bs, max_len, d.max_num_seqs)
-        self.proposer = DraftModelProposer(
-            loaded.model,
-            num_slots=d.max_num_seqs,
-            max_model_len=max_len,
-            dtype=d.dtype,
-            device=d.device,
-            target_vocab_size=target.model.config.vocab_size,
-            vocab_ids=loaded.draft_vocab,
-            num_blocks=num_blocks,
-            block_size=bs,
-        )
-        # the EAGLE head (optional) drafts from the target's hidden states, which each call carries
-        self.eagle: EagleProposer | None = None
-        if head is not None:
-            self.eagle = EagleProposer(
-                head,
-                target.model,
+        num_blocks = draft_kv_blocks(d.kv_cache_memory_gb, [b for _, b, _ in makers], bs, max_len, d.max_num_seqs)
+        self.proposers: dict[str, DraftProposer] = {
+            name: make(
                 num_slots=d.max_num_seqs,
                 max_model_len=max_len,
                 dtype=d.dtype,
@@ -94,6 +104,8 @@ class DraftWorker:
                 num_blocks=num_blocks,
                 block_size=bs,
             )
+            for name, _, make in makers
+        }
         self._hidden: dict[str, torch.Tensor] = {}  # eagle requests: [len(known) - 1, hidden] fp16
         self._known: dict[str, list[int]] = {}
         self._last_seen: dict[str, float] = {}  # request id -> time.monotonic() of its last call
@@ -108,9 +120,8 @@ class DraftWorker:
         self._known.pop(rid, None)
         self._last_seen.pop(rid, None)
         self._hidden.pop(rid, None)
-        self.proposer.finish(rid, [])
-        if self.eagle is not None:
-            self.eagle.finish(rid, [])
+        for prop in self.proposers.values():
+            prop.finish(rid, [])
 
     def release(self, released: list[str]) -> None:
         """The target finished or cancelled these requests: free their draft KV now."""
@@ -138,13 +149,11 @@ class DraftWorker:
             now = time.monotonic()
             answers: list[dict[str, Any] | None] = [None] * len(batch)
             by_method: dict[str, tuple[list[ProposalRequest], list[int]]] = {}
-            free = {"draft_model": self.proposer.num_slots - self.proposer.num_active}
-            if self.eagle is not None:
-                free["eagle"] = self.eagle.num_slots - self.eagle.num_active
+            free = {name: p.num_slots - p.num_active for name, p in self.proposers.items()}
             for i, m in enumerate(batch):
                 method = m.get("proposer", "draft_model")
-                prop = self.eagle if method == "eagle" else self.proposer
-                if prop is None:  # no EAGLE head configured here: plain step
+                prop = self.proposers.get(method)
+                if prop is None:  # no such proposer here (no EAGLE head configured): plain step
                     answers[i] = {"draft_token_ids": [], "draft_probs": None}
                     continue
                 rid = m["request_id"]
@@ -155,7 +164,8 @@ class DraftWorker:
                     continue
                 known = known + m["new_tokens"]
                 hidden = None
-                if method == "eagle":  # rows for positions len(old known) - 1 .. len(known) - 2 arrive with the call
+                # rows for positions len(old known) - 1 .. len(known) - 2 arrive with the call
+                if prop.needs_hidden_states:
                     old = self._hidden.get(rid)
                     hidden = m["hidden"] if old is None else torch.cat([old, m["hidden"]])
                     if hidden.shape[0] != len(known) - 1:
@@ -185,7 +195,7 @@ class DraftWorker:
                 )
                 idx.append(i)
             for method, (reqs, idx) in by_method.items():
-                props = (self.eagle if method == "eagle" else self.proposer).propose(reqs)  # type: ignore[union-attr]
+                props = self.proposers[method].propose(reqs)
                 for j, i in enumerate(idx):
                     p = props.draft_probs[j]
                     answers[i] = {
@@ -209,26 +219,34 @@ class DraftWorker:
             callbacks=[lambda _o: [Observation(self.num_swept)]],
             description="Request states dropped after state_ttl_s without a call.",
         )
-        m.create_observable_gauge(
-            "specserve_draft_active_requests",
-            callbacks=[lambda _o: [Observation(self.proposer.num_active)]],
-            description="Requests holding draft model state (and KV blocks).",
-        )
-        m.create_observable_gauge(
-            "specserve_draft_kv_tokens_in_use",
-            callbacks=[lambda _o: [Observation(self.proposer.kv_tokens_in_use)]],
-            description="Draft model KV cache tokens in use (committed tokens and fed drafts).",
-        )
-        m.create_observable_gauge(
-            "specserve_draft_kv_tokens_capacity",
-            callbacks=[lambda _o: [Observation(self.proposer.kv_tokens_capacity)]],
-            description="Tokens the draft model's KV pool holds (draft.kv_cache_memory_gb).",
-        )
-        m.create_observable_gauge(
-            "specserve_draft_kv_usage",
-            callbacks=[lambda _o: [Observation(self.proposer.kv_blocks_in_use / self.proposer.blocks.num_blocks)]],
-            description="Fraction of the draft model's KV blocks held by requests (vLLM's kv_cache_usage_perc).",
-        )
+
+        def dm() -> DraftProposer:  # the gauges read the draft model's state and pool
+            return self.proposers["draft_model"]
+
+        gauges: list[tuple[str, Callable[[], float], str]] = [
+            (
+                "specserve_draft_active_requests",
+                lambda: dm().num_active,
+                "Requests holding draft model state (and KV blocks).",
+            ),
+            (
+                "specserve_draft_kv_tokens_in_use",
+                lambda: dm().kv_tokens_in_use,
+                "Draft model KV cache tokens in use (committed tokens and fed drafts).",
+            ),
+            (
+                "specserve_draft_kv_tokens_capacity",
+                lambda: dm().blocks.tokens_capacity,
+                "Tokens the draft model's KV pool holds (draft.kv_cache_memory_gb).",
+            ),
+            (
+                "specserve_draft_kv_usage",
+                lambda: dm().blocks.usage,
+                "Fraction of the draft model's KV blocks held by requests (vLLM's kv_cache_usage_perc).",
+            ),
+        ]
+        for name, read, desc in gauges:
+            m.create_observable_gauge(name, callbacks=[_observe(read)], description=desc)
 
     def metrics_samples(self) -> list[dict[str, Any]]:
         """The draft worker's metric samples (plain dicts) for the ingress's ``/metrics``."""
@@ -243,11 +261,12 @@ class DraftWorker:
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
     def stats(self) -> dict[str, Any]:
+        dm = self.proposers["draft_model"]
         return {
-            "active": self.proposer.num_active,
-            "kv_tokens_in_use": self.proposer.kv_tokens_in_use,
-            "kv_tokens_capacity": self.proposer.kv_tokens_capacity,
-            "kv_blocks_in_use": self.proposer.kv_blocks_in_use,
+            "active": dm.num_active,
+            "kv_tokens_in_use": dm.kv_tokens_in_use,
+            "kv_tokens_capacity": dm.blocks.tokens_capacity,
+            "kv_blocks_in_use": dm.blocks.num_used,
             "calls": self.num_calls,
             "known": len(self._known),
             "swept": self.num_swept,

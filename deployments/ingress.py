@@ -1,13 +1,13 @@
-"""HTTP ingress: OpenAI-compatible routes, validation, chat template, SSE streaming.
+"""HTTP ingress: OpenAI-compatible routes, auth, routing, SSE streaming.
 
-Every bad input is answered here with a 4xx in OpenAI's error shape naming the problem,
+Every bad input is answered here with a 4xx in OpenAI's error shape naming the problem
+(the checks, the chat template and tokenization live in deployments/request_parsing.py),
 before it reaches an engine; what only the engine can judge (e.g. a proposer that is not
 configured) comes back as an error chunk and is answered the same way.
 """
 
 import asyncio
 import hmac
-import json
 import logging
 import os
 import time
@@ -15,7 +15,6 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
@@ -29,9 +28,10 @@ from deployments import sse
 from deployments import tools as T
 from deployments.ingress_telemetry import IngressTelemetry, RequestTelemetry, gather_cluster_samples
 from deployments.openapi import describe
+from deployments.proxy_middleware import ENFORCED_HEADER, IDLE_HEADER
+from deployments.request_parsing import HTTPError, parse_request
 from deployments.resume import ResumableStream
 from deployments.router_client import RouterClient
-from deployments.structured import structured_params
 from workers.kv_blocks import block_hashes
 
 log = logging.getLogger("ray.serve")
@@ -43,34 +43,6 @@ app = FastAPI(title="specserve", docs_url=None, redoc_url=None, openapi_url=None
 async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """Unknown route (404), wrong method (405): OpenAI's error shape, like every other error."""
     return JSONResponse(P.error_body(str(exc.detail)), exc.status_code, headers=getattr(exc, "headers", None))
-
-
-class HTTPError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        type_: str = "invalid_request_error",
-        code: Any = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
-        self.headers = headers
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(
-            P.error_body(self.message, self.type, self.param, self.code), self.status, headers=self.headers
-        )
-
-
-def _validation_message(e: ValidationError) -> tuple[str, str | None]:
-    err = e.errors()[0]
-    loc = ".".join(str(x) for x in err["loc"] if not isinstance(x, int) or True)
-    if err["type"] == "extra_forbidden":
-        return f"unknown field '{loc}'", loc
-    return f"{loc}: {err['msg']}", loc or None
 
 
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0})
@@ -109,6 +81,10 @@ class Ingress:
             p.name for p in self.cfg.engine.proposers if p.name not in DRAFT_WORKER_PROPOSERS or self.cfg.draft.enabled
         ]
         self.openapi_doc: dict[str, Any] | None = None
+        idle = self.cfg.ingress.stream_idle_timeout_s
+        # The proxy in front enforces the idle limit it reads here (deployments/proxy_middleware.py).
+        self.stream_headers = {IDLE_HEADER.decode(): f"{idle:g}"} if idle else None
+        self.warned_unenforced = False
 
     # ------------------------------------------------------------------ the completion path
 
@@ -142,12 +118,8 @@ class Ingress:
     async def _run(self, request: Request, is_chat: bool, rt: RequestTelemetry) -> Response:
         """parse -> route and start every choice -> stream (SSE) or read to the end -> respond."""
         # parse: every bad input is a 4xx here, before an engine sees it
-        req = await self._body(request, P.ChatCompletionRequest if is_chat else P.CompletionRequest)
-        params = self._params(req)
-        explicit = (getattr(req, "max_completion_tokens", None) or req.max_tokens) is not None
-        prompts = self._prompts(req, is_chat)
-        for prompt_ids in prompts:
-            self._check_len(prompt_ids, params, explicit, "messages" if is_chat else "prompt")
+        self._auth(request)
+        req, params, prompts = parse_request(await request.body(), is_chat, self.cfg, self.proposers, self.tokenizer)
         rid = P.new_id("chatcmpl" if is_chat else "cmpl")
         deadline = time.monotonic() + self.cfg.ingress.request_timeout_s
         choices = [
@@ -178,7 +150,13 @@ class Ingress:
                 tool_names,
             )
             events = self._sse(gens, choices, framer, deadline, bool(so and so.include_usage), rt)
-            return StreamingResponse(events, media_type="text/event-stream")
+            if self.stream_headers and not self.warned_unenforced and ENFORCED_HEADER.decode() not in request.headers:
+                self.warned_unenforced = True
+                log.warning(
+                    "ingress.stream_idle_timeout_s is set but the HTTP proxy does not enforce it: start Ray with "
+                    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=deployments.proxy_middleware.middlewares"
+                )
+            return StreamingResponse(events, media_type="text/event-stream", headers=self.stream_headers)
 
         # or read every choice to its end, and respond
         try:
@@ -195,7 +173,7 @@ class Ingress:
         body["system_fingerprint"] = choices[0].last.get("system_fingerprint")
         return JSONResponse(body)
 
-    # ------------------------------------------------------------------ parse
+    # ------------------------------------------------------------------ auth (then deployments/request_parsing.py)
 
     def _auth(self, request: Request) -> None:
         if not self.api_key:
@@ -203,132 +181,6 @@ class Ingress:
         got = request.headers.get("authorization", "")
         if not hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
             raise HTTPError(401, "missing or invalid API key", type_="authentication_error", code="invalid_api_key")
-
-    async def _body(self, request: Request, model: type) -> Any:
-        self._auth(request)
-        raw = await request.body()
-        if len(raw) > self.cfg.ingress.max_body_bytes:
-            raise HTTPError(413, f"request body of {len(raw)} bytes exceeds {self.cfg.ingress.max_body_bytes}")
-        try:
-            data = json.loads(raw)
-            json.dumps(data, ensure_ascii=False).encode()  # lone surrogates (\ud800) would crash the tokenizer
-        except (ValueError, UnicodeError) as e:
-            raise HTTPError(400, f"body is not valid JSON: {e}") from None
-        except RecursionError:  # [[[[...]]]] nested deeper than the parser's stack
-            raise HTTPError(400, "body is not valid JSON: nested too deeply") from None
-        if not isinstance(data, dict):
-            raise HTTPError(400, "body must be a JSON object")
-        bad = P.strip_unsupported(data, chat=model is P.ChatCompletionRequest)
-        if bad is not None:
-            raise HTTPError(400, f"'{bad}' is not supported by this server", bad, code="unsupported_parameter")
-        try:
-            req = model.model_validate(data)
-        except ValidationError as e:
-            msg, param = _validation_message(e)
-            raise HTTPError(400, msg, param) from None
-        if req.model != self.model_name:
-            raise HTTPError(
-                400,
-                f"model '{req.model}' does not exist; available: ['{self.model_name}']",
-                "model",
-                code="model_not_found",
-            )
-        ing = self.cfg.ingress
-        if len(req.stop) > ing.max_stop_strings:
-            raise HTTPError(400, f"at most {ing.max_stop_strings} stop strings are allowed", "stop")
-        if any(len(s) > ing.max_stop_chars or not s for s in req.stop):
-            raise HTTPError(400, f"stop strings must be 1 to {ing.max_stop_chars} characters", "stop")
-        if req.proposer is not None and req.proposer not in self.proposers:
-            raise HTTPError(400, f"unknown proposer '{req.proposer}'; configured: {self.proposers}", "proposer")
-        return req
-
-    def _params(self, req: Any) -> dict[str, Any]:
-        ing = self.cfg.ingress
-        if req.n > ing.max_n:
-            raise HTTPError(400, f"n {req.n} is above this server's limit of {ing.max_n}", "n")
-        max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
-        if max_tokens is not None and max_tokens > ing.max_tokens_cap:
-            raise HTTPError(400, f"max_tokens {max_tokens} is above the cap of {ing.max_tokens_cap}", "max_tokens")
-        if isinstance(req, P.ChatCompletionRequest):
-            if req.top_logprobs is not None and not req.logprobs:
-                raise HTTPError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-            logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        else:
-            logprobs = req.logprobs
-        if max_tokens == 0 and not getattr(req, "echo", False):
-            raise HTTPError(400, "max_tokens must be at least 1 (0 only with echo, to score the prompt)", "max_tokens")
-        echo_scores = getattr(req, "echo", False) and logprobs is not None
-        try:
-            structured = structured_params(req.response_format, req.structured_outputs)
-        except ValueError as e:
-            raise HTTPError(400, str(e), "response_format") from None
-        if isinstance(req, P.ChatCompletionRequest):
-            lark = T.tool_call_lark(req.tools, req.tool_choice, req.parallel_tool_calls, ing.tool_prompt)
-            if lark is not None:  # "required" or a named function: the answer is forced to be call blocks
-                if structured is not None:
-                    raise HTTPError(
-                        400,
-                        "tool_choice 'required' or a named function forces tool calls; it cannot "
-                        "be combined with response_format or structured_outputs",
-                        "tool_choice",
-                    )
-                structured = {"kind": "lark", "value": lark, "param": "tools"}
-        return {
-            "structured": structured,
-            "prompt_logprobs": logprobs if echo_scores else None,
-            "logprobs": logprobs,
-            "max_tokens": ing.default_max_tokens if max_tokens is None else max_tokens,
-            "temperature": req.temperature,
-            "top_p": req.top_p,
-            "top_k": req.top_k,
-            "seed": req.seed,
-            "stop": list(req.stop),
-            "ignore_eos": req.ignore_eos,
-            "presence_penalty": req.presence_penalty,
-            "frequency_penalty": req.frequency_penalty,
-            "repetition_penalty": req.repetition_penalty,
-        }
-
-    def _check_len(self, prompt_ids: list[int], params: dict[str, Any], explicit: bool, field: str) -> None:
-        ctx = self.cfg.engine.max_model_len
-        if len(prompt_ids) >= ctx:
-            raise HTTPError(
-                400,
-                f"prompt has {len(prompt_ids)} tokens; this model's context is {ctx} tokens",
-                field,
-                code="context_length_exceeded",
-            )
-        if len(prompt_ids) + params["max_tokens"] > ctx:
-            if explicit:
-                raise HTTPError(
-                    400,
-                    f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params['max_tokens']}) "
-                    f"exceeds the context of {ctx} tokens",
-                    "max_tokens",
-                    code="context_length_exceeded",
-                )
-            params["max_tokens"] = ctx - len(prompt_ids)  # default max_tokens: fill the context
-
-    def _prompts(self, req: Any, is_chat: bool) -> list[list[int]]:
-        if is_chat:  # tool definitions, past calls and tool results become text the template takes
-            messages = T.render_messages(req.messages, req.tools, req.tool_choice, self.cfg.ingress.tool_prompt)
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return [self.tokenizer.encode(text, add_special_tokens=False)]
-        out = []
-        if len(req.prompts()) > self.cfg.ingress.max_prompts:
-            raise HTTPError(
-                400,
-                f"{len(req.prompts())} prompts in one request; the limit is {self.cfg.ingress.max_prompts}",
-                "prompt",
-            )
-        for p in req.prompts():
-            if isinstance(p, str):
-                out.append(self.tokenizer.encode(p, add_special_tokens=False))
-            else:
-                if any(t < 0 or t >= len(self.tokenizer) for t in p):
-                    raise HTTPError(400, f"prompt has token ids outside [0, {len(self.tokenizer)})", "prompt")
-                out.append(list(p))
-        return out
 
     # ------------------------------------------------------------------ route and start
 

@@ -238,8 +238,8 @@ def _get_op(schema: dict[str, Any], errors: tuple[str, ...], media: str = "appli
 
 def _deployment_limits(defs: dict[str, Any], cfg: AppConfig, proposers: list[str], vocab_size: int | None) -> None:
     """What this deployment accepts beyond the models' own bounds: its model name, its proposers, the
-    ingress limits and the rules between fields (the checks ``Ingress._body`` and ``_params`` make
-    after validating with the models)."""
+    ingress limits and the rules between fields (the checks ``request_parsing.parse_body`` and
+    ``engine_params`` make after validating with the models)."""
     ing = cfg.ingress
     stop = {"type": "string", "minLength": 1, "maxLength": ing.max_stop_chars}
     for name in ("ChatCompletionRequest", "CompletionRequest"):

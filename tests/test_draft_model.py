@@ -40,8 +40,12 @@ def model() -> LlamaForCausalLM:
     return tiny_llama()
 
 
-def proposer(model: LlamaForCausalLM, num_slots: int = 4, max_model_len: int = MAX_LEN) -> DraftModelProposer:
-    return DraftModelProposer(model, num_slots=num_slots, max_model_len=max_model_len, device="cpu")
+def proposer(
+    model: LlamaForCausalLM, num_slots: int = 4, max_model_len: int = MAX_LEN, native: bool = False
+) -> DraftModelProposer:
+    return DraftModelProposer(
+        model, num_slots=num_slots, max_model_len=max_model_len, device="cpu", native_kernels=native
+    )
 
 
 def req(
@@ -134,19 +138,20 @@ def test_rollback_after_plain_steps(model: LlamaForCausalLM) -> None:
     assert again == greedy_reference(model, tokens, 3)
 
 
-def test_incremental_equals_fresh_over_many_steps(model: LlamaForCausalLM) -> None:
+@pytest.mark.parametrize("native", [False, True], ids=["torch-ops", "native-kernels"])
+def test_incremental_equals_fresh_over_many_steps(model: LlamaForCausalLM, native: bool) -> None:
     """A proposer that follows requests step by step (random accept lengths, random
     recovered tokens, varying k, one request taking plain steps) drafts what a fresh one does."""
     rng = random.Random(7)
     seqs = {"a": prompt(6, 2), "b": prompt(3, 3), "c": prompt(10, 4)}
-    prop = proposer(model)
+    prop = proposer(model, native=native)
     for step in range(6):
         if step == 2:  # "b" takes two plain decode steps: no propose, two new tokens
             seqs["b"] = seqs["b"] + [rng.randrange(VOCAB), rng.randrange(VOCAB)]
         rids = [rid for rid in seqs if not (rid == "b" and step == 2)]
         ks = {rid: rng.choice([1, 3, 4]) for rid in rids}
         out = prop.propose([req(seqs[rid], ks[rid], rid=rid) for rid in rids])
-        fresh = proposer(model).propose([req(seqs[rid], ks[rid], rid=rid) for rid in rids])
+        fresh = proposer(model, native=native).propose([req(seqs[rid], ks[rid], rid=rid) for rid in rids])
         assert out.draft_token_ids == fresh.draft_token_ids
         for rid, d in zip(rids, out.draft_token_ids):
             accepted = rng.randint(0, len(d))
@@ -293,7 +298,7 @@ def test_a_pool_too_small_for_all_still_drafts_exactly_for_those_holding_blocks(
     small = DraftModelProposer(model, num_slots=8, max_model_len=MAX_LEN, device="cpu", num_blocks=4, block_size=16)
     out = small.propose([req(p, 4, rid=rid) for rid, p in prompts.items()]).draft_token_ids
     assert out[:2] == [greedy_reference(model, prompts[r], 4) for r in "ab"] and out[2] == []
-    assert small.kv_blocks_in_use == 4 and not small.has("c")
+    assert small.blocks.num_used == 4 and not small.has("c")
     # "a" grows past its second block: the pool is full, so it gets the drafts its blocks still hold
     prompts["a"] = prompts["a"] + out[0] + [7, 8, 9, 10, 11, 12]  # 30 committed tokens, 2 blocks hold 32 positions
     again = small.propose([req(prompts["a"], 4, rid="a")]).draft_token_ids[0]
@@ -308,7 +313,7 @@ def test_a_request_that_cannot_hold_its_tokens_gives_its_blocks_back(model: Llam
     prop.propose([req(a, 2, rid="a"), req(b, 2, rid="b")])  # a: 2 blocks, b: 1
     b = b + [3] * 20  # b now needs 2 blocks for its 30 committed tokens; none is free
     assert prop.propose([req(b, 2, rid="b")]).draft_token_ids == [[]]
-    assert not prop.has("b") and prop.kv_blocks_in_use == 2 and prop.kv_tokens_in_use == len(a) + 1
+    assert not prop.has("b") and prop.blocks.num_used == 2 and prop.kv_tokens_in_use == len(a) + 1
     prop.finish("a")
     assert prop.propose([req(b, 2, rid="b")]).draft_token_ids == [greedy_reference(model, b, 2)]  # re-prefilled
 
@@ -318,14 +323,31 @@ def test_draft_kv_follows_the_tokens_in_use_not_slots_times_max_model_len(model:
     holds blocks for its tokens plus its drafts' lookahead only."""
     prop = DraftModelProposer(model, num_slots=128, max_model_len=8192, device="cpu", num_blocks=600, block_size=16)
     per_block = prop.runner.kv_bytes_per_block
-    assert prop.runner.kv_bytes == 600 * per_block and prop.kv_tokens_capacity == 9600
+    assert prop.runner.kv_bytes == 600 * per_block and prop.blocks.tokens_capacity == 9600
     prop.propose([req(prompt(40, 3), 4, rid="a"), req(prompt(3, 4), 2, rid="b")])
-    assert prop.kv_blocks_in_use == 3 + 1  # ceil((40 + 3) / 16) + ceil((3 + 1) / 16)
+    assert prop.blocks.num_used == 3 + 1  # ceil((40 + 3) / 16) + ceil((3 + 1) / 16)
     assert prop.kv_tokens_in_use == 43 + 4
     long = prompt(8000, 5)  # a full-length request fits the pool beside the others, drafting as one slot would
     alone = DraftModelProposer(model, num_slots=1, max_model_len=8192, device="cpu")
     assert prop.propose([req(long, 4, rid="long")]).draft_token_ids == alone.propose([req(long, 4)]).draft_token_ids
-    assert prop.kv_blocks_in_use == 4 + 501
+    assert prop.blocks.num_used == 4 + 501
     for rid in ("a", "b", "long"):
         prop.finish(rid)
-    assert prop.kv_blocks_in_use == 0 and prop.kv_tokens_in_use == 0
+    assert prop.blocks.num_used == 0 and prop.kv_tokens_in_use == 0
+
+
+def test_native_kernels_draft_from_the_same_distribution(model: LlamaForCausalLM) -> None:
+    """The native attention and row-wise ops (a faster draft step) compute what the torch ops do, up to
+    rounding: close logits at every position of a batch, and the native runner really is native."""
+    from workers import native_attention
+
+    if native_attention.load() is None:
+        pytest.skip("no C compiler: every runner uses the torch ops")
+    a, b = proposer(model), proposer(model, native=True)
+    assert a.runner.attention_kernel != "native" and b.runner.attention_kernel == "native"
+    prompts = [prompt(n, 30 + n) for n in (5, 9, 14)]
+    la = a.runner.forward_tokens(0, 0, prompts[2])  # [n, V]
+    lb = b.runner.forward_tokens(0, 0, prompts[2])
+    torch.testing.assert_close(lb, la, rtol=1e-4, atol=1e-4)
+    outs = [p.propose([req(q, 4, rid=str(i)) for i, q in enumerate(prompts)]) for p in (a, b)]
+    assert [len(d) for d in outs[1].draft_token_ids] == [4, 4, 4]

@@ -212,7 +212,7 @@ def test_remote_eagle_through_draft_worker_identical_to_plain(
     spec = eng.generate(PROMPTS[:4], params, proposer="eagle")
     assert spec == make_engine(tiny_loaded, None, 0).generate(PROMPTS[:4], params)
     assert eng.stats["eagle"].num_draft_tokens > 0
-    assert worker.eagle is not None and worker.eagle.num_active == 0  # released at finish
+    assert worker.proposers["eagle"].num_active == 0  # released at finish
     assert worker.stats()["known"] == 0
 
 

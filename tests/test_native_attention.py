@@ -184,3 +184,78 @@ def test_threads_calling_the_kernel_at_once_get_their_own_results(kernel):
         )
     for a, outs in zip(alone, together):
         assert all(torch.equal(a, o) for o in outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prepared_step_computes_what_the_checked_calls_do(kernel, dtype):
+    """NativeStep (every argument checked once per forward) gives exactly the per-call wrappers' results:
+    RoPE + cache write, attention with its output rounded to the model's dtype as torch rounds, RMSNorm
+    with the residual add, SiLU * up; and it refuses what the wrappers refuse."""
+    ops = native_attention.load_layer_ops()
+    gen = torch.Generator().manual_seed(11)
+    H, Hkv, D, BS, nblocks, T, hidden, inter = 9, 3, 64, 16, 12, 5, 48, 40
+    pos = torch.tensor([0, 1, 2, 40, 7])
+    kv_index = torch.tensor([3 * BS, 3 * BS + 1, 3 * BS + 2, 8 * BS + 8, 5 * BS + 7])
+    bt = torch.tensor([[3, 0, 0], [1, 2, 8], [5, 0, 0]])
+    req = torch.tensor([0, 0, 0, 1, 2])
+    nvis = pos + 1
+    cos, sin = torch.randn(64, D, generator=gen).to(dtype), torch.randn(64, D, generator=gen).to(dtype)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=gen).to(dtype)
+    caches = [
+        [
+            torch.randn(nblocks, Hkv, D, BS, generator=gen).to(dtype),
+            torch.randn(nblocks, Hkv, BS, D, generator=gen).to(dtype),
+        ]
+        for _ in range(2)
+    ]
+    copies = [[c.clone() for c in pair] for pair in caches]
+    step = native_attention.NativeStep(
+        ops,
+        kernel,
+        dtype,
+        [tuple(p) for p in caches],
+        H,
+        pos,
+        kv_index,
+        cos,
+        sin,
+        bt,
+        req,
+        nvis,
+        int(nvis.max()),
+        D**-0.5,
+    )
+    q_ref = ops.rope_kv(qkv, pos, kv_index, cos, sin, copies[1][0], copies[1][1], H)
+    assert torch.equal(step.rope_kv(qkv, 1), q_ref)
+    assert torch.equal(caches[1][0], copies[1][0]) and torch.equal(caches[1][1], copies[1][1])
+    o_ref = kernel(q_ref, copies[1][0], copies[1][1], bt, req, nvis, int(nvis.max()), D**-0.5)
+    assert torch.equal(step.attention(1), o_ref.view(T, H * D).to(dtype))
+    h, delta = torch.randn(T, hidden, generator=gen).to(dtype), torch.randn(T, hidden, generator=gen).to(dtype)
+    w = torch.randn(hidden, generator=gen).to(dtype)
+    h2, out, out2 = h.clone(), torch.empty_like(h), torch.empty_like(h)
+    step.add_rms_norm(h, delta, w, out, 1e-5)
+    ops.add_rms_norm(h2, delta, w, out2, 1e-5)
+    assert torch.equal(h, h2) and torch.equal(out, out2)
+    gu = torch.randn(T, 2 * inter, generator=gen).to(dtype)
+    assert torch.equal(step.silu_mul(gu, torch.empty(T, inter, dtype=dtype)), ops.silu_mul(gu))
+    with pytest.raises(ValueError, match="contiguous int64"):
+        native_attention.NativeStep(
+            ops, kernel, dtype, [tuple(p) for p in caches], H, pos.int(), kv_index, cos, sin, bt, req, nvis, 41, D**-0.5
+        )
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        native_attention.NativeStep(
+            ops,
+            kernel,
+            dtype,
+            [tuple(caches[0]), (caches[1][0][:4].contiguous(), caches[1][1][:4].contiguous())],
+            H,
+            pos,
+            kv_index,
+            cos,
+            sin,
+            bt,
+            req,
+            nvis,
+            41,
+            D**-0.5,
+        )

@@ -13,7 +13,7 @@ import torch
 from tests.test_engine import rand_prompts
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from workers.kv_blocks import KVCacheManager, block_hashes
+from workers.kv_blocks import KVCacheManager, block_hashes, kv_bytes_per_token
 from workers.request import Request
 from workers.sampling_params import SamplingParams
 
@@ -80,6 +80,12 @@ def test_block_hashes_are_the_cache_keys_and_a_readmission_is_no_new_query():
     b = _req("b", list(range(40)))  # a new request with the same prompt is a query and a hit
     assert kv.admit(b, 40, use_cache=True)
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (80, 32)
+
+
+def test_kv_bytes_per_token_of_smollm2():
+    # SmolLM2-135M: 30 layers x 3 KV heads x head_dim 64 x 2 (K and V) = 11520 values per token
+    assert kv_bytes_per_token(30, 3, 64, torch.tensor([], dtype=torch.bfloat16).element_size()) == 11520 * 2
+    assert kv_bytes_per_token(30, 3, 64, torch.tensor([], dtype=torch.float32).element_size()) == 11520 * 4
 
 
 def test_a_request_the_pool_cannot_hold_now_waits_and_takes_nothing():

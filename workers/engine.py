@@ -31,7 +31,7 @@ from workers.detokenizer import IncrementalDetokenizer
 from workers.errors import InvalidRequestError
 from workers.grammar import Grammar, GrammarRuntime
 from workers.hardware import resolve_dtype
-from workers.kv_blocks import KVCacheManager, pool_blocks
+from workers.kv_blocks import KVCacheManager, kv_bytes_per_token, pool_blocks
 from workers.logprobs import token_logprobs
 from workers.model_loader import LoadedModel
 from workers.output_processor import FrontierRow, OutputProcessor, output
@@ -162,7 +162,9 @@ class LLMEngine:
         what ``max_num_seqs`` requests of ``max_model_len`` can hold; at least one such request."""
         cfg = self.config
         head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
-        per_token = hf_cfg.num_hidden_layers * 2 * hf_cfg.num_key_value_heads * head_dim * self.kv_dtype.itemsize
+        per_token = kv_bytes_per_token(
+            hf_cfg.num_hidden_layers, hf_cfg.num_key_value_heads, head_dim, self.kv_dtype.itemsize
+        )
         return pool_blocks(
             cfg.kv_cache_memory_gb,
             per_token,

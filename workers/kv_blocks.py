@@ -217,7 +217,18 @@ class DraftBlocks:
 
     @property
     def num_used(self) -> int:
+        """Blocks held by requests: committed tokens plus the lookahead of their drafts."""
         return self.num_blocks - len(self._free)
+
+    @property
+    def tokens_capacity(self) -> int:
+        """Positions the pool holds, over all requests."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the blocks held by requests (vLLM's kv_cache_usage_perc)."""
+        return self.num_used / self.num_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -251,6 +262,13 @@ class DraftBlocks:
         for b in self.tables.pop(request_id, []):
             heapq.heappush(self._free, b)
         self._order.pop(request_id, None)
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, element_size: int) -> int:
+    """Bytes of KV cache one token takes: each layer keeps a key and a value (x 2) of ``head_dim`` per KV
+    head, so ``num_layers x num_kv_heads x head_dim x 2 x element_size``. The budget check before a start
+    and the pools the replicas allocate count with this one function, so they agree on what fits."""
+    return num_layers * num_kv_heads * head_dim * 2 * element_size
 
 
 def pool_blocks(

@@ -166,6 +166,7 @@ class NativeAttention:
             p,
             i64,
             ctypes.c_int,
+            p,
         ]
         fn.restype = ctypes.c_int
         self._fn = fn
@@ -217,6 +218,7 @@ class NativeAttention:
             scratch.data_ptr(),
             n_pad,
             threads,
+            None,
         )
         if rc != 0:
             raise ValueError(
@@ -371,4 +373,126 @@ class NativeLinear:
             out.zero_()
         elif M and N:
             self._fn(x.data_ptr(), w.data_ptr(), out.data_ptr(), M, N, K, dt is torch.bfloat16, torch.get_num_threads())
+        return out
+
+
+class NativeStep:
+    """One forward's native calls, their arguments checked and converted once for every layer.
+
+    Why: a one-row decode step makes about five native calls per layer, and checking shapes, dtypes and
+    contiguity and allocating each output in every call costs more than the call's arithmetic. Here
+    the step's index tensors, the caches' layout and the output buffers are checked and made once;
+    each call then passes raw pointers. The tensors a call is given are the runner's own (its GEMM
+    outputs, its caches, its weights), whose layout the runner guarantees.
+    """
+
+    def __init__(
+        self,
+        ops: NativeLayerOps,
+        attn: NativeAttention,
+        dtype: torch.dtype,  # the model's: the residual stream, norms, GEMM inputs and outputs
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (kt_cache, v_cache), see rope_kv
+        num_heads: int,
+        positions: torch.Tensor,  # [T] int64
+        kv_index: torch.Tensor,  # [T] int64
+        cos: torch.Tensor,  # [max_len, D] dtype
+        sin: torch.Tensor,
+        block_table: torch.Tensor,  # [num_reqs, max_blocks] int64
+        req: torch.Tensor,  # [T] int64
+        nvis: torch.Tensor,  # [T] int64
+        max_nvis: int,
+        scale: float,
+    ) -> None:
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError("the model's dtype must be fp32 or bf16")
+        kt0, v0 = kv_caches[0]
+        num_blocks, Hkv, D, BS = kt0.shape
+        kv_bf16 = _check_caches(kt0, v0)
+        for kt, v in kv_caches:
+            if kt.shape != kt0.shape or v.shape != v0.shape or _check_caches(kt, v) != kv_bf16:
+                raise ValueError("every layer's caches must have one shape and dtype")
+        idx = (positions, kv_index, block_table, req, nvis)
+        if not all(t.dtype == torch.int64 and t.is_contiguous() for t in idx):
+            raise ValueError("positions, kv_index, block_table, req and nvis must be contiguous int64")
+        if cos.dtype != dtype or sin.dtype != dtype or cos.shape != sin.shape or cos.shape[1] != D:
+            raise ValueError("cos and sin must be [max_len, head_dim] in the model's dtype")
+        T, H = positions.shape[0], num_heads
+        self.T, self.H, self.D, self.bf16 = T, H, D, int(dtype == torch.bfloat16)
+        self.threads = torch.get_num_threads()
+        self._ops, self._attn = ops, attn
+        self._kv = [(kt.data_ptr(), v.data_ptr()) for kt, v in kv_caches]
+        self.q = torch.empty(T, H, D, dtype=torch.float32)  # the rotated queries
+        self.o32 = torch.empty(T, H, D, dtype=torch.float32)  # attention's output
+        self.o = self.o32.view(T, H * D) if dtype == torch.float32 else torch.empty(T, H * D, dtype=dtype)
+        self._o_bf16 = None if dtype == torch.float32 else self.o.data_ptr()
+        n_pad = -(-max_nvis // LANES) * LANES + 2 * LANES
+        need = self.threads * ROWS * (H // Hkv) * n_pad
+        scratch = getattr(attn._local, "scratch", None)
+        if scratch is None or scratch.numel() < need:
+            scratch = attn._local.scratch = torch.empty(need, dtype=torch.float32)
+        self._keep = (positions, kv_index, cos, sin, block_table, req, nvis, scratch)  # alive while pointed to
+        # the arguments of every call but the per-layer pointers, in the C functions' order
+        self._rope_args = (
+            positions.data_ptr(),
+            kv_index.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            self.q.data_ptr(),
+        )
+        self._rope_tail = (T, H, Hkv, D, BS, num_blocks, cos.shape[0], self.bf16, kv_bf16, self.threads)
+        self._attn_args = (
+            block_table.data_ptr(),
+            block_table.shape[1],
+            req.data_ptr(),
+            nvis.data_ptr(),
+            self.o32.data_ptr(),
+            T,
+            H,
+            Hkv,
+            D,
+            BS,
+            num_blocks,
+            scale,
+            scratch.data_ptr(),
+            n_pad,
+            self.threads,
+            self._o_bf16,
+        )
+        self._kv_bf16 = kv_bf16
+        self._max_nvis, self._num_blocks = max_nvis, num_blocks
+
+    def add_rms_norm(
+        self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor, eps: float
+    ) -> None:
+        """As :meth:`NativeLayerOps.add_rms_norm`; ``h``, ``delta``, ``out``: [T, hidden], ``weight``: [hidden]."""
+        n = h.shape[1]
+        self._ops._rms(
+            h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
+            self.T, n, eps, self.bf16, self.threads,
+        )  # fmt: skip
+
+    def rope_kv(self, qkv: torch.Tensor, layer: int) -> torch.Tensor:
+        """As :meth:`NativeLayerOps.rope_kv` into layer ``layer``'s caches; returns :attr:`q`."""
+        kt, v = self._kv[layer]
+        rc = self._ops._rope(qkv.data_ptr(), qkv.stride(0), *self._rope_args, kt, v, *self._rope_tail)
+        if rc != 0:
+            raise ValueError(
+                f"rope_kv: a position or cache index outside the tables or the {self._num_blocks}-block pool"
+            )
+        return self.q
+
+    def attention(self, layer: int) -> torch.Tensor:
+        """Attention of :attr:`q` over layer ``layer``'s caches: ``[T, H * D]`` in the model's dtype (:attr:`o`)."""
+        kt, v = self._kv[layer]
+        rc = self._attn._fn(self.q.data_ptr(), self.q.stride(0), kt, v, self._kv_bf16, *self._attn_args)
+        if rc != 0:
+            raise ValueError(
+                f"attention shapes outside the kernel (max visible keys {self._max_nvis}), or a block id outside "
+                f"the pool of {self._num_blocks}"
+            )
+        return self.o
+
+    def silu_mul(self, gu: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """As :meth:`NativeLayerOps.silu_mul` into ``out`` ([T, I], the model's dtype)."""
+        self._ops._silu(gu.data_ptr(), out.data_ptr(), self.T, gu.shape[1] // 2, self.bf16, self.threads)
         return out

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from workers import batch_invariant as bi
-from workers import native_attention
+from workers import hugepages, native_attention
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,7 @@ class ModelRunner:
         num_blocks: int | None = None,
         block_size: int = 16,
         kv_dtype: torch.dtype | None = None,
+        native_kernels: bool | None = None,
     ) -> None:
         """``num_blocks`` x ``block_size``: the paged KV pool; None sizes it for ``num_slots`` requests of
         ``max_model_len`` (slot mode). ``block_size`` is a multiple of the native kernel's 16 lanes.
@@ -155,7 +156,10 @@ class ModelRunner:
         ``cpu_gemm``: the CPU's weight GEMMs, "onednn" (prepacked), "mkl" (``F.linear``) or "native" (the
         invariant linear kernel on the plain weights; oneDNN where it does not build, see ``self.cpu_gemm``).
         ``kv_dtype``: what the KV cache stores, fp32 or bf16; None: ``dtype``. A bf16 model's keys and values
-        are bf16 values, so either holds them exactly (the same logits); an fp32 model's would be rounded."""
+        are bf16 values, so either holds them exactly (the same logits); an fp32 model's would be rounded.
+        ``native_kernels``: the native attention and row-wise ops (workers/native_attention.py) on the CPU; None:
+        with ``batch_invariant``. A runner that need not be invariant (a draft model) may still take them for
+        speed: they round differently from the torch ops, which changes its drafts, not the output."""
         if cpu_gemm not in ("onednn", "mkl", "native"):
             raise ValueError(f"cpu_gemm must be 'onednn', 'mkl' or 'native', got {cpu_gemm!r}")
         cfg = hf_model.config
@@ -264,7 +268,8 @@ class ModelRunner:
 
         # The invariant attention: one native call per layer where a C compiler is found (CPU), else torch
         # ops (workers/batch_invariant.py). The two round differently, so this is part of the fingerprint.
-        self.native_attn = native_attention.load() if batch_invariant and self.device.type == "cpu" else None
+        native = batch_invariant if native_kernels is None else native_kernels
+        self.native_attn = native_attention.load() if native and self.device.type == "cpu" else None
         # With it come the layer's row-wise ops (residual + RMSNorm, RoPE + cache write, SiLU * up) as
         # three native calls, where torch makes ~35 small ones (workers/kernels/invariant_layer.c).
         self.native_ops = native_attention.load_layer_ops() if self.native_attn else None
@@ -277,9 +282,10 @@ class ModelRunner:
         # Every path reads and writes keys as [blocks, Hkv, BS, D]; for the native kernel that is a view of
         # keys stored transposed within a block ([blocks, Hkv, D, BS], contiguous), the layout it reads.
         k_storage = (self.num_blocks, self.num_kv_heads, self.head_dim, block_size) if self.native_attn else kv_shape
-        self._k_storage = [torch.zeros(k_storage, dtype=kv_dtype, device=self.device) for _ in range(self.num_layers)]
+        # On huge pages: a step reads each request's blocks wherever they lie in the pool (workers/hugepages.py).
+        self._k_storage = [hugepages.zeros(k_storage, kv_dtype, self.device) for _ in range(self.num_layers)]
         self.k_cache = [kt.transpose(2, 3) for kt in self._k_storage] if self.native_attn else self._k_storage
-        self.v_cache = [torch.zeros(kv_shape, dtype=kv_dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v_cache = [hugepages.zeros(kv_shape, kv_dtype, self.device) for _ in range(self.num_layers)]
         # One row blocking per weight shape (all layers share them), probed with the thread count the
         # steps run with (a library partitions work by thread count too): re-probed if that changes.
         self.row_blocking: dict[str, bi.RowBlocking] = {}
@@ -309,11 +315,11 @@ class ModelRunner:
 
     @property
     def attention_kernel(self) -> str:
-        """Which attention this runner uses: ``native`` or ``torch`` (invariant, each its own rounding), or
-        ``sdpa`` (the library's, not invariant)."""
-        if not self.batch_invariant:
-            return "sdpa"
-        return "native" if self.native_attn else "torch"
+        """Which attention this runner uses: ``native`` (invariant by construction) or ``torch`` (invariant, its
+        own rounding), or ``sdpa`` (the library's, not invariant)."""
+        if self.native_attn:
+            return "native"
+        return "torch" if self.batch_invariant else "sdpa"
 
     @property
     def kv_bytes(self) -> int:
@@ -541,8 +547,25 @@ class ModelRunner:
         # h: [T, hidden] (a fresh tensor, never the embedding table) -> [T, hidden]; kv_index: [T] where each
         # row's key and value go; bt: [num_requests, nb] block tables; req_of_tok, nvis: [T] each row's request
         # and visible keys
-        ops, attn, H, D = self.native_ops, self.native_attn, self.num_heads, self.head_dim
+        ops, attn, D = self.native_ops, self.native_attn, self.head_dim
         assert ops is not None and attn is not None  # the caller checked: the native library loaded
+        # every native call's arguments checked and converted once for the whole step
+        step = native_attention.NativeStep(
+            ops,
+            attn,
+            self.dtype,
+            list(zip(self._k_storage, self.v_cache)),
+            self.num_heads,
+            positions,
+            kv_index,
+            self.cos,
+            self.sin,
+            bt,
+            req_of_tok,
+            nvis,
+            max_kv,
+            D**-0.5,
+        )
         x = torch.empty_like(h)  # [T, hidden] the normalized rows each GEMM reads
         delta = None
         # When the down projection's row blocking pads this step's rows (one call of call_rows > T: e.g. a
@@ -550,23 +573,25 @@ class ModelRunner:
         # buffer per step instead of every layer concatenating zero rows: the same call, the same numbers.
         T = h.shape[0]
         down_in = None  # [call_rows, inter]
+        padded = False
         if self.batch_invariant and self.native_gemm is None:
             sizes = self.row_blocking["down"].sizes(T)
             if len(sizes) == 1 and sizes[0][1] > T:
-                down_in = h.new_zeros(sizes[0][1], self.intermediate_size)
+                down_in, padded = h.new_zeros(sizes[0][1], self.intermediate_size), True
+        if down_in is None:
+            down_in = h.new_empty(T, self.intermediate_size)
         for li, L in enumerate(self.layers):
-            ops.add_rms_norm(h, delta, L["in_norm"], x, self.eps)
+            step.add_rms_norm(h, delta, L["in_norm"], x, self.eps)
             qkv = self._linear(x, L, "qkv")  # [T, (H + 2 Hkv) * D]
-            q = ops.rope_kv(qkv, positions, kv_index, self.cos, self.sin, self._k_storage[li], self.v_cache[li], H)
-            o = attn(q, self._k_storage[li], self.v_cache[li], bt, req_of_tok, nvis, max_kv, D**-0.5)  # [T, H, D] fp32
-            delta = self._linear(o.view(-1, H * D).to(self.dtype), L, "o")  # [T, hidden]
-            ops.add_rms_norm(h, delta, L["post_norm"], x, self.eps)
+            step.rope_kv(qkv, li)
+            delta = self._linear(step.attention(li), L, "o")  # [T, H * D] in the model's dtype -> [T, hidden]
+            step.add_rms_norm(h, delta, L["post_norm"], x, self.eps)
             gu = self._linear(x, L, "gate_up")  # [T, 2 * inter]
-            if down_in is not None:
-                ops.silu_mul(gu, out=down_in[:T])
+            step.silu_mul(gu, down_in[:T])
+            if padded:
                 delta = self._linear_kernel(down_in, L, "down")[:T]  # [T, hidden]
             else:
-                delta = self._linear(ops.silu_mul(gu), L, "down")  # [T, hidden]
+                delta = self._linear(down_in, L, "down")  # [T, hidden]
         assert delta is not None  # a model has at least one layer
         return h + delta
 

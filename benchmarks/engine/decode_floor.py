@@ -8,7 +8,9 @@ In one run, with the thread count the engine uses:
 2. the served weights' bytes: every linear weight plus the LM head rows a step computes, per dtype;
    floor = bytes / bandwidth (the KV cache read at the measured context is listed beside it);
 3. the engine's plain decode step (batch-invariant, as served) at c = 1, 2, 4 in bf16 and fp32, and
-   the draft model's (models/smollm2-draft) step at c = 1, 2, 4, each as a ratio to its own floor.
+   the draft model's (models/smollm2-draft) step at c = 1, 2, 4, each as a ratio to its own floor, as
+   the draft worker runs it (native attention and row-wise ops, ``draft.native_kernels``) and with
+   torch's ops ("draft-torch-ops").
    Cells are interleaved round by round; the table gives the median and min..max over rounds;
 4. the step split: one batch-1 step of each dtype (and the draft's) timed phase by phase
    (benchmarks/engine/step_split.py): each weight GEMM with its achieved GB/s, attention, row-wise ops,
@@ -41,6 +43,7 @@ from workers.runner import ModelRunner, StepBatch
 CONCURRENCY = (1, 2, 4)
 DTYPES = ("bfloat16", "float32")
 DRAFT = "models/smollm2-draft"
+DRAFT_KINDS = ("draft", "draft-torch-ops")  # draft.native_kernels true (shipped) and false
 MAX_LEN = 512
 
 
@@ -159,36 +162,42 @@ def main(argv: list[str] | None = None) -> int:
         for dt in DTYPES
     }
     prompt = engines["float32"].tokenize_chat([{"role": "user", "content": PROMPT}])
+    # the draft as the draft worker runs it: native attention and row-wise ops (draft.native_kernels) or torch's
     drafts = {
-        dt: DraftStepper(
+        (m, dt): DraftStepper(
             ModelRunner(
                 draft_loaded.model,
                 max(CONCURRENCY),
                 MAX_LEN,
                 dtype=getattr(torch, dt),
                 head_rows=draft_loaded.draft_vocab,
+                native_kernels=m == "draft",
             ),
             prompt,
         )
+        for m in DRAFT_KINDS
         for dt in DTYPES
     }
     for dt in DTYPES:  # warm-up: oneDNN generates its kernels on first use
         decode_step_s(engines[dt], prompt, max(CONCURRENCY), 2)
-        drafts[dt].step_s(max(CONCURRENCY), 2)
+        for m in DRAFT_KINDS:
+            drafts[(m, dt)].step_s(max(CONCURRENCY), 2)
 
     bw_samples = [read_bandwidth_gbs(args.buffer_mb)]
     step_s: dict[tuple[str, str, int], list[float]] = {}
     for rnd in progress(range(args.rounds), desc="rounds"):
-        cells = [(m, dt, c) for m in ("engine", "draft") for dt in DTYPES for c in CONCURRENCY]
+        cells = [(m, dt, c) for m in ("engine", *DRAFT_KINDS) for dt in DTYPES for c in CONCURRENCY]
         for m, dt, c in cells if rnd % 2 == 0 else reversed(cells):
-            s = decode_step_s(engines[dt], prompt, c, args.steps) if m == "engine" else drafts[dt].step_s(c, args.steps)
+            s = (
+                decode_step_s(engines[dt], prompt, c, args.steps)
+                if m == "engine"
+                else drafts[(m, dt)].step_s(c, args.steps)
+            )
             step_s.setdefault((m, dt, c), []).append(s)
         bw_samples.append(read_bandwidth_gbs(args.buffer_mb))
     bw = max(b["best_gb_s"] for b in bw_samples)
 
-    runners = {("engine", dt): engines[dt].runner for dt in DTYPES} | {
-        ("draft", dt): drafts[dt].runner for dt in DTYPES
-    }
+    runners = {("engine", dt): engines[dt].runner for dt in DTYPES} | {k: d.runner for k, d in drafts.items()}
     context = len(prompt) + args.steps // 2  # the middle of a timed cell
     weights = {
         f"{m}/{dt}": {
@@ -217,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     rows.sort(key=lambda r: (r["model"], r["dtype"], r["c"]))
 
     splits = {f"engine/{dt}": split_engine(engines[dt], prompt, args.split_steps) for dt in DTYPES}
-    splits |= {f"draft/{dt}": split_draft(drafts[dt], args.split_steps) for dt in DTYPES}
+    splits |= {f"{m}/{dt}": split_draft(drafts[(m, dt)], args.split_steps) for m in DRAFT_KINDS for dt in DTYPES}
 
     http: dict[str, Any] | None = None
     if args.http:

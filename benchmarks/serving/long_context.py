@@ -43,6 +43,7 @@ def draft_kv_sizes() -> dict[str, Any]:
     from cluster.local_cluster import shipped_config
     from deployments.draft import draft_kv_blocks
     from workers.eagle_head import load_head
+    from workers.kv_blocks import kv_bytes_per_token
     from workers.model_loader import resolve_local_dir
 
     args = AppConfig.model_validate(shipped_config()["applications"][0]["args"])
@@ -50,10 +51,10 @@ def draft_kv_sizes() -> dict[str, Any]:
     import json
 
     mc = json.loads((resolve_local_dir(d.model) / "config.json").read_text())
-    per_token = [2 * mc["num_hidden_layers"] * mc["num_key_value_heads"] * mc["head_dim"] * 4]  # fp32 K and V
+    per_token = [kv_bytes_per_token(mc["num_hidden_layers"], mc["num_key_value_heads"], mc["head_dim"], 4)]  # fp32
     if d.eagle:
         h = load_head(d.eagle).cfg
-        per_token.append(2 * h.num_key_value_heads * h.head_dim * 4)
+        per_token.append(kv_bytes_per_token(1, h.num_key_value_heads, h.head_dim, 4))
     bs, max_len = args.engine.block_size, args.engine.max_model_len
     blocks = draft_kv_blocks(d.kv_cache_memory_gb, per_token, bs, max_len, d.max_num_seqs)
     return {

@@ -210,23 +210,14 @@ def wait_replicas(c: LocalCluster, n: int, timeout_s: float = 300) -> None:
 
 def render(result: dict[str, Any], name: str) -> None:
     conv, probe, tput = result["conversations"], result["ttft"], result["throughput"]
-    rows = [
-        {
-            "replicas": r,
-            "coverage": conv[r]["turn3_coverage_total"],
-            "min": conv[r]["turn3_coverage_min"],
-            "median": conv[r]["turn3_coverage_median"],
-            "wall_s": conv[r]["wall_s"],
-        }
-        for r in conv
-    ]
-    cols = [
+    cols = [  # (key in a cluster size's (a) result, header, format)
         ("replicas", "replicas", "s"),
-        ("coverage", "turn-3 cached / turn-2 prompt+answer", ".3f"),
-        ("min", "min over convs", ".3f"),
-        ("median", "median", ".3f"),
+        ("turn3_coverage_total", "turn-3 cached / turn-2 prompt+answer", ".3f"),
+        ("turn3_coverage_min", "min over convs", ".3f"),
+        ("turn3_coverage_median", "median", ".3f"),
         ("wall_s", "wall s", ".1f"),
     ]
+    rows = [{"replicas": r, **conv[r]} for r in conv]
     print(format_table(rows, cols, title="(a) multi-turn: turn 3's cached_tokens (goal >= 0.80)"))
     print(
         f"(b) TTFT at c=1, {probe['prompt_tokens']:.0f}-token prompts: follow-up {probe['warm_ttft_ms_p50']:.0f} ms "
@@ -236,31 +227,32 @@ def render(result: dict[str, Any], name: str) -> None:
         f"(c) closed-loop chat: c=32 {tput['tok_s_c32']:.1f} tok/s, c=64 {tput['tok_s_c64']:.1f} tok/s "
         f"= {tput['c64_over_c32']:.2f}x (goal >= 1)"
     )
-    fig, axes = figure(3, width=4.6, height=4.0)
-    bar_panel(
-        axes[0],
-        [f"{r} replica(s)" for r in conv],
-        {"turn 3 cached share": [conv[r]["turn3_coverage_total"] for r in conv]},
-        ylabel="share of turn 2's prompt + answer",
-        title="(a) turn 3 finds turn 2's KV (goal 0.8)",
-        hline=0.8,
-    )
-    bar_panel(
-        axes[1],
-        ["follow-up (cached)", "cold"],
-        {"TTFT p50": [probe["warm_ttft_ms_p50"], probe["cold_ttft_ms_p50"]]},
-        ylabel="ms",
-        title=f"(b) TTFT, {probe['cold_over_warm']:.1f}x lower (goal 3x)",
-        fmt="{:.0f}",
-    )
-    bar_panel(
-        axes[2],
-        ["c=32", "c=64"],
-        {"output tok/s": [tput["tok_s_c32"], tput["tok_s_c64"]]},
-        ylabel="tok/s",
-        title=f"(c) closed-loop chat, {tput['c64_over_c32']:.2f}x (goal 1)",
-        fmt="{:.1f}",
-    )
+    panels: list[dict[str, Any]] = [  # bar_panel's arguments, one panel each for (a), (b), (c)
+        {
+            "groups": [f"{r} replica(s)" for r in conv],
+            "series": {"turn 3 cached share": [conv[r]["turn3_coverage_total"] for r in conv]},
+            "ylabel": "share of turn 2's prompt + answer",
+            "title": "(a) turn 3 finds turn 2's KV (goal 0.8)",
+            "hline": 0.8,
+        },
+        {
+            "groups": ["follow-up (cached)", "cold"],
+            "series": {"TTFT p50": [probe["warm_ttft_ms_p50"], probe["cold_ttft_ms_p50"]]},
+            "ylabel": "ms",
+            "title": f"(b) TTFT, {probe['cold_over_warm']:.1f}x lower (goal 3x)",
+            "fmt": "{:.0f}",
+        },
+        {
+            "groups": ["c=32", "c=64"],
+            "series": {"output tok/s": [tput["tok_s_c32"], tput["tok_s_c64"]]},
+            "ylabel": "tok/s",
+            "title": f"(c) closed-loop chat, {tput['c64_over_c32']:.2f}x (goal 1)",
+            "fmt": "{:.1f}",
+        },
+    ]
+    fig, axes = figure(len(panels), width=4.6, height=4.0)
+    for ax, panel in zip(axes, panels):
+        bar_panel(ax, **panel)
     title = "multi-turn chat" + (" (contended machine)" if result["contended"] else "")
     save_result(RESULTS_DIR / name, result, fig, title=title)
 

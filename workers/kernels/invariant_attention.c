@@ -35,8 +35,18 @@
 #define MAX_GROUP 16  /* query heads per kv head */
 #define MAX_DBLOCKS 16  /* head_dim up to MAX_DBLOCKS * LANES */
 #define ROWS 4  /* query rows of one slot (a prompt chunk) that share each key and value load */
+#define AHEAD 2  /* blocks of keys or values asked for ahead of their use */
 
 #include "vec_math.h"
+
+/* Ask for n elements from element offset off of a cache (bf16 if KB) ahead of their use: a request's
+ * next block is anywhere in the pool, where the hardware prefetcher, which follows runs of addresses,
+ * cannot guess it. A hint only: it changes no value and never faults. */
+static inline __attribute__((always_inline)) void prefetch_block(const void *base, int64_t off, int64_t n, const int KB) {
+    const char *p = (const char *)base + off * (KB ? 2 : 4);
+    const int64_t bytes = n * (KB ? 2 : 4);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+}
 
 /* A tile: R query rows of one request (R = 1, or ROWS for rows of a prompt chunk, which share their
  * keys) times the G query heads of one kv head, against the request's first n[r] keys each.
@@ -63,6 +73,9 @@ static inline __attribute__((always_inline)) void attend_tile_g(
         vlanes acc[ROWS * MAX_GROUP];
         for (int i = 0; i < R * G; i++) acc[i] = (vlanes){0};
         const int64_t kb = bt[j0 / BS] * kv_stride + j0 % BS;  /* LANES keys, never across blocks */
+        if (j0 % BS == 0)  /* the next blocks lie anywhere in the pool: fetch them ahead */
+            for (int64_t b = j0 == 0 ? 1 : AHEAD; b <= AHEAD && j0 + b * BS < nb; b++)
+                prefetch_block(kt, bt[j0 / BS + b] * kv_stride, (int64_t)D * BS, KB);
         for (int d = 0; d < D; d++) {
             const vlanes k = load_kv(kt, kb + (int64_t)d * BS, KB);
             for (int i = 0; i < R * G; i++) acc[i] = acc[i] + q[i][d] * k;
@@ -101,6 +114,8 @@ static inline __attribute__((always_inline)) void attend_tile_g(
         const float *sp = s + (int64_t)r0 * G * n_pad;
         for (int j0 = 0; j0 < n_max; j0 += (int)BS) {  /* block by block, key by key within: key 0 up */
             const int64_t vb = bt[j0 / BS] * kv_stride;
+            for (int64_t b = j0 == 0 ? 1 : AHEAD; b <= AHEAD && j0 + b * BS < n_max; b++)
+                prefetch_block(v, bt[j0 / BS + b] * kv_stride, (int64_t)D * BS, KB);
             const int jn = n_max - j0 < BS ? n_max - j0 : (int)BS;
             for (int jj = 0; jj < jn; jj++) {
                 const int64_t vj = vb + (int64_t)jj * D;
@@ -147,13 +162,13 @@ static void attend_tile(const float *const *q, int R, int G, int kb, const int *
 /* q: [T, H, D] at q + t * q_row_stride + h * D. kt: [num_blocks, Hkv, D, BS] (keys transposed) and
  * v: [num_blocks, Hkv, BS, D], contiguous, fp32 or (kv_bf16) bf16, BS a multiple of LANES. block_table: [num_reqs, bt_stride]
  * block ids; req, nvis: [T] (the row's request and its visible keys, 1 .. bt_stride * BS).
- * out: [T, H, D] contiguous. scratch: nthreads * ROWS * G * n_pad floats, n_pad = max(nvis) rounded
+ * out: [T, H, D] contiguous; out_bf16: NULL, or [T, H, D] where out is also written rounded to bf16. scratch: nthreads * ROWS * G * n_pad floats, n_pad = max(nvis) rounded
  * up to LANES plus LANES. Returns 0, or -1 if the shapes are outside what the kernel handles or a
  * block id a row would read is outside the pool (nothing is read then). */
 int invariant_attention(const float *q, int64_t q_row_stride, const void *kt, const void *v, int kv_bf16,
                         const int64_t *block_table, int64_t bt_stride, const int64_t *req, const int64_t *nvis,
                         float *out, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t BS, int64_t num_blocks,
-                        float scale, float *scratch, int64_t n_pad, int nthreads) {
+                        float scale, float *scratch, int64_t n_pad, int nthreads, uint16_t *out_bf16) {
     if (Hkv <= 0 || H % Hkv || H / Hkv > MAX_GROUP || D / LANES > MAX_DBLOCKS || BS <= 0 || BS % LANES) return -1;
     const int64_t G = H / Hkv;
     int64_t work = 0;
@@ -196,6 +211,19 @@ int invariant_attention(const float *q, int64_t q_row_stride, const void *kt, co
         attend_tile(qs, (int)R, (int)G, kv_bf16, n, block_table + req[t0] * bt_stride,
                     (const char *)kt + g * D * BS * esize, (const char *)v + g * BS * D * esize, BS, kv_stride,
                     (int)D, scale, scratch + (int64_t)tid * ROWS * G * n_pad, n_pad, os);
+    }
+    if (out_bf16) {  /* the o projection's input in a bf16 model: out rounded as torch rounds */
+        const int64_t n = T * H * D;
+        int64_t i = 0;
+        for (; i + LANES <= n; i += LANES) {
+            const vlanes_h h = to_bf16(load_lanes(out + i));
+            __builtin_memcpy(out_bf16 + i, &h, sizeof h);
+        }
+        for (; i < n; i++) {
+            vlanes x = {0};
+            x[0] = out[i];
+            out_bf16[i] = to_bf16(x)[0];
+        }
     }
     return 0;
 }

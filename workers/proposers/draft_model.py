@@ -122,6 +122,7 @@ class DraftModelProposer(Proposer):
         vocab_ids: Sequence[int] | None = None,
         num_blocks: int | None = None,
         block_size: int = 16,
+        native_kernels: bool = False,
     ) -> None:
         from workers.runner import ModelRunner
 
@@ -149,6 +150,7 @@ class DraftModelProposer(Proposer):
             head_rows=vocab_ids,
             num_blocks=num_blocks,
             block_size=block_size,
+            native_kernels=native_kernels,
         )
         self.blocks = DraftBlocks(self.runner.num_blocks, block_size)
         self.vocab_size = draft_vocab
@@ -173,16 +175,6 @@ class DraftModelProposer(Proposer):
     def kv_tokens_in_use(self) -> int:
         """Tokens whose keys/values sit in the draft cache, over all requests."""
         return sum(len(st.cached) for st in self._states.values())
-
-    @property
-    def kv_tokens_capacity(self) -> int:
-        """Positions the draft's KV pool holds, over all requests."""
-        return self.blocks.num_blocks * self.blocks.block_size
-
-    @property
-    def kv_blocks_in_use(self) -> int:
-        """Blocks held by requests: committed tokens plus the lookahead of their drafts."""
-        return self.blocks.num_used
 
     def finish(self, request_id: str, token_ids: Sequence[int] = ()) -> None:
         """Free the request's blocks and state (unknown ids are ignored)."""

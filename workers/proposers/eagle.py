@@ -118,14 +118,6 @@ class EagleProposer(Proposer):
         return sum(st.n_true for st in self._states.values())
 
     @property
-    def kv_tokens_capacity(self) -> int:
-        return self.blocks.num_blocks * self.blocks.block_size
-
-    @property
-    def kv_blocks_in_use(self) -> int:
-        return self.blocks.num_used
-
-    @property
     def kv_bytes(self) -> int:
         return 2 * self.k_cache.numel() * self.k_cache.element_size()
 
