@@ -9,9 +9,9 @@ round gives its own native/onednn ratio; the table has the median and min..max):
 - verify-shaped step: one request feeding 5 rows (K = 4 drafts + 1) at the end of its prompt (runner forward);
 - prefill: a 512-token prompt in chunks of ``max_num_batched_tokens`` (256), its last row's logits: the
   forward part of time to first token (runner forward).
-Then one batch-1 step per backend is split phase by phase (benchmarks/engine/step_split.py): each weight
-GEMM's time and GB/s at M=1. The machine's read bandwidth (a torch sum over 256 MiB) is measured at the
-start and the end, to show how loaded the machine was.
+Then timers around the runner's two GEMM entry points give, over batch-1 steps of each backend, each
+weight GEMM's time and GB/s at M=1 (weight bytes from benchmarks/engine/step_split.py). The machine's read
+bandwidth (a torch sum over 256 MiB) is measured at the start and the end, to show how loaded it was.
 
 Writes benchmarks/results/<--out>.{json,png}.
 """
@@ -30,7 +30,7 @@ import torch
 from benchmarks.common import RESULTS_DIR, bar_panel, env_info, figure, format_table, loadavg, progress, save_result
 from benchmarks.engine.decode_floor import read_bandwidth_gbs
 from benchmarks.engine.step_ab import step_times
-from benchmarks.engine.step_split import StepSplit
+from benchmarks.engine.step_split import GEMMS, weight_bytes
 from benchmarks.fidelity.invariance_bench import PROMPT
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
@@ -65,6 +65,36 @@ def prefill_s(eng: LLMEngine, ids: list[int], chunk: int, clock: Callable[[], fl
         last = [len(part) - 1] if s + chunk >= len(ids) else []
         r.forward(StepBatch([0], [s], [part], [last]))
     return clock() - t0
+
+
+def gemm_times(eng: LLMEngine, steps: int, clock: Callable[[], float]) -> dict[str, float]:
+    """Seconds in each weight GEMM (and in the whole step) over ``steps`` engine steps: timers around the runner's
+    two GEMM entry points on this instance only, removed after."""
+    r = eng.runner
+    totals: dict[str, float] = dict.fromkeys((*GEMMS, "step"), 0.0)
+    linear, head = r._linear_kernel, r._lm_head_kernel
+
+    def timed_linear(x: torch.Tensor, L: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        t0 = clock()
+        out = linear(x, L, name)
+        totals[name] += clock() - t0
+        return out
+
+    def timed_head(hs: torch.Tensor) -> torch.Tensor:
+        t0 = clock()
+        out = head(hs)
+        totals["lm_head"] += clock() - t0
+        return out
+
+    r._linear_kernel, r._lm_head_kernel = timed_linear, timed_head  # type: ignore[method-assign]
+    try:
+        for _ in range(steps):
+            t0 = clock()
+            eng.step()
+            totals["step"] += clock() - t0
+    finally:
+        del r._linear_kernel, r._lm_head_kernel  # the class's methods again
+    return totals
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,14 +197,14 @@ def main(argv: list[str] | None = None) -> int:
             while any(r.in_prefill for r in eng.running) or eng.waiting:
                 eng.step()
             eng.step()
-            with StepSplit(engine=eng, clock=clock) as sp:
-                for _ in range(args.steps):
-                    eng.step()
+            totals = gemm_times(eng, args.steps, clock)
             while eng.has_work():
                 eng.step()
-            for row in sp.table(args.steps):
-                if row["phase"].startswith("gemm") or row["phase"] == "step":
-                    split_rows.append({"dtype": dt, "backend": be, **row})
+            wb = weight_bytes(eng.runner)
+            for g in (*GEMMS, "step"):
+                t = totals[g] / args.steps
+                gbs = wb[g] / t / 1e9 if g in wb else None
+                split_rows.append({"dtype": dt, "backend": be, "phase": g, "ms": 1e3 * t, "gb_s": gbs})
     print(
         format_table(
             split_rows,
@@ -201,9 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         ylabel="ratio",
         fmt="{:.2f}",
     )
-    gemm_rows = [r for r in split_rows if r["phase"].startswith("gemm")]
-    labels = sorted({f"{r['dtype'][:4]}/{r['phase'][5:]}" for r in gemm_rows})
-    by = {(f"{r['dtype'][:4]}/{r['phase'][5:]}", r["backend"]): r["gb_s"] for r in gemm_rows}
+    gemm_rows = [r for r in split_rows if r["phase"] != "step"]
+    labels = sorted({f"{r['dtype'][:4]}/{r['phase']}" for r in gemm_rows})
+    by = {(f"{r['dtype'][:4]}/{r['phase']}", r["backend"]): r["gb_s"] for r in gemm_rows}
     bar_panel(
         axes[1],
         labels,
