@@ -56,6 +56,12 @@ BENCHMARKS = [
     ),
     Benchmark(
         "engine",
+        "benchmarks.engine.gemm_ab",
+        "Do the native invariant linears beat oneDNN's prepacked GEMMs: decode, verify, prefill, GB/s at M=1?",
+        "gemm_ab.json",
+    ),
+    Benchmark(
+        "engine",
         "benchmarks.engine.step_ab",
         "Is the runner at a git ref faster or slower than the working tree's, paired in one process?",
         "step_ab.json",
@@ -205,6 +211,7 @@ RECORDS = {
     "decode_floor_http": "decode_floor --http --rounds 3: the same cells plus c=1 TPOT over HTTP, quiet machine",
     "draft_eval_chat24": "draft_eval on 24 held-out prompts",
     "fuzz_before_fix": "fuzz before response_format text was validated (10 refused requests answered 200)",
+    "gemm_ab_cpu1": "gemm_ab --threads 1 --clock cpu: per-core work of each backend, contended machine",
     "guidellm_load_burner_bound": "guidellm_load, an older run whose bound burnt guidellm's whole-run CPU",
     "guidellm_load_steady_slow": "guidellm_load, the steady-state rerun on a slow hour",
     "guidellm_paired": "guidellm_paired with max_ttft_ms 700",

@@ -117,13 +117,17 @@ def _neighbours(rng: random.Random, n: int, first_slot: int, vocab: int) -> tupl
     return slots, starts, toks, rows
 
 
-def check_forward_invariance(model, dtype: torch.dtype, length: int, seed: int, max_neighbours: int) -> int:
+def check_forward_invariance(
+    model, dtype: torch.dtype, length: int, seed: int, max_neighbours: int, cpu_gemm: str = "onednn"
+) -> int:
     """Feed one request's tokens in many schedules and compare every position with the reference.
     Returns the number of positions compared (all must be equal)."""
     rng = random.Random(seed)
     vocab = model.config.vocab_size
     ids = [rng.randrange(3, vocab) for _ in range(length)]
-    r = ModelRunner(model, num_slots=max_neighbours + 8, max_model_len=256, dtype=dtype, batch_invariant=True)
+    r = ModelRunner(
+        model, num_slots=max_neighbours + 8, max_model_len=256, dtype=dtype, batch_invariant=True, cpu_gemm=cpu_gemm
+    )
     ref = _alone(r, ids, slot=0)  # contiguous: slot 0's run of blocks
     compared = 0
     # blocks of slots 1..7 (neighbours use slots 8..): scattered tables are drawn from these
@@ -193,8 +197,11 @@ def check_forward_invariance(model, dtype: torch.dtype, length: int, seed: int, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_tiny_forward_is_batch_invariant(tiny_loaded, dtype):
-    assert check_forward_invariance(tiny_loaded.model, dtype, length=40, seed=1, max_neighbours=16) > 300
+@pytest.mark.parametrize("cpu_gemm", ["onednn", "native"])
+def test_tiny_forward_is_batch_invariant(tiny_loaded, dtype, cpu_gemm):
+    """``native``: the linears are invariant by construction (no probed row blocking to lean on)."""
+    n = check_forward_invariance(tiny_loaded.model, dtype, length=40, seed=1, max_neighbours=16, cpu_gemm=cpu_gemm)
+    assert n > 300
 
 
 @pytest.mark.slow

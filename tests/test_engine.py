@@ -103,7 +103,7 @@ def test_bf16_runner_tracks_fp32_in_one_and_many_row_steps(tiny_loaded):
 
 @pytest.mark.slow
 def test_smollm2_logits_within_1e4_of_hf(smollm2_loaded):
-    """Both CPU matmul backends against HF's own forward, and against the fp64 forward.
+    """The CPU matmul backends against HF's own forward, and against the fp64 forward.
 
     ``mkl`` makes the same F.linear calls as HF, so it must be within 1e-4 (it is bit-identical).
     ``onednn`` (the default) sums in another order, so the fair bar is accuracy: its error against
@@ -121,6 +121,11 @@ def test_smollm2_logits_within_1e4_of_hf(smollm2_loaded):
     assert (fast - ref).abs().max().item() < 3e-4
     assert (fast.double() - ref64).abs().max().item() < 4 * hf_err
     assert torch.equal(fast.argmax(-1), ref.argmax(-1))
+    native = ModelRunner(model, num_slots=2, max_model_len=512, cpu_gemm="native")
+    if native.cpu_gemm == "native":  # the project's own linear kernel: the same bar as oneDNN's
+        got = native.forward_tokens(1, 0, ids)
+        assert (got.double() - ref64).abs().max().item() < 4 * hf_err
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
 CHAT = [

@@ -153,6 +153,18 @@ def test_greedy_identical_to_plain(tiny_loaded, draft_loaded, batch, k, kind):
     assert eng.stats[name].num_draft_tokens == 0
 
 
+@pytest.mark.parametrize("kind", ["ngram", "draft_self"])
+def test_native_gemm_greedy_identical_to_plain(tiny_loaded, draft_loaded, kind):
+    """With the native linears (cpu_gemm="native", invariant with no row blocking) speculation keeps output too."""
+    prompts = lookup_prompts(tiny_loaded, 8, seed=108)
+    conf = EngineConfig(dtype="float32", max_num_seqs=8, max_model_len=MAX_LEN, cpu_gemm="native")
+    ref = LLMEngine(conf, tiny_loaded).generate(prompts, GREEDY)
+    name, eng = spec_engine(tiny_loaded, draft_loaded, kind, 4, batch=8, cpu_gemm="native")
+    assert eng.snapshot().gemm_kernel == "native"  # what /v1/speculation/stats reports per replica
+    assert eng.generate(prompts, GREEDY, speculation="on", proposer=name) == ref
+    assert eng.stats[name].num_draft_tokens > 0
+
+
 def test_k_zero_engine_is_plain(tiny_loaded, draft_loaded):
     prompts = copy_prompts(4, seed=7)
     name, eng = spec_engine(tiny_loaded, draft_loaded, "ngram", 0, batch=4)

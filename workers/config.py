@@ -90,12 +90,17 @@ class EngineConfig(BaseModel):
         "rejection sampling (the same distribution, but the random draws depend on K, so seeded text depends on load).",
     )
     device: str = Field("auto", description="'auto' picks CUDA when present, else CPU.")
-    cpu_gemm: Literal["onednn", "mkl"] = Field(
+    cpu_gemm: Literal["onednn", "mkl", "native"] = Field(
         "onednn",
         description="CPU matmul backend. 'onednn' prepacks every weight once, which makes steps faster at every "
         "batch size (docs/benchmarks.md); 'mkl' is F.linear, the call HF's own forward makes, so "
         "fp32 logits are bit-identical to HF. oneDNN sums in another order: logits differ from HF's by up to "
-        "~1.2e-4 (HF's own fp32 forward is 4e-5 off the fp64 one). Ignored on CUDA.",
+        "~1.2e-4 (HF's own fp32 forward is 4e-5 off the fp64 one). 'native': the project's own linear kernel "
+        "(workers/kernels/invariant_linear.c, built for this CPU like the native attention) on the plain weights: "
+        "every output is one fixed-order sum, so it is batch-invariant at every row count with no probing or "
+        "padding, and at a few rows it streams the weights at close to memory bandwidth; oneDNN where no C compiler "
+        "is found (a log line says so). Each backend rounds differently: every replica of a deployment must use the "
+        "same one. Ignored on CUDA.",
     )
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; None keeps torch's default.")
     cpu_priority: Literal["engine_first", "inherit"] = Field(

@@ -593,6 +593,7 @@ class LLMEngine:
                 dtype=str(self.dtype).removeprefix("torch."),
                 batch_invariant=self.config.batch_invariant,
                 attention_kernel=self.runner.attention_kernel,
+                gemm_kernel=self.runner.cpu_gemm if self.runner.device.type == "cpu" else "cuda",
             )
         )
 

@@ -17,6 +17,11 @@ deployment must make the same choice (``/v1/speculation/stats`` reports it as ``
 The same library holds the residual add + RMSNorm, RoPE + cache write and SiLU * up of a layer
 (:class:`NativeLayerOps`): as torch ops they are ~35 dispatches per layer, which at one row cost
 about as much as the layer's GEMMs. Every output row is a function of its input row alone.
+
+And a linear layer, ``x @ W^T`` on the plain ``[out, in]`` weight (:class:`NativeLinear`,
+workers/kernels/invariant_linear.c): every output is one fixed-order sum over ``in`` whatever the
+row count, so it needs none of the row-count probing and padding a GEMM library needs
+(workers/batch_invariant.py), and at a few rows it streams the weights like a plain read.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _KERNELS = Path(__file__).parent / "kernels"
-SOURCES = (_KERNELS / "invariant_attention.c", _KERNELS / "invariant_layer.c")
+SOURCES = (_KERNELS / "invariant_attention.c", _KERNELS / "invariant_layer.c", _KERNELS / "invariant_linear.c")
 HEADERS = (_KERNELS / "vec_math.h",)  # included by the sources: part of the cache key, not of the command
 # No -ffast-math: the compiler must neither reassociate a sum nor contract a multiply-add anywhere.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared")
@@ -104,9 +109,16 @@ def load_layer_ops() -> NativeLayerOps | None:
     return NativeLayerOps(dll) if dll is not None else None
 
 
+@functools.lru_cache(maxsize=1)
+def load_linear() -> NativeLinear | None:
+    """The batch-invariant linear, from the same library as :func:`load` (``None`` exactly when it is)."""
+    dll = _library()
+    return NativeLinear(dll) if dll is not None else None
+
+
 def clear_cache() -> None:
     """Forget the loaded library, so the next :func:`load` looks again (tests toggle the environment)."""
-    for f in (_library, load, load_layer_ops):
+    for f in (_library, load, load_layer_ops, load_linear):
         f.cache_clear()
 
 
@@ -323,6 +335,44 @@ class NativeLayerOps:
             raise ValueError("silu_mul: out must be [T, I]")
         bf16 = self._bf16(gu, out)
         self._silu(gu.data_ptr(), out.data_ptr(), T, two_i // 2, bf16, torch.get_num_threads())
+        return out
+
+
+class NativeLinear:
+    """``linear(x, w)``: ``x [M, K] @ w [N, K]^T -> [M, N]`` over the compiled kernel, fp32 or bf16 (fp32 sums,
+    a bf16 result rounded to nearest even as torch rounds). A row's result is bit-identical whatever ``M``,
+    the rows beside it and the thread count (workers/kernels/invariant_linear.c)."""
+
+    def __init__(self, dll: ctypes.CDLL) -> None:
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._fn = dll.invariant_linear
+        self._fn.argtypes = [p, p, p, i64, i64, i64, i32, i32]
+        self._fn.restype = ctypes.c_int
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [M, K] fp32 or bf16 (made contiguous if it is not)
+        w: torch.Tensor,  # [N, K] x's dtype, contiguous
+        out: torch.Tensor | None = None,  # [M, N] x's dtype, contiguous: written in place when given
+    ) -> torch.Tensor:  # [M, N]
+        # A decode step makes ~120 of these calls: every check here is one attribute read or comparison.
+        xs, ws, dt = x.shape, w.shape, x.dtype
+        if len(xs) != 2 or len(ws) != 2 or xs[1] != ws[1]:
+            raise ValueError(f"linear: x {tuple(xs)} and weight {tuple(ws)} do not multiply")
+        if dt is not w.dtype or (dt is not torch.bfloat16 and dt is not torch.float32) or not w.is_contiguous():
+            raise ValueError("linear: x and a contiguous weight, both fp32 or both bf16")
+        if not x.is_contiguous():
+            x = x.contiguous()
+        M, K = xs
+        N = ws[0]
+        if out is None:
+            out = torch.empty((M, N), dtype=dt)
+        elif out.shape != (M, N) or out.dtype is not dt or not out.is_contiguous():
+            raise ValueError(f"linear: out must be a contiguous [{M}, {N}] {dt} tensor")
+        if K == 0:
+            out.zero_()
+        elif M and N:
+            self._fn(x.data_ptr(), w.data_ptr(), out.data_ptr(), M, N, K, dt is torch.bfloat16, torch.get_num_threads())
         return out
 
 

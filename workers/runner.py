@@ -24,6 +24,7 @@ model proposer, benchmarks, tests) run on the same kernels.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -33,6 +34,8 @@ from transformers import PreTrainedModel
 
 from workers import batch_invariant as bi
 from workers import hugepages, native_attention
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -150,13 +153,15 @@ class ModelRunner:
         vocabulary); ``StepOutput.logits`` then has ``len(head_rows)`` columns, in that order.
         ``batch_invariant``: every position's logits and hidden states are bit-identical whatever
         else the step holds (workers/batch_invariant.py); ``False`` runs the library's kernels as chosen by shape.
+        ``cpu_gemm``: the CPU's weight GEMMs, "onednn" (prepacked), "mkl" (``F.linear``) or "native" (the
+        invariant linear kernel on the plain weights; oneDNN where it does not build, see ``self.cpu_gemm``).
         ``kv_dtype``: what the KV cache stores, fp32 or bf16; None: ``dtype``. A bf16 model's keys and values
         are bf16 values, so either holds them exactly (the same logits); an fp32 model's would be rounded.
         ``native_kernels``: the native attention and row-wise ops (workers/native_attention.py) on the CPU; None:
         with ``batch_invariant``. A runner that need not be invariant (a draft model) may still take them for
         speed: they round differently from the torch ops, which changes its drafts, not the output."""
-        if cpu_gemm not in ("onednn", "mkl"):
-            raise ValueError(f"cpu_gemm must be 'onednn' or 'mkl', got {cpu_gemm!r}")
+        if cpu_gemm not in ("onednn", "mkl", "native"):
+            raise ValueError(f"cpu_gemm must be 'onednn', 'mkl' or 'native', got {cpu_gemm!r}")
         cfg = hf_model.config
         self.device = pick_device(device) if isinstance(device, str) else device
         self.dtype = dtype
@@ -218,6 +223,16 @@ class ModelRunner:
         # AVX-512/AVX-NE-CONVERT), or with cpu_gemm="mkl", the plain F.linear path runs: it is what
         # HF's forward calls, so its fp32 logits are bit-identical to HF's; oneDNN sums in another
         # order (max |logit diff| ~1.1e-4 on SmolLM2, see EngineConfig).
+        # cpu_gemm="native": every weight linear and the LM head run through the invariant linear kernel
+        # (workers/kernels/invariant_linear.c) on the plain [out, in] weights: invariant at every row
+        # count by construction, so nothing is probed, padded or blocked. Where the library does not
+        # build, oneDNN's path runs instead.
+        on_cpu_native = cpu_gemm == "native" and self.device.type == "cpu"
+        self.native_gemm = native_attention.load_linear() if on_cpu_native else None
+        if on_cpu_native and self.native_gemm is None:
+            log.warning("cpu_gemm='native': the native kernels are unavailable, using oneDNN for the linears")
+            cpu_gemm = "onednn"
+        self.cpu_gemm = "native" if self.native_gemm is not None else cpu_gemm
         self._packed = self.device.type == "cpu" and cpu_gemm == "onednn" and _onednn_packs(dtype)
         if self._packed:
             for L in self.layers:
@@ -286,13 +301,14 @@ class ModelRunner:
             "gate_up": self.hidden_size,
             "down": self.intermediate_size,
         }
-        for name, width in widths.items():
-            self.row_blocking[name] = bi.probe_row_blocking(
-                functools.partial(self._linear_kernel, L=L0, name=name), width, self.dtype, self.device
+        if self.native_gemm is None:  # the native linear agrees at every row count: nothing to probe
+            for name, width in widths.items():
+                self.row_blocking[name] = bi.probe_row_blocking(
+                    functools.partial(self._linear_kernel, L=L0, name=name), width, self.dtype, self.device
+                )
+            self.row_blocking["lm_head"] = bi.probe_row_blocking(
+                self._lm_head_kernel, self.hidden_size, self.dtype, self.device
             )
-        self.row_blocking["lm_head"] = bi.probe_row_blocking(
-            self._lm_head_kernel, self.hidden_size, self.dtype, self.device
-        )
         if not self.native_attn:
             self.attn_blocking = bi.probe_attention_blocking(self.head_dim, self.device)
         self._probed_threads = torch.get_num_threads()
@@ -342,6 +358,8 @@ class ModelRunner:
 
     def _linear(self, x: torch.Tensor, L: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         # x: [T, in] -> [T, out]
+        if self.native_gemm is not None:  # invariant at every row count: no blocking, no padding
+            return self._linear_kernel(x, L, name)
         if self.batch_invariant:
             return bi.blocked(lambda xb: self._linear_kernel(xb, L, name), x, self.row_blocking[name])
         if self._packed or self._wide_f32:
@@ -351,6 +369,8 @@ class ModelRunner:
     def _linear_kernel(self, x: torch.Tensor, L: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         # x: [T, in] -> [T, out]. Batch-invariant runners use one kernel for every row count: a bf16
         # runner on a CPU without native bf16 GEMMs always multiplies through the fp32 packed copy.
+        if self.native_gemm is not None:
+            return self.native_gemm(x, L[name])
         if self.batch_invariant and self._wide_f32:
             return _packed_linear(x.float(), L[name + "_f32"]).to(self.dtype)
         if self._packed:
@@ -520,7 +540,7 @@ class ModelRunner:
         nvis: torch.Tensor,
         max_kv: int,
     ) -> torch.Tensor:
-        """Every decoder layer with the native row-wise ops and attention; the GEMMs stay oneDNN's.
+        """Every decoder layer with the native row-wise ops and attention; the GEMMs run as ``cpu_gemm`` says.
 
         Each residual add is fused into the RMSNorm after it, so ``h`` is updated in place there.
         """
@@ -554,7 +574,7 @@ class ModelRunner:
         T = h.shape[0]
         down_in = None  # [call_rows, inter]
         padded = False
-        if self.batch_invariant:
+        if self.batch_invariant and self.native_gemm is None:
             sizes = self.row_blocking["down"].sizes(T)
             if len(sizes) == 1 and sizes[0][1] > T:
                 down_in, padded = h.new_zeros(sizes[0][1], self.intermediate_size), True
@@ -619,6 +639,8 @@ class ModelRunner:
         The LM head is the largest matrix (vocab 49152 x 576, 113 MB in fp32), so it is packed for
         oneDNN like the layers: about twice as fast as ``F.linear`` (docs/benchmarks.md).
         """
+        if self.native_gemm is not None:
+            return self._lm_head_kernel(hs)
         if self.batch_invariant:
             return bi.blocked(self._lm_head_kernel, hs, self.row_blocking["lm_head"])
         if self._packed or self._wide_f32:
@@ -627,6 +649,8 @@ class ModelRunner:
 
     def _lm_head_kernel(self, hs: torch.Tensor) -> torch.Tensor:
         # hs: [M, hidden] -> [M, vocab] float32
+        if self.native_gemm is not None:
+            return self.native_gemm(hs, self.lm_head).float()
         if self.batch_invariant and self._wide_f32:
             return _packed_linear(hs.float().contiguous(), self.lm_head_f32)
         if self._packed:

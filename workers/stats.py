@@ -197,6 +197,7 @@ class LoadSnapshot:
     dtype: str = ""  # the engine's resolved dtype ("float32" / "bfloat16")
     batch_invariant: bool = False  # whether its kernels make output a pure function of the request
     attention_kernel: str = ""  # "native" / "torch" (invariant, each its own rounding) or "sdpa" (not invariant)
+    gemm_kernel: str = ""  # the weight GEMMs run: "onednn" / "mkl" / "native" (CPU) or "cuda"; each rounds its own way
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

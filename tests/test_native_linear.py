@@ -1,0 +1,133 @@
+"""The native linear (workers/kernels/invariant_linear.c): a row's result is bit-identical whatever the rest
+of the call holds (row count, the row's place, the thread count), and close to ``F.linear``; the runner with
+``cpu_gemm="native"`` uses it, and falls back to oneDNN where the library cannot be built."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import platform
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from pydantic import ValidationError
+
+from workers import native_attention
+from workers.config import EngineConfig
+from workers.runner import ModelRunner
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def linear():
+    lin = native_attention.load_linear()
+    if lin is None:
+        pytest.skip("no C compiler: the runner uses oneDNN")
+    return lin
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(131, 1000), (37, 53), (64, 576)])
+def test_rows_are_invariant_and_match_torch(linear, dtype, n, k):
+    """Every row of an M-row call equals that row alone, for M across 1..130 (full and tail tiles of rows
+    and weight rows, odd K), at 1, 2 and 3 threads (131 x 1000 is large enough to run threaded)."""
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(130, k, generator=gen).to(dtype)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([linear(x[i : i + 1], w) for i in range(130)])  # [130, n]
+        rng = random.Random(k)
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64, 127, 130):
+                rows = rng.sample(range(130), m)  # random rows in a random order: each at a random place
+                got = linear(x[rows], w)
+                assert torch.equal(got, alone[rows]), f"M={m} threads={threads}"
+    finally:
+        torch.set_num_threads(before)
+    ref = F.linear(x.double(), w.double())
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the result's own rounding (8 bits)
+    torch.testing.assert_close(alone.double(), ref, atol=tol * k**0.5, rtol=tol)
+
+
+def test_bad_operands_are_refused(linear):
+    with pytest.raises(ValueError, match="do not multiply"):
+        linear(torch.zeros(2, 8), torch.zeros(4, 9))
+    with pytest.raises(ValueError, match="fp32 or both bf16"):
+        linear(torch.zeros(2, 8), torch.zeros(4, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="out must be"):
+        linear(torch.zeros(2, 8), torch.zeros(4, 8), out=torch.zeros(2, 5))
+    assert torch.equal(linear(torch.ones(3, 0), torch.ones(4, 0)), torch.zeros(3, 4))
+
+
+def test_runner_logits_match_the_library_gemm(tiny_loaded, linear):
+    """The same model through the native linears and through F.linear: the same logits up to summation order."""
+    ids = list(range(5, 45))
+    native = ModelRunner(tiny_loaded.model, 1, 64, cpu_gemm="native")
+    assert native.cpu_gemm == "native"
+    ref = ModelRunner(tiny_loaded.model, 1, 64, cpu_gemm="mkl").forward_tokens(0, 0, ids)
+    torch.testing.assert_close(native.forward_tokens(0, 0, ids), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_config_names_a_bad_backend():
+    with pytest.raises(ValidationError, match="cpu_gemm"):
+        EngineConfig(cpu_gemm="blas")
+    assert EngineConfig(cpu_gemm="native").cpu_gemm == "native"
+
+
+def test_without_the_library_native_falls_back_to_onednn(tiny_loaded, monkeypatch, caplog):
+    monkeypatch.setenv(native_attention.ENV_DISABLE, "0")
+    native_attention.clear_cache()
+    try:
+        with caplog.at_level(logging.WARNING, logger="workers.runner"):
+            r = ModelRunner(tiny_loaded.model, 1, 64, cpu_gemm="native", batch_invariant=True)
+        assert r.cpu_gemm == "onednn" and r.native_gemm is None
+        assert "using oneDNN" in caplog.text
+        assert r.forward_tokens(0, 0, [5, 6, 7]).shape == (3, tiny_loaded.model.config.vocab_size)
+    finally:
+        monkeypatch.undo()
+        native_attention.clear_cache()
+
+
+def _build(tmp_path, march: str) -> ctypes.CDLL | None:
+    """The linear kernel alone, built for ``march`` instead of this CPU (None where the compiler refuses)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    out = tmp_path / f"linear-{march}.so"
+    src = native_attention._KERNELS / "invariant_linear.c"
+    flags = [f for f in native_attention.FLAGS if f != "-march=native"]
+    if subprocess.run([cc, *flags, f"-march={march}", str(src), "-o", str(out)], capture_output=True).returncode:
+        return None
+    return ctypes.CDLL(str(out))
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 instruction sets")
+def test_every_instruction_set_sums_fp32_in_the_same_order(linear, tmp_path):
+    """The AVX2 + FMA path and the portable C one (built here for older x86-64 levels, run where this CPU has
+    their instructions) give rows invariant as above and, in fp32, the very bits of the native build."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(19, 301, generator=gen), torch.randn(67, 301, generator=gen)
+    want = linear(x, w)
+    tried = 0
+    for march, needs in (("x86-64-v3", ("avx2", "fma")), ("x86-64-v2", ())):
+        dll = _build(tmp_path, march)
+        if dll is None or not all(f" {n} " in flags for n in needs):
+            continue
+        other = native_attention.NativeLinear(dll)
+        assert torch.equal(other(x, w), want), march
+        assert torch.equal(other(x[7:8], w), want[7:8]), march
+        xb, wb = x.bfloat16(), w.bfloat16()
+        assert torch.equal(other(xb, wb)[3:9], other(xb[3:9], wb)), march
+        tried += 1
+    if not tried:
+        pytest.skip("no other x86-64 level builds or runs here")

@@ -1,0 +1,364 @@
+/* y[M, N] = x[M, K] @ W[N, K]^T on the CPU (nn.Linear's layout, W as stored), bf16 or fp32, batch-invariant
+ * by construction, streaming W once per call for small M.
+ *
+ * Why: a GEMM library picks its kernel, tiling and reduction split by shape, so a row's result can
+ * depend on how many rows the call holds; the runner then probes which row counts agree and pads to
+ * them, and at one row its prepacked GEMMs read the weights well below the memory's bandwidth. Here
+ * every output y[m, n] is one fixed chain over K, whatever M is, whichever rows share a tile,
+ * whichever thread computes it and however N is split:
+ *
+ *   - 16 fp32 lanes; lane l accumulates, k in increasing order, the products x[m, k] * W[n, k] of
+ *     the k that map to it (fp32: k = 16 j + l, one fused multiply-add each; bf16 with AVX512-BF16:
+ *     k = 32 j + 2 l and 32 j + 2 l + 1, one VDPBF16PS each pair; bf16 otherwise: widened exactly to
+ *     fp32, then as fp32). Past K the lanes add zero products.
+ *   - The 16 lanes are then summed by one fixed tree: lane l + lane l+8, then +4, +2, +1 (the tree of
+ *     rms_norm in invariant_layer.c). fp32 addition is commutative, so every code path that follows
+ *     the tree gives the same bits.
+ *   - bf16 output is the fp32 sum rounded to nearest even, as torch rounds.
+ *
+ * Tiles of up to 4 rows of x by 4 rows of W share loads (each weight vector is used by every row of
+ * the tile, each x vector by every weight row); a tile of fewer rows runs the same per-element code.
+ * N is split across OpenMP threads in whole tiles; one thread computes each output entirely.
+ * The instructions are picked at compile time (-march=native): AVX512-BF16, AVX-512F, AVX2 with FMA
+ * (16 lanes as two registers of 8, in 2 x 2 sub-tiles: AVX2 has 16 registers), else portable C with
+ * fmaf. fp32 results are the same bits in every build (each lane one fused multiply-add per k, the same
+ * tree); bf16 with AVX512-BF16 pairs k differently. Built with -ffp-contract=off.
+ */
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define MR 4          /* rows of x per tile */
+#define NR 4          /* rows of W per tile */
+#ifndef NB_BYTES
+#define NB_BYTES 24576 /* weight bytes of the tiles a thread sweeps all of x's row tiles over (stay in L1) */
+#endif
+#ifndef PF_TILES
+#define PF_TILES 2 /* prefetch the weight rows this many tiles ahead */
+#endif
+
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays quiet */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float bf16_widen(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* The fixed tree over one accumulator's 16 lanes (the portable form of reduce16 below). */
+static inline float tree16(const float *a) {
+    float t[16];
+    memcpy(t, a, sizeof t);
+    for (int h = 8; h > 0; h /= 2)
+        for (int l = 0; l < h; l++) t[l] = t[l] + t[l + h];
+    return t[0];
+}
+
+#if defined(__AVX512F__)
+
+typedef __m512 acc_t;
+
+/* acc[0..15] -> lane 4 e + j holds the tree sum of acc[e + 4 j]: four levels of pairwise sums, each
+ * pairing lanes l and l + h within an accumulator (h = 8, 4, 2, 1), as tree16. */
+static inline __m512 reduce16(const __m512 *a) {
+    __m512 u[8], z[4], y[2];
+    for (int i = 0; i < 8; i++) /* lanes l + l+8: [a_2i (8 lanes), a_2i+1 (8 lanes)] */
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xee));
+    for (int i = 0; i < 4; i++) /* + l+4: four lanes each of [a_4i, a_4i+1, a_4i+2, a_4i+3] ... */
+        z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xdd));
+    /* z[i] block e: four lanes of a_{4 i + e} */
+    for (int i = 0; i < 2; i++) /* + l+2: block e: 2 lanes of a_{8 i + e}, 2 of a_{8 i + 4 + e} */
+        y[i] = _mm512_add_ps(_mm512_shuffle_ps(z[2 * i], z[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(z[2 * i], z[2 * i + 1], 0xee));
+    /* + l+1: block e: a_e, a_{4 + e}, a_{8 + e}, a_{12 + e} */
+    return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xdd));
+}
+
+/* Where reduce16 leaves the sum of accumulator s. */
+#define LANE_OF(s) (4 * ((s) % 4) + (s) / 4)
+
+#else
+
+typedef struct {
+    float v[16];
+} acc_t;
+
+#define LANE_OF(s) (s)
+
+#endif
+
+/* Accumulator slot of tile entry (row r, weight row c): r + 4 c, so reduce16 leaves row r's four
+ * weight rows in lanes 4 r .. 4 r + 3. */
+#define SLOT(r, c) ((r) + 4 * (c))
+
+#if defined(__AVX512F__)
+/* One K step of a tile: 32 bf16 (or 16 fp32) of each row; `full` (a constant after inlining) loads
+ * without a mask, else the lanes of m only (the rest read as 0). */
+static inline __attribute__((always_inline)) void step_bf16(__m512 *acc, const uint16_t *const *xr,
+                                                            const uint16_t *const *wr, int64_t k, int mr, int full,
+                                                            __mmask32 m) {
+#if defined(__AVX512BF16__)
+    __m512bh xv[MR], wv[NR];
+    for (int r = 0; r < mr; r++)
+        xv[r] = (__m512bh)(full ? _mm512_loadu_si512(xr[r] + k) : _mm512_maskz_loadu_epi16(m, xr[r] + k));
+    for (int c = 0; c < NR; c++)
+        wv[c] = (__m512bh)(full ? _mm512_loadu_si512(wr[c] + k) : _mm512_maskz_loadu_epi16(m, wr[c] + k));
+    for (int c = 0; c < NR; c++)
+        for (int r = 0; r < mr; r++) acc[SLOT(r, c)] = _mm512_dpbf16_ps(acc[SLOT(r, c)], xv[r], wv[c]);
+#else
+    /* Widen 16 bf16 at a time (exact) and fuse multiply-add: lane l takes k + l, then k + 16 + l. */
+    for (int h = 0; h < 2; h++) {
+        const __mmask16 mh = full ? (__mmask16)0xffff : (__mmask16)(m >> (16 * h));
+        __m512 xv[MR], wv[NR];
+        for (int r = 0; r < mr; r++)
+            xv[r] = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mh, xr[r] + k + 16 * h)), 16));
+        for (int c = 0; c < NR; c++)
+            wv[c] = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mh, wr[c] + k + 16 * h)), 16));
+        for (int c = 0; c < NR; c++)
+            for (int r = 0; r < mr; r++) acc[SLOT(r, c)] = _mm512_fmadd_ps(xv[r], wv[c], acc[SLOT(r, c)]);
+    }
+#endif
+}
+
+static inline __attribute__((always_inline)) void step_f32(__m512 *acc, const float *const *xr,
+                                                           const float *const *wr, int64_t k, int mr, int full,
+                                                           __mmask16 m) {
+    __m512 xv[MR], wv[NR];
+    for (int r = 0; r < mr; r++) xv[r] = full ? _mm512_loadu_ps(xr[r] + k) : _mm512_maskz_loadu_ps(m, xr[r] + k);
+    for (int c = 0; c < NR; c++) {
+        wv[c] = full ? _mm512_loadu_ps(wr[c] + k) : _mm512_maskz_loadu_ps(m, wr[c] + k);
+        __asm__("" : "+v"(wv[c])); /* one load per weight vector, not one folded into each row's FMA */
+    }
+    for (int r = 0; r < mr; r++) __asm__("" : "+v"(xv[r]));
+    for (int c = 0; c < NR; c++)
+        for (int r = 0; r < mr; r++) acc[SLOT(r, c)] = _mm512_fmadd_ps(xv[r], wv[c], acc[SLOT(r, c)]);
+}
+#endif
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* 8 values at p[i ..] as fp32: fp32, or bf16 widened (exactly). */
+static inline __m256 ld8(const void *p, int64_t i, int bf16) {
+    if (bf16)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+/* One K step of 16 of a 2 x 2 sub-tile (rn rows: the second row repeats the first when rn is 1). */
+static inline __attribute__((always_inline)) void avx2_step(__m256 lo[2][2], __m256 hi[2][2], const void *const *xr,
+                                                            const void *const *wr, int64_t k, int rn, int bf16) {
+    __m256 xl[2], xh[2], wl[2], wh[2];
+    for (int i = 0; i < rn; i++) xl[i] = ld8(xr[i], k, bf16), xh[i] = ld8(xr[i], k + 8, bf16);
+    for (int j = 0; j < 2; j++) wl[j] = ld8(wr[j], k, bf16), wh[j] = ld8(wr[j], k + 8, bf16);
+    for (int i = 0; i < rn; i++)
+        for (int j = 0; j < 2; j++) {
+            lo[i][j] = _mm256_fmadd_ps(xl[i], wl[j], lo[i][j]);
+            hi[i][j] = _mm256_fmadd_ps(xh[i], wh[j], hi[i][j]);
+        }
+}
+#endif
+
+/* One tile: rows x[0..mr) (row stride ldx) against weight rows w[0..NR) (row stride K), all K.
+ * sums[LANE_OF(SLOT(r, c))] receives y[r, c] in fp32. Always inlined with a constant mr, so the
+ * accumulators stay in registers. pf[0]: the first weight row PF_TILES tiles ahead, or pf NULL: a tile's
+ * rows are contiguous, and each K step prefetches the next NR cache lines of that tile in address order
+ * (one stream: faster than NR streams a row apart, docs/benchmarks.md#gemm_ab). */
+static inline __attribute__((always_inline)) void tile(const void *x, int64_t ldx, const void *const *w, int64_t K,
+                                                       int mr, int bf16, const void *const *pf, float *sums) {
+#if defined(__AVX512F__)
+    acc_t acc[16];
+    for (int s = 0; s < 16; s++) acc[s] = _mm512_setzero_ps();
+    if (bf16) {
+        const uint16_t *xr[MR], *wr[NR];
+        for (int r = 0; r < mr; r++) xr[r] = (const uint16_t *)x + r * ldx;
+        for (int c = 0; c < NR; c++) wr[c] = (const uint16_t *)w[c];
+        int64_t k = 0;
+        if (pf)
+            for (; k + 32 <= K; k += 32) {
+                for (int c = 0; c < NR; c++) _mm_prefetch((const char *)pf[0] + 8 * k + 64 * c, _MM_HINT_T0);
+                step_bf16(acc, xr, wr, k, mr, 1, 0);
+            }
+        else
+            for (; k + 32 <= K; k += 32) step_bf16(acc, xr, wr, k, mr, 1, 0);
+        if (k < K) step_bf16(acc, xr, wr, k, mr, 0, (__mmask32)((1u << (K - k)) - 1u));
+    } else {
+        const float *xr[MR], *wr[NR];
+        for (int r = 0; r < mr; r++) xr[r] = (const float *)x + r * ldx;
+        for (int c = 0; c < NR; c++) wr[c] = (const float *)w[c];
+        int64_t k = 0;
+        if (pf)
+            for (; k + 16 <= K; k += 16) {
+                for (int c = 0; c < NR; c++) _mm_prefetch((const char *)pf[0] + 16 * k + 64 * c, _MM_HINT_T0);
+                step_f32(acc, xr, wr, k, mr, 1, 0);
+            }
+        else
+            for (; k + 16 <= K; k += 16) step_f32(acc, xr, wr, k, mr, 1, 0);
+        if (k < K) step_f32(acc, xr, wr, k, mr, 0, (__mmask16)((1u << (K - k)) - 1u));
+    }
+    _mm512_storeu_ps(sums, reduce16(acc));
+#elif defined(__AVX2__) && defined(__FMA__)
+    /* The 16 lanes as two halves of 8 (lane l: k + l of every 16 k), in sub-tiles of 2 rows by 2 weight
+     * rows: 8 accumulator registers of the 16 there are. */
+    for (int r0 = 0; r0 < mr; r0 += 2) {
+        const int rn = mr - r0 < 2 ? mr - r0 : 2;
+        for (int c0 = 0; c0 < NR; c0 += 2) {
+            const void *xr[2] = {(const char *)x + (size_t)((r0) * ldx) * (bf16 ? 2 : 4),
+                                 (const char *)x + (size_t)((r0 + rn - 1) * ldx) * (bf16 ? 2 : 4)};
+            const void *wr[2] = {w[c0], w[c0 + 1]};
+            __m256 lo[2][2], hi[2][2];
+            for (int i = 0; i < 2; i++)
+                for (int j = 0; j < 2; j++) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
+            int64_t k = 0;
+            for (; k + 16 <= K; k += 16) {
+                if (pf && r0 == 0 && (!bf16 || (k & 31) == 0))
+                    for (int j = 0; j < 2; j++)
+                        _mm_prefetch((const char *)pf[0] + (bf16 ? 8 : 16) * k + 64 * (c0 + j), _MM_HINT_T0);
+                avx2_step(lo, hi, xr, wr, k, rn, bf16);
+            }
+            if (k < K) { /* the tail, zero-padded to 16 */
+                uint32_t buf[4][16];
+                memset(buf, 0, sizeof buf);
+                const size_t es = bf16 ? 2 : 4, n = (size_t)(K - k) * es;
+                const void *xt[2] = {buf[0], buf[1]}, *wt[2] = {buf[2], buf[3]};
+                for (int i = 0; i < 2; i++) memcpy(buf[i], (const char *)xr[i] + (size_t)k * es, n);
+                for (int j = 0; j < 2; j++) memcpy(buf[2 + j], (const char *)wr[j] + (size_t)k * es, n);
+                avx2_step(lo, hi, xt, wt, 0, rn, bf16);
+            }
+            for (int i = 0; i < rn; i++)
+                for (int j = 0; j < 2; j++) {
+                    const __m256 v = _mm256_add_ps(lo[i][j], hi[i][j]);                                /* l + l+8 */
+                    const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); /* + l+4 */
+                    const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));                               /* + l+2 */
+                    const __m128 c = _mm_add_ss(b, _mm_shuffle_ps(b, b, 1));                            /* + l+1 */
+                    sums[LANE_OF(SLOT(r0 + i, c0 + j))] = _mm_cvtss_f32(c);
+                }
+        }
+    }
+#else
+    (void)pf;
+    acc_t acc[16];
+    memset(acc, 0, sizeof acc);
+    for (int64_t k = 0; k < K; k += 16) {
+        const int n = K - k < 16 ? (int)(K - k) : 16;
+        float xv[MR][16], wv[NR][16];
+        for (int r = 0; r < mr; r++)
+            for (int l = 0; l < 16; l++)
+                xv[r][l] = l >= n ? 0.0f
+                           : bf16    ? bf16_widen(((const uint16_t *)x)[r * ldx + k + l])
+                                     : ((const float *)x)[r * ldx + k + l];
+        for (int c = 0; c < NR; c++)
+            for (int l = 0; l < 16; l++)
+                wv[c][l] = l >= n ? 0.0f : bf16 ? bf16_widen(((const uint16_t *)w[c])[k + l]) : ((const float *)w[c])[k + l];
+        for (int c = 0; c < NR; c++)
+            for (int r = 0; r < mr; r++)
+                for (int l = 0; l < 16; l++)
+                    acc[SLOT(r, c)].v[l] = __builtin_fmaf(xv[r][l], wv[c][l], acc[SLOT(r, c)].v[l]);
+    }
+    for (int s = 0; s < 16; s++) sums[LANE_OF(s)] = tree16(acc[s].v);
+#endif
+}
+
+/* One row tile of mr rows (a compile-time constant after inlining) against the weight tiles
+ * [t0, t1), writing y. */
+static inline __attribute__((always_inline)) void row_tile(const void *x, int64_t m0, int mr, const void *W, void *y,
+                                                           int64_t N, int64_t K, int64_t t0, int64_t t1, int64_t tend,
+                                                           int bf16, int prefetch) {
+    const size_t es = bf16 ? 2 : 4;
+    const char *xb = (const char *)x + (size_t)(m0 * K) * es;
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t n0 = t * NR;
+        const void *w[NR], *pf[NR];
+        for (int c = 0; c < NR; c++) /* past N: repeat the last row (its sums are not stored) */
+            w[c] = (const char *)W + (size_t)((n0 + c < N ? n0 + c : N - 1) * K) * es;
+        const int ahead = PF_TILES > 0 && prefetch && t + PF_TILES < tend;
+        for (int c = 0; c < NR; c++) {
+            const int64_t n = n0 + PF_TILES * NR + c;
+            pf[c] = (const char *)W + (size_t)((n < N ? n : N - 1) * K) * es;
+        }
+        float sums[16];
+        tile(xb, K, w, K, mr, bf16, ahead ? pf : NULL, sums);
+        const size_t nc = N - n0 < NR ? (size_t)(N - n0) : NR;
+#if defined(__AVX512F__)
+        /* row r's NR sums sit in lanes NR r ..: one copy per row */
+        if (bf16) {
+            uint16_t h[16];
+            const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(sums));
+            const __m512i rne = _mm512_srli_epi32(
+                _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))),
+                16);
+            const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_loadu_ps(sums), _mm512_loadu_ps(sums), _CMP_UNORD_Q);
+            const __m512i q = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)); /* NaN stays quiet */
+            _mm256_storeu_si256((__m256i *)h, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rne, q)));
+            for (int r = 0; r < mr; r++) memcpy((uint16_t *)y + (m0 + r) * N + n0, h + NR * r, nc * 2);
+        } else {
+            for (int r = 0; r < mr; r++) memcpy((float *)y + (m0 + r) * N + n0, sums + NR * r, nc * 4);
+        }
+#else
+        for (int r = 0; r < mr; r++) {
+            const int64_t o = (m0 + r) * N + n0;
+            if (bf16)
+                for (size_t c = 0; c < nc; c++) ((uint16_t *)y)[o + c] = bf16_round(sums[LANE_OF(SLOT(r, c))]);
+            else
+                for (size_t c = 0; c < nc; c++) ((float *)y)[o + c] = sums[LANE_OF(SLOT(r, c))];
+        }
+#endif
+    }
+}
+
+/* x: [M, K], W: [N, K], y: [M, N], all contiguous; fp32, or bf16 (bf16 != 0) as uint16. */
+int invariant_linear(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16,
+                     int nthreads) {
+    if (M < 0 || N <= 0 || K <= 0) return -1;
+    if (M == 0) return 0;
+    const int64_t tiles = (N + NR - 1) / NR;
+    const int64_t es = bf16 ? 2 : 4;
+    /* weight tiles per block: x's row tiles all sweep one block while it sits in cache */
+    int64_t nb = NB_BYTES / (NR * K * es);
+    if (nb < 1) nb = 1;
+    const int prefetch = M <= 2 * MR; /* streaming W: the next tiles are not in cache yet */
+    int nt = nthreads < 1 ? 1 : nthreads;
+    if ((double)M * N * K < 262144.0) nt = 1; /* a tiny call costs less than waking the threads */
+    if (nt > tiles) nt = (int)tiles;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+#ifdef _OPENMP
+        const int id = omp_get_thread_num();
+#else
+        const int id = 0;
+#endif
+        const int64_t lo = tiles * id / nt, hi = tiles * (id + 1) / nt; /* this thread's weight tiles */
+        for (int64_t b0 = lo; b0 < hi; b0 += nb) {
+            const int64_t b1 = b0 + nb < hi ? b0 + nb : hi;
+            int64_t m0 = 0;
+            /* the block's first row tile reads the weights from memory: prefetch them there */
+            for (; m0 + MR <= M; m0 += MR) row_tile(x, m0, MR, W, y, N, K, b0, b1, hi, bf16, m0 == 0 || prefetch);
+            switch (M - m0) {
+            case 1: row_tile(x, m0, 1, W, y, N, K, b0, b1, hi, bf16, m0 == 0 || prefetch); break;
+            case 2: row_tile(x, m0, 2, W, y, N, K, b0, b1, hi, bf16, m0 == 0 || prefetch); break;
+            case 3: row_tile(x, m0, 3, W, y, N, K, b0, b1, hi, bf16, m0 == 0 || prefetch); break;
+            default: break;
+            }
+        }
+    }
+    return 0;
+}
