@@ -245,7 +245,7 @@ class TargetWorker:
 
     def _fingerprint(self) -> str:
         """OpenAI's ``system_fingerprint``: the configuration that, with the seed, fixes the output (the
-        served model, resolved dtype, invariant kernels and which attention, verification rule, torch,
+        served model, resolved dtype, invariant kernels and which attention and GEMMs, verification rule, torch,
         CPU/GPU kind)."""
         if self._fp is None:
             import hashlib
@@ -259,7 +259,7 @@ class TargetWorker:
             )
             key = (
                 f"{e.model}|{e.served_model_name}|{snap.dtype}|{snap.batch_invariant}|{snap.attention_kernel}|"
-                f"{e.verification}|{torch.__version__}|{kind}"
+                f"{snap.gemm_kernel}|{e.verification}|{torch.__version__}|{kind}"
             )
             self._fp = "fp_" + hashlib.sha256(key.encode()).hexdigest()[:12]
         return self._fp

@@ -90,9 +90,11 @@ class EngineConfig(BaseModel):
         "rejection sampling (the same distribution, but the random draws depend on K, so seeded text depends on load).",
     )
     device: str = Field("auto", description="'auto' picks CUDA when present, else CPU.")
-    cpu_gemm: Literal["onednn", "mkl", "native"] = Field(
-        "onednn",
-        description="CPU matmul backend. 'onednn' prepacks every weight once, which makes steps faster at every "
+    cpu_gemm: Literal["auto", "onednn", "mkl", "native"] = Field(
+        "auto",
+        description="CPU matmul backend. 'auto': 'native' for a bf16 model on a CPU with AVX512-BF16 and no AMX, "
+        "where it measured fastest at every batch size, else 'onednn' (docs/benchmarks.md#gemm_ab). 'onednn' "
+        "prepacks every weight once, which makes steps faster at every "
         "batch size (docs/benchmarks.md); 'mkl' is F.linear, the call HF's own forward makes, so "
         "fp32 logits are bit-identical to HF. oneDNN sums in another order: logits differ from HF's by up to "
         "~1.2e-4 (HF's own fp32 forward is 4e-5 off the fp64 one). 'native': the project's own linear kernel "

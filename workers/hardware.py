@@ -30,6 +30,17 @@ def cpu_has_native_bf16() -> bool:
     return any(f in cpu_flags() for f in _NATIVE_BF16_FLAGS)
 
 
+def resolve_cpu_gemm(name: str, dtype: torch.dtype) -> str:
+    """``"auto"``: the native linear kernel where it measured fastest, a bf16 model on a CPU with AVX512-BF16
+    and no AMX (docs/benchmarks.md, ``gemm_ab``); oneDNN elsewhere: its AMX kernels win prefill and large
+    batches, and in fp32 or on AVX2 the native kernel loses from 16 rows on. Any other name is kept."""
+    if name != "auto":
+        return name
+    flags = cpu_flags()
+    native = dtype == torch.bfloat16 and "avx512_bf16" in flags and not any(f.startswith("amx") for f in flags)
+    return "native" if native else "onednn"
+
+
 def cpu_name() -> str:
     """The CPU's model name, for benchmark results (timings mean little without it)."""
     try:

@@ -34,6 +34,7 @@ from transformers import PreTrainedModel
 
 from workers import batch_invariant as bi
 from workers import hugepages, native_attention
+from workers.hardware import resolve_cpu_gemm
 
 log = logging.getLogger(__name__)
 
@@ -160,8 +161,9 @@ class ModelRunner:
         ``native_kernels``: the native attention and row-wise ops (workers/native_attention.py) on the CPU; None:
         with ``batch_invariant``. A runner that need not be invariant (a draft model) may still take them for
         speed: they round differently from the torch ops, which changes its drafts, not the output."""
-        if cpu_gemm not in ("onednn", "mkl", "native"):
-            raise ValueError(f"cpu_gemm must be 'onednn', 'mkl' or 'native', got {cpu_gemm!r}")
+        if cpu_gemm not in ("auto", "onednn", "mkl", "native"):
+            raise ValueError(f"cpu_gemm must be 'auto', 'onednn', 'mkl' or 'native', got {cpu_gemm!r}")
+        cpu_gemm = resolve_cpu_gemm(cpu_gemm, dtype)
         cfg = hf_model.config
         self.device = pick_device(device) if isinstance(device, str) else device
         self.dtype = dtype

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from workers import output_processor
+from workers import native_attention, output_processor
 from workers.runner import ModelRunner
 
 GEMMS = ("qkv", "o", "gate_up", "down", "lm_head")
@@ -45,18 +45,6 @@ def weight_bytes(runner: ModelRunner) -> dict[str, int]:
     out = {k: v * runner.num_layers * esize for k, v in per_layer.items()}
     out["lm_head"] = runner.lm_head.shape[0] * hd * esize
     return out
-
-
-class _Timed:
-    """A proxy whose listed methods are timed into ``split`` under ``prefix + name``."""
-
-    def __init__(self, inner: Any, names: tuple[str, ...], split: StepSplit) -> None:
-        self._inner = inner
-        for n in names:
-            setattr(self, n, split.timer(n, getattr(inner, n)))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
 
 class StepSplit:
@@ -109,10 +97,10 @@ class StepSplit:
         self._patch(r, "_linear_kernel", linear_kernel)
         self._patch(r, "_lm_head_kernel", self.timer("lm_head", r._lm_head_kernel))
         self._patch(r, "forward", self.timer("forward", r.forward))
-        if r.native_attn is not None:
-            self._patch(r, "native_attn", self.timer("attention", r.native_attn))
-        if r.native_ops is not None:
-            self._patch(r, "native_ops", _Timed(r.native_ops, ROW_OPS, self))
+        if r.native_ops is not None:  # a forward makes its native calls through one NativeStep
+            step = native_attention.NativeStep
+            for name in ("attention", *ROW_OPS):
+                self._patch(step, name, self.timer(name, getattr(step, name)))
         if self.engine is not None:
             e = self.engine
             self._patch(e, "step", self.timer("step", e.step))
