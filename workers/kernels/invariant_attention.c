@@ -45,7 +45,7 @@
 static inline __attribute__((always_inline)) void prefetch_block(const void *base, int64_t off, int64_t n, const int KB) {
     const char *p = (const char *)base + off * (KB ? 2 : 4);
     const int64_t bytes = n * (KB ? 2 : 4);
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2); /* into L2: measured better than L1 */
 }
 
 /* A tile: R query rows of one request (R = 1, or ROWS for rows of a prompt chunk, which share their
