@@ -77,6 +77,34 @@ def test_runner_logits_match_the_library_gemm(tiny_loaded, linear):
     torch.testing.assert_close(native.forward_tokens(0, 0, ids), ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_layers_in_one_native_call_equal_the_calls_one_by_one(tiny_loaded, linear, dtype):
+    """With every GEMM native, a forward's layers run as one C loop making the same calls: the logits and
+    the caches it writes are bit-identical to the calls made one by one from Python, for a step that mixes
+    prefill chunks and decode rows of requests whose blocks are scattered over the pool."""
+    from workers.runner import StepBatch
+
+    runners = [
+        ModelRunner(tiny_loaded.model, 4, 128, dtype=dtype, cpu_gemm="native", batch_invariant=True, num_blocks=40)
+        for _ in range(2)
+    ]
+    assert runners[0].native_layers is not None
+    runners[1].fused_layers = False
+    rng = random.Random(3)
+    tables = [rng.sample(range(40), 8) for _ in range(3)]
+    first = StepBatch([0, 1, 2], [0, 0, 0], [list(range(5, 40)), list(range(7, 29)), [3, 4, 5]], [[34], [21], [2]])
+    first.block_tables = tables
+    nxt = StepBatch([0, 1, 2], [35, 22, 3], [[9], [11, 12, 13, 14], [8]], [[0], [0, 1, 2, 3], [0]])
+    nxt.block_tables = tables
+    outs = [[r.forward(b).logits for b in (first, nxt)] for r in runners]
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    for (ka, va), (kb, vb) in zip(
+        zip(runners[0]._k_storage, runners[0].v_cache), zip(runners[1]._k_storage, runners[1].v_cache)
+    ):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
 def test_config_names_a_bad_backend():
     with pytest.raises(ValidationError, match="cpu_gemm"):
         EngineConfig(cpu_gemm="blas")

@@ -116,9 +116,16 @@ def load_linear() -> NativeLinear | None:
     return NativeLinear(dll) if dll is not None else None
 
 
+@functools.lru_cache(maxsize=1)
+def load_layers() -> NativeLayers | None:
+    """Every decoder layer in one call, from the same library as :func:`load` (``None`` exactly when it is)."""
+    dll = _library()
+    return NativeLayers(dll) if dll is not None else None
+
+
 def clear_cache() -> None:
     """Forget the loaded library, so the next :func:`load` looks again (tests toggle the environment)."""
-    for f in (_library, load, load_layer_ops, load_linear):
+    for f in (_library, load, load_layer_ops, load_linear, load_layers):
         f.cache_clear()
 
 
@@ -417,7 +424,7 @@ class NativeStep:
         if cos.dtype != dtype or sin.dtype != dtype or cos.shape != sin.shape or cos.shape[1] != D:
             raise ValueError("cos and sin must be [max_len, head_dim] in the model's dtype")
         T, H = positions.shape[0], num_heads
-        self.T, self.H, self.D, self.bf16 = T, H, D, int(dtype == torch.bfloat16)
+        self.T, self.H, self.Hkv, self.D, self.bf16 = T, H, Hkv, D, int(dtype == torch.bfloat16)
         self.threads = torch.get_num_threads()
         self._ops, self._attn = ops, attn
         self._kv = [(kt.data_ptr(), v.data_ptr()) for kt, v in kv_caches]
@@ -496,3 +503,72 @@ class NativeStep:
         """As :meth:`NativeLayerOps.silu_mul` into ``out`` ([T, I], the model's dtype)."""
         self._ops._silu(gu.data_ptr(), out.data_ptr(), self.T, gu.shape[1] // 2, self.bf16, self.threads)
         return out
+
+
+class NativeLayers:
+    """Every decoder layer of a forward as one native call (``invariant_layers`` in
+    workers/kernels/invariant_layer.c), for a runner whose GEMMs are all the native linear kernel.
+
+    Why: with every GEMM native, a layer is nine native calls; made from Python they cost a few
+    microseconds each in argument handling, which at one row is a large part of the step. The C loop makes
+    the same calls with the same arguments in the same order, so the result is bit-identical to making them
+    one by one. The weights' and caches' addresses are bound once (:meth:`bind`); a call passes the step's.
+    """
+
+    def __init__(self, dll: ctypes.CDLL) -> None:
+        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        fn = dll.invariant_layers
+        fn.argtypes = [p, p, p, p, i64, p, p, p, p, i64, p, i64, p, p, f32, p, i64]
+        fn.argtypes += [p] * 8 + [i64] * 8 + [f32, i32, i32, i32]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    def bind(
+        self,
+        layers: list[dict[str, torch.Tensor]],  # per layer in_norm, qkv, o, post_norm, gate_up, down: contiguous
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (kt_cache, v_cache)
+    ) -> tuple[ctypes.Array, ctypes.Array, ctypes.Array, list[torch.Tensor]]:
+        """The pointer tables of one runner's weights and caches (which must outlive them: the runner's own)."""
+        names = ("in_norm", "qkv", "o", "post_norm", "gate_up", "down")
+        keep = [L[n] for L in layers for n in names]
+        if not all(t.is_contiguous() for t in keep):
+            raise ValueError("every layer weight must be contiguous")
+        for kt, v in kv_caches:
+            _check_caches(kt, v)
+        w = (ctypes.c_void_p * len(keep))(*(t.data_ptr() for t in keep))
+        kts = (ctypes.c_void_p * len(kv_caches))(*(kt.data_ptr() for kt, _ in kv_caches))
+        vs = (ctypes.c_void_p * len(kv_caches))(*(v.data_ptr() for _, v in kv_caches))
+        return w, kts, vs, keep
+
+    def __call__(
+        self,
+        bound: tuple[ctypes.Array, ctypes.Array, ctypes.Array, list[torch.Tensor]],
+        step: NativeStep,
+        h: torch.Tensor,  # [T, hidden] the model's dtype, updated in place
+        intermediate: int,
+        eps: float,
+    ) -> torch.Tensor:  # [T, hidden]: the last layer's down projection (the output is h + it)
+        w, kts, vs, _ = bound
+        T, hidden = h.shape
+        nl = len(kts)
+        qkv = h.new_empty(T, (step.H + 2 * step.Hkv) * step.D)
+        x, delta = torch.empty_like(h), torch.empty_like(h)
+        gu, act = h.new_empty(T, 2 * intermediate), h.new_empty(T, intermediate)
+        a = (
+            step._attn_args
+        )  # block_table, bt_stride, req, nvis, o32, T, H, Hkv, D, BS, num_blocks, scale, scratch, n_pad
+        r = step._rope_args  # positions, kv_index, cos, sin, q
+        rc = self._fn(
+            h.data_ptr(), w, kts, vs, nl,
+            r[0], r[1], r[2], r[3], step._rope_tail[6],
+            a[0], a[1], a[2], a[3], a[11], a[12], a[13],
+            x.data_ptr(), qkv.data_ptr(), r[4], a[4], step.o.data_ptr(), delta.data_ptr(), gu.data_ptr(),
+            act.data_ptr(),
+            T, hidden, step.H, step.Hkv, step.D, intermediate, step._rope_tail[4], step._num_blocks,
+            eps, step.bf16, step._kv_bf16, step.threads,
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(
+                f"a layer's native call failed ({rc}): shapes outside the kernels or indices outside the pool"
+            )
+        return delta

@@ -288,6 +288,16 @@ class ModelRunner:
         self._k_storage = [hugepages.zeros(k_storage, kv_dtype, self.device) for _ in range(self.num_layers)]
         self.k_cache = [kt.transpose(2, 3) for kt in self._k_storage] if self.native_attn else self._k_storage
         self.v_cache = [hugepages.zeros(kv_shape, kv_dtype, self.device) for _ in range(self.num_layers)]
+        # With every GEMM native too, a forward's layers are one native call (the same calls, made in C).
+        self.native_layers = (
+            native_attention.load_layers() if self.native_gemm is not None and self.native_ops is not None else None
+        )
+        self._bound_layers = (
+            self.native_layers.bind(self.layers, list(zip(self._k_storage, self.v_cache)))
+            if self.native_layers
+            else None
+        )
+        self.fused_layers = True  # False: the layers' calls made one by one from Python (benchmarks time them)
         # One row blocking per weight shape (all layers share them), probed with the thread count the
         # steps run with (a library partitions work by thread count too): re-probed if that changes.
         self.row_blocking: dict[str, bi.RowBlocking] = {}
@@ -568,6 +578,9 @@ class ModelRunner:
             max_kv,
             D**-0.5,
         )
+        if self.native_layers is not None and self.fused_layers:
+            assert self._bound_layers is not None
+            return h + self.native_layers(self._bound_layers, step, h, self.intermediate_size, self.eps)
         x = torch.empty_like(h)  # [T, hidden] the normalized rows each GEMM reads
         delta = None
         # When the down projection's row blocking pads this step's rows (one call of call_rows > T: e.g. a

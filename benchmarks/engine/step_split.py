@@ -97,6 +97,9 @@ class StepSplit:
         self._patch(r, "_linear_kernel", linear_kernel)
         self._patch(r, "_lm_head_kernel", self.timer("lm_head", r._lm_head_kernel))
         self._patch(r, "forward", self.timer("forward", r.forward))
+        # the layers' native calls made one by one from Python, so each is timed (not one fused C loop)
+        if getattr(r, "native_layers", None) is not None:
+            self._patch(r, "fused_layers", False)
         if r.native_ops is not None:  # a forward makes its native calls through one NativeStep
             step = native_attention.NativeStep
             for name in ("attention", *ROW_OPS):

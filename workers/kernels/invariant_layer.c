@@ -171,3 +171,49 @@ int silu_mul(const void *gu, void *out, int64_t T, int64_t I, int bf16, int nthr
     }
     return 0;
 }
+
+/* In invariant_attention.c and invariant_linear.c, the same library. */
+int invariant_attention(const float *q, int64_t q_row_stride, const void *kt, const void *v, int kv_bf16,
+                        const int64_t *block_table, int64_t bt_stride, const int64_t *req, const int64_t *nvis,
+                        float *out, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t BS, int64_t num_blocks,
+                        float scale, float *scratch, int64_t n_pad, int nthreads, uint16_t *out_bf16);
+int invariant_linear(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int nthreads);
+
+/* Every decoder layer of one forward in one call, when every GEMM is invariant_linear: the same calls,
+ * in the same order, with the same arguments the runner would make one by one from Python, so the result
+ * is bit-identical to that path; only the ~9 Python-side calls per layer are gone.
+ *
+ * w: [L * 6] per layer in_norm [hidden], qkv [(H + 2 Hkv) D, hidden], o [hidden, H D], post_norm [hidden],
+ * gate_up [2 I, hidden], down [hidden, I]. kt, v: [L] the layers' caches (see rope_kv). h: [T, hidden], the
+ * residual stream, updated in place; on return delta holds the last layer's down projection (h + delta is
+ * the output, added by the caller as torch adds). Buffers: x [T, hidden], qkv [T, (H + 2 Hkv) D],
+ * q and o32 [T, H D] fp32, o [T, H D] (the model's dtype; unused for fp32), delta [T, hidden],
+ * gu [T, 2 I], act [T, I]. Returns 0, or the failing call's code (nothing after it runs). */
+int invariant_layers(void *h, const void *const *w, void *const *kt, void *const *v, int64_t L,
+                     const int64_t *pos, const int64_t *kv_index, const void *cos, const void *sin, int64_t max_len,
+                     const int64_t *block_table, int64_t bt_stride, const int64_t *req, const int64_t *nvis,
+                     float scale, float *scratch, int64_t n_pad, void *x, void *qkv, float *q, float *o32, void *o,
+                     void *delta, void *gu, void *act, int64_t T, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
+                     int64_t I, int64_t BS, int64_t num_blocks, float eps, int bf16, int kv_bf16, int nthreads) {
+    const int64_t nqkv = (H + 2 * Hkv) * D;
+    void *attn_out = bf16 ? o : (void *)o32;
+    int rc;
+    for (int64_t l = 0; l < L; l++) {
+        const void *const *wl = w + 6 * l;
+        if ((rc = rms_norm(h, l ? delta : NULL, wl[0], x, T, hidden, eps, bf16, nthreads))) return rc;
+        if ((rc = invariant_linear(x, wl[1], qkv, T, nqkv, hidden, bf16, nthreads))) return rc;
+        if ((rc = rope_kv(qkv, nqkv, pos, kv_index, cos, sin, q, kt[l], v[l], T, H, Hkv, D, BS, num_blocks, max_len,
+                          bf16, kv_bf16, nthreads)))
+            return rc;
+        if ((rc = invariant_attention(q, H * D, kt[l], v[l], kv_bf16, block_table, bt_stride, req, nvis, o32, T, H, Hkv,
+                                      D, BS, num_blocks, scale, scratch, n_pad, nthreads,
+                                      bf16 ? (uint16_t *)o : NULL)))
+            return rc;
+        if ((rc = invariant_linear(attn_out, wl[2], delta, T, hidden, H * D, bf16, nthreads))) return rc;
+        if ((rc = rms_norm(h, delta, wl[3], x, T, hidden, eps, bf16, nthreads))) return rc;
+        if ((rc = invariant_linear(x, wl[4], gu, T, 2 * I, hidden, bf16, nthreads))) return rc;
+        if ((rc = silu_mul(gu, act, T, I, bf16, nthreads))) return rc;
+        if ((rc = invariant_linear(act, wl[5], delta, T, hidden, I, bf16, nthreads))) return rc;
+    }
+    return 0;
+}
