@@ -220,12 +220,13 @@ RECORDS = {
     "http_sweep_pc_off": "http_sweep with prefix caching off",
     "http_sweep_pc_on": "http_sweep with prefix caching on (its pair)",
     "http_sweep_s10_copy_6rounds": "http_sweep, copy mix, 6 rounds (session 10)",
-    "soak_5min": "soak --local, 5 min after a 120 s warm-up, with the oneDNN row bound (load 28-40)",
-    "soak_long": "soak, 600 s on a two-node local cluster (2026-11-29), before the oneDNN row bound",
     "serve_env_ab": "Serve's slower polling, serving_profile pairs from before env_ab",
     "serve_request_path_ab": "env_ab, all five request-path settings, an earlier run",
     "serve_router_loop_ab": "env_ab, handle routing on the caller's loop",
     "serving_profile_report_every_50ms": "serving_profile with load reports every 50 ms",
+    "soak_5min": "soak --local, 5 min after a 120 s warm-up, with the oneDNN row bound (load 28-40)",
+    "soak_long": "soak, 600 s on a two-node local cluster (2026-11-29), before the oneDNN row bound",
+    "step_ab_fused": "step_ab --ref <before> --threads 1 --clock cpu: the layers as one native call vs call by call",
 }
 
 
