@@ -225,6 +225,7 @@ RECORDS = {
     "serve_router_loop_ab": "env_ab, handle routing on the caller's loop",
     "serving_profile_report_every_50ms": "serving_profile with load reports every 50 ms",
     "soak_5min": "soak --local, 5 min after a 120 s warm-up, with the oneDNN row bound (load 28-40)",
+    "soak_10min_native": "soak --local --duration 600 --warmup 300 with the native GEMMs, fused layers, huge-page KV",
     "soak_long": "soak, 600 s on a two-node local cluster (2026-11-29), before the oneDNN row bound",
     "step_ab_fused": "step_ab --ref <before> --threads 1 --clock cpu: the layers as one native call vs call by call",
 }
