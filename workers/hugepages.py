@@ -6,6 +6,9 @@ which stops at page boundaries. With 2 MiB pages a request's scattered blocks co
 contiguous ones do (benchmarks/engine/gather_ab.py measures both). Most Linux hosts ship THP in
 ``madvise`` mode, where only memory that asks gets huge pages; this asks. Elsewhere (another OS, THP
 off, a GPU tensor) the buffer is an ordinary one: same values, same results.
+
+The weights a decode step streams (:func:`arena`) gain the same way: one step reads all of them in
+order, and on 4 KiB pages the stream pays a TLB miss and a prefetcher restart every 4 KiB.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import mmap
 import os
 import sys
 
@@ -44,6 +48,23 @@ def enabled() -> bool:
     return os.environ.get(ENV_DISABLE, "1") != "0" and _madvise() is not None
 
 
+def _huge_buffer(nbytes: int) -> torch.Tensor | None:
+    """``nbytes`` uint8 starting on a huge-page boundary and advised, untouched; ``None`` where huge pages
+    are off or unavailable."""
+    madvise = _madvise()
+    if nbytes < HUGE_PAGE or madvise is None or not enabled():
+        return None
+    # A fresh anonymous mapping: memory the allocator hands back after a free may already be faulted in as
+    # small pages, which the advice no longer changes. The tensor keeps the mapping alive.
+    anon = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared would be shmem
+    raw = torch.frombuffer(anon, dtype=torch.uint8)
+    offset = -raw.data_ptr() % HUGE_PAGE
+    buf = raw[offset : offset + nbytes]
+    if madvise(buf.data_ptr(), nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE) != 0:
+        log.debug("madvise(MADV_HUGEPAGE) failed (errno %d); ordinary pages", ctypes.get_errno())
+    return buf
+
+
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``torch.zeros(shape, dtype=dtype, device=device)``, on huge pages if the CPU tensor is at least one.
 
@@ -54,12 +75,30 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
         numel *= s
     esize = torch.empty((), dtype=dtype).element_size()
     nbytes = numel * esize
-    madvise = _madvise()
-    if device.type != "cpu" or nbytes < HUGE_PAGE or madvise is None or not enabled():
+    buf = _huge_buffer(nbytes) if device.type == "cpu" else None
+    if buf is None:
         return torch.zeros(shape, dtype=dtype, device=device)
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
-    offset = -raw.data_ptr() % HUGE_PAGE
-    buf = raw[offset : offset + nbytes]
-    if madvise(buf.data_ptr(), nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE) != 0:
-        log.debug("madvise(MADV_HUGEPAGE) failed (errno %d); ordinary pages", ctypes.get_errno())
     return buf.zero_().view(dtype).view(shape)
+
+
+ALIGN = 64  # bytes: each tensor of an arena starts on a cache line
+
+
+def arena(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Contiguous copies of CPU ``tensors`` laid out in one huge-page buffer, in the order given (the order a
+    step reads them, so one call's stream runs on into the next one's), each on a cache line. Where huge
+    pages are unavailable or the tensors are on another device, the tensors themselves, unchanged."""
+    if not tensors or any(t.device.type != "cpu" for t in tensors):
+        return tensors
+    offsets, end = [], 0
+    for t in tensors:
+        offsets.append(end)
+        end += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    buf = _huge_buffer(end)
+    if buf is None:
+        return tensors
+    out = []
+    for t, o in zip(tensors, offsets):
+        dst = buf[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        out.append(dst.copy_(t))
+    return out

@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 
 _KERNELS = Path(__file__).parent / "kernels"
 SOURCES = (_KERNELS / "invariant_attention.c", _KERNELS / "invariant_layer.c", _KERNELS / "invariant_linear.c")
-HEADERS = (_KERNELS / "vec_math.h",)  # included by the sources: part of the cache key, not of the command
+# included by the sources: part of the cache key, not of the command
+HEADERS = (_KERNELS / "vec_math.h", _KERNELS / "kernels.h")
 # No -ffast-math: the compiler must neither reassociate a sum nor contract a multiply-add anywhere.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared")
 ENV_DISABLE = "SPECSERVE_NATIVE_ATTENTION"  # "0": always the torch implementation

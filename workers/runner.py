@@ -235,6 +235,13 @@ class ModelRunner:
             log.warning("cpu_gemm='native': the native kernels are unavailable, using oneDNN for the linears")
             cpu_gemm = "onednn"
         self.cpu_gemm = "native" if self.native_gemm is not None else cpu_gemm
+        if self.native_gemm is not None:
+            # The plain weights, as a step streams them, in one run of huge pages (workers/hugepages.py).
+            names = ("in_norm", "qkv", "o", "post_norm", "gate_up", "down")
+            placed = hugepages.arena([L[n] for L in self.layers for n in names] + [self.final_norm, self.lm_head])
+            for i, L in enumerate(self.layers):
+                L.update(zip(names, placed[6 * i : 6 * i + 6]))
+            self.final_norm, self.lm_head = placed[-2:]
         self._packed = self.device.type == "cpu" and cpu_gemm == "onednn" and _onednn_packs(dtype)
         if self._packed:
             for L in self.layers:

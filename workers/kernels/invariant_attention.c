@@ -37,6 +37,7 @@
 #define ROWS 4  /* query rows of one slot (a prompt chunk) that share each key and value load */
 #define AHEAD 3  /* blocks of keys or values asked for ahead of their use (best of 1-6 measured) */
 
+#include "kernels.h"
 #include "vec_math.h"
 
 /* Ask for n elements from element offset off of a cache (bf16 if KB) ahead of their use: a request's
@@ -159,18 +160,28 @@ static void attend_tile(const float *const *q, int R, int G, int kb, const int *
 #undef ATTEND
 }
 
-/* q: [T, H, D] at q + t * q_row_stride + h * D. kt: [num_blocks, Hkv, D, BS] (keys transposed) and
- * v: [num_blocks, Hkv, BS, D], contiguous, fp32 or (kv_bf16) bf16, BS a multiple of LANES. block_table: [num_reqs, bt_stride]
- * block ids; req, nvis: [T] (the row's request and its visible keys, 1 .. bt_stride * BS).
- * out: [T, H, D] contiguous; out_bf16: NULL, or [T, H, D] where out is also written rounded to bf16. scratch: nthreads * ROWS * G * n_pad floats, n_pad = max(nvis) rounded
- * up to LANES plus LANES. Returns 0, or -1 if the shapes are outside what the kernel handles or a
- * block id a row would read is outside the pool (nothing is read then). */
-int invariant_attention(const float *q, int64_t q_row_stride, const void *kt, const void *v, int kv_bf16,
-                        const int64_t *block_table, int64_t bt_stride, const int64_t *req, const int64_t *nvis,
-                        float *out, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t BS, int64_t num_blocks,
-                        float scale, float *scratch, int64_t n_pad, int nthreads, uint16_t *out_bf16) {
+/* bf16 copies of n floats (rounded as torch rounds): a bf16 model's o projection input. */
+static void round_bf16(const float *x, uint16_t *out, int64_t n) {
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        const vlanes_h h = to_bf16(load_lanes(x + i));
+        __builtin_memcpy(out + i, &h, sizeof h);
+    }
+    for (; i < n; i++) {
+        vlanes x1 = {0};
+        x1[0] = x[i];
+        out[i] = to_bf16(x1)[0];
+    }
+}
+
+/* A step's attention work, checked once and the same for every layer: tiles of query rows (runs of
+ * consecutive rows of one request, cut into ROWS rows and single rows at a run's end) times kv heads.
+ * first: [T + 1] caller's storage, first[i] the first row of tile i and first[tiles] = T. Returns 0, or -1
+ * if the shapes are outside what the kernel handles or a block id a row would read is outside the pool. */
+int attention_plan(attn_plan *p, const int64_t *block_table, int64_t bt_stride, const int64_t *req,
+                   const int64_t *nvis, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t BS, int64_t num_blocks,
+                   float scale, float *scratch, int64_t n_pad, int kv_bf16, int64_t *first) {
     if (Hkv <= 0 || H % Hkv || H / Hkv > MAX_GROUP || D / LANES > MAX_DBLOCKS || BS <= 0 || BS % LANES) return -1;
-    const int64_t G = H / Hkv;
     int64_t work = 0;
     for (int64_t t = 0; t < T; t++) {
         if (nvis[t] < 1 || nvis[t] > bt_stride * BS || nvis[t] + LANES >= n_pad || req[t] < 0) return -1;
@@ -179,8 +190,6 @@ int invariant_attention(const float *q, int64_t q_row_stride, const void *kt, co
             if (bt[b] < 0 || bt[b] >= num_blocks) return -1;
         work += nvis[t];
     }
-    /* tiles: runs of consecutive rows of one request, cut into ROWS rows (and single rows at a run's end) */
-    int64_t *first = (int64_t *)__builtin_alloca((size_t)(T + 1) * sizeof(int64_t));
     int64_t tiles = 0;
     for (int64_t t = 0; t < T;) {
         int64_t end = t + 1;
@@ -190,20 +199,28 @@ int invariant_attention(const float *q, int64_t q_row_stride, const void *kt, co
         t = end;
     }
     first[tiles] = T;
-    const int64_t items = tiles * Hkv, kv_stride = Hkv * D * BS, esize = kv_bf16 ? 2 : 4;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && work * H * D > 200000)
-    for (int64_t it = 0; it < items; it++) {
-        int tid = 0;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-#endif
-        if (it + 1 < items) {  /* the next item's first blocks, while this one computes (a static schedule:
-                                  a thread's next item is it + 1, except at its chunk's end) */
+    *p = (attn_plan){.block_table = block_table, .req = req, .nvis = nvis, .first = first, .bt_stride = bt_stride,
+                     .tiles = tiles, .work = work, .H = H, .Hkv = Hkv, .D = D, .BS = BS, .scale = scale,
+                     .scratch = scratch, .n_pad = n_pad, .kv_bf16 = kv_bf16};
+    return 0;
+}
+
+/* Thread id's share (of nt threads, each calling this once) of one layer's attention under plan p: whole
+ * (tile, kv head) items, in a static split, so one thread computes each output. q, kt, v, out, out_bf16 as
+ * invariant_attention. */
+void attention_part(const attn_plan *p, const float *q, int64_t q_row_stride, const void *kt, const void *v,
+                    float *out, uint16_t *out_bf16, int id, int nt) {
+    const int64_t H = p->H, Hkv = p->Hkv, D = p->D, BS = p->BS, G = H / Hkv, bt_stride = p->bt_stride;
+    const int64_t *first = p->first, *req = p->req, *nvis = p->nvis, *block_table = p->block_table;
+    const int64_t items = p->tiles * Hkv, kv_stride = Hkv * D * BS, esize = p->kv_bf16 ? 2 : 4;
+    const int64_t lo = items * id / nt, hi = items * (id + 1) / nt;
+    for (int64_t it = lo; it < hi; it++) {
+        if (it + 1 < hi) { /* the next item's first blocks, while this one computes */
             const int64_t t1 = first[(it + 1) / Hkv], g1 = (it + 1) % Hkv;
             const int64_t *bt1 = block_table + req[t1] * bt_stride;
             for (int64_t b = 0; b < AHEAD && b * BS < nvis[t1]; b++) {
-                prefetch_block((const char *)kt + g1 * D * BS * esize, bt1[b] * kv_stride, D * BS, kv_bf16);
-                prefetch_block((const char *)v + g1 * BS * D * esize, bt1[b] * kv_stride, D * BS, kv_bf16);
+                prefetch_block((const char *)kt + g1 * D * BS * esize, bt1[b] * kv_stride, D * BS, p->kv_bf16);
+                prefetch_block((const char *)v + g1 * BS * D * esize, bt1[b] * kv_stride, D * BS, p->kv_bf16);
             }
         }
         const int64_t t0 = first[it / Hkv], R = first[it / Hkv + 1] - t0, g = it % Hkv;
@@ -217,22 +234,40 @@ int invariant_attention(const float *q, int64_t q_row_stride, const void *kt, co
                 os[r * G + i] = out + ((t0 + r) * H + g * G + i) * D;
             }
         }
-        attend_tile(qs, (int)R, (int)G, kv_bf16, n, block_table + req[t0] * bt_stride,
+        attend_tile(qs, (int)R, (int)G, p->kv_bf16, n, block_table + req[t0] * bt_stride,
                     (const char *)kt + g * D * BS * esize, (const char *)v + g * BS * D * esize, BS, kv_stride,
-                    (int)D, scale, scratch + (int64_t)tid * ROWS * G * n_pad, n_pad, os);
+                    (int)D, p->scale, p->scratch + (int64_t)id * ROWS * G * p->n_pad, p->n_pad, os);
+        if (out_bf16) /* the o projection's input in a bf16 model: this item's outputs rounded as torch rounds */
+            for (int64_t r = 0; r < R; r++) {
+                const int64_t o = ((t0 + r) * H + g * G) * D;
+                round_bf16(out + o, out_bf16 + o, G * D);
+            }
     }
-    if (out_bf16) {  /* the o projection's input in a bf16 model: out rounded as torch rounds */
-        const int64_t n = T * H * D;
-        int64_t i = 0;
-        for (; i + LANES <= n; i += LANES) {
-            const vlanes_h h = to_bf16(load_lanes(out + i));
-            __builtin_memcpy(out_bf16 + i, &h, sizeof h);
-        }
-        for (; i < n; i++) {
-            vlanes x = {0};
-            x[0] = out[i];
-            out_bf16[i] = to_bf16(x)[0];
-        }
+}
+
+/* q: [T, H, D] at q + t * q_row_stride + h * D. kt: [num_blocks, Hkv, D, BS] (keys transposed) and
+ * v: [num_blocks, Hkv, BS, D], contiguous, fp32 or (kv_bf16) bf16, BS a multiple of LANES. block_table: [num_reqs, bt_stride]
+ * block ids; req, nvis: [T] (the row's request and its visible keys, 1 .. bt_stride * BS).
+ * out: [T, H, D] contiguous; out_bf16: NULL, or [T, H, D] where out is also written rounded to bf16. scratch: nthreads * ROWS * G * n_pad floats, n_pad = max(nvis) rounded
+ * up to LANES plus LANES. Returns 0, or -1 if the shapes are outside what the kernel handles or a
+ * block id a row would read is outside the pool (nothing is read then). */
+int invariant_attention(const float *q, int64_t q_row_stride, const void *kt, const void *v, int kv_bf16,
+                        const int64_t *block_table, int64_t bt_stride, const int64_t *req, const int64_t *nvis,
+                        float *out, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t BS, int64_t num_blocks,
+                        float scale, float *scratch, int64_t n_pad, int nthreads, uint16_t *out_bf16) {
+    int64_t *first = (int64_t *)__builtin_alloca((size_t)(T + 1) * sizeof(int64_t));
+    attn_plan p;
+    if (attention_plan(&p, block_table, bt_stride, req, nvis, T, H, Hkv, D, BS, num_blocks, scale, scratch, n_pad,
+                       kv_bf16, first))
+        return -1;
+    const int nt = nthreads > 1 && p.work * H * D > 200000 ? nthreads : 1;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+#ifdef _OPENMP
+        attention_part(&p, q, q_row_stride, kt, v, out, out_bf16, omp_get_thread_num(), omp_get_num_threads());
+#else
+        attention_part(&p, q, q_row_stride, kt, v, out, out_bf16, 0, 1);
+#endif
     }
     return 0;
 }

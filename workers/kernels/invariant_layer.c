@@ -19,9 +19,16 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define LANES 16
+#ifndef PF_NEXT
+#define PF_NEXT 32768 /* bytes of the next GEMM's weights each thread asks for before a phase that does not stream */
+#endif
 
+#include "kernels.h"
 #include "vec_math.h"
 
 /* The value x would hold once stored in the model's dtype. */
@@ -55,36 +62,98 @@ static inline vlanes exp_nonpos_flushed(vlanes x) {
 
 #define CHUNK(n, j) ((n) - (j) < LANES ? (int)((n) - (j)) : LANES)
 
+/* Row t of rms_norm below. */
+static void rms_row(void *h, const void *delta, const void *w, void *out, int64_t t, int64_t n, float eps, int bf16) {
+    const int64_t row = t * n;
+    vlanes ss = {0};
+    for (int64_t j = 0; j < n; j += LANES) {
+        const int c = CHUNK(n, j);
+        vlanes x = load(h, row + j, c, bf16);
+        if (delta) {
+            x = round_to(x + load(delta, row + j, c, bf16), bf16);
+            store(h, row + j, x, c, bf16);
+        }
+        ss = ss + x * x;  /* lanes past the row's end add 0 */
+    }
+    float acc[LANES];
+    __builtin_memcpy(acc, &ss, sizeof acc);
+    for (int k = LANES / 2; k > 0; k /= 2)
+        for (int l = 0; l < k; l++) acc[l] = acc[l] + acc[l + k];
+    const float r = 1.0f / sqrtf(acc[0] / (float)n + eps);
+    for (int64_t j = 0; j < n; j += LANES) {
+        const int c = CHUNK(n, j);
+        const vlanes y = round_to(load(h, row + j, c, bf16) * r, bf16);
+        store(out, row + j, load(w, j, c, bf16) * y, c, bf16);
+    }
+}
+
 /* h: [T, n]. If delta is given, h += delta first (in place, rounded to the dtype). Then
  * out = w * dtype(h * rsqrt(mean(h^2) + eps)), with mean(h^2) summed in fp32: HF's LlamaRMSNorm. */
 int rms_norm(void *h, const void *delta, const void *w, void *out, int64_t T, int64_t n, float eps, int bf16,
              int nthreads) {
     if (T < 0 || n <= 0) return -1;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T * n >= 65536)
-    for (int64_t t = 0; t < T; t++) {
-        const int64_t row = t * n;
-        vlanes ss = {0};
-        for (int64_t j = 0; j < n; j += LANES) {
-            const int c = CHUNK(n, j);
-            vlanes x = load(h, row + j, c, bf16);
-            if (delta) {
-                x = round_to(x + load(delta, row + j, c, bf16), bf16);
-                store(h, row + j, x, c, bf16);
-            }
-            ss = ss + x * x;  /* lanes past the row's end add 0 */
+    for (int64_t t = 0; t < T; t++) rms_row(h, delta, w, out, t, n, eps, bf16);
+    return 0;
+}
+
+/* Every position inside the tables and every cache index inside the pool (0), else -1. */
+static int rope_check(const int64_t *pos, const int64_t *kv_index, int64_t T, int64_t Hkv, int64_t D, int64_t BS,
+                      int64_t num_blocks, int64_t max_len) {
+    if (D % 2 || D > 1024 || Hkv <= 0 || BS <= 0) return -1;
+    for (int64_t t = 0; t < T; t++)
+        if (pos[t] < 0 || pos[t] >= max_len || kv_index[t] < 0 || kv_index[t] >= num_blocks * BS) return -1;
+    return 0;
+}
+
+/* Row t of rope_kv below, its arguments checked. */
+static void rope_row(const void *qkv, int64_t qkv_stride, const int64_t *pos, const int64_t *kv_index, const void *cos,
+                     const void *sin, float *q_out, void *kt, void *v, int64_t t, int64_t H, int64_t Hkv, int64_t D,
+                     int64_t BS, int bf16, int kv_bf16) {
+    const int64_t half = D / 2;
+    const int64_t p = pos[t], row = t * qkv_stride, blk = kv_index[t] / BS, off = kv_index[t] % BS;
+    float c[1024], s[1024], x[1024], y[1024];
+    for (int64_t d = 0; d < D; d += LANES) {
+        const int n = CHUNK(D, d);
+        store(c, d, load(cos, p * D + d, n, bf16), n, 0);
+        store(s, d, load(sin, p * D + d, n, bf16), n, 0);
+    }
+    for (int64_t hh = 0; hh < H + Hkv; hh++) {
+        for (int64_t d = 0; d < D; d += LANES) {
+            const int n = CHUNK(D, d);
+            store(x, d, load(qkv, row + hh * D + d, n, bf16), n, 0);
         }
-        float acc[LANES];
-        __builtin_memcpy(acc, &ss, sizeof acc);
-        for (int k = LANES / 2; k > 0; k /= 2)
-            for (int l = 0; l < k; l++) acc[l] = acc[l] + acc[l + k];
-        const float r = 1.0f / sqrtf(acc[0] / (float)n + eps);
-        for (int64_t j = 0; j < n; j += LANES) {
-            const int c = CHUNK(n, j);
-            const vlanes y = round_to(load(h, row + j, c, bf16) * r, bf16);
-            store(out, row + j, load(w, j, c, bf16) * y, c, bf16);
+        for (int64_t d = 0; d < D; d += LANES) {
+            const int n = CHUNK(D, d);
+            vlanes rot;
+            for (int l = 0; l < LANES; l++) {
+                const int64_t e = d + l < D ? d + l : 0;
+                rot[l] = e < half ? -x[e + half] : x[e - half];
+            }
+            const vlanes a = round_to(load(x, d, n, 0) * load(c, d, n, 0), bf16);
+            const vlanes b = round_to(rot * load(s, d, n, 0), bf16);
+            store(y, d, round_to(a + b, bf16), n, 0);
+        }
+        if (hh < H) {
+            __builtin_memcpy(q_out + (t * H + hh) * D, y, (size_t)D * sizeof(float));
+        } else {
+            const int64_t k0 = ((blk * Hkv + (hh - H)) * D) * BS + off;  /* key d at k0 + d * BS */
+            if (kv_bf16) {
+                uint16_t kh[1024];
+                for (int64_t d = 0; d < D; d += LANES) store(kh, d, load(y, d, CHUNK(D, d), 0), CHUNK(D, d), 1);
+                for (int64_t d = 0; d < D; d++) ((uint16_t *)kt)[k0 + d * BS] = kh[d];
+            } else {
+                for (int64_t d = 0; d < D; d++) ((float *)kt)[k0 + d * BS] = y[d];
+            }
         }
     }
-    return 0;
+    for (int64_t g = 0; g < Hkv; g++) {
+        const int64_t v0 = ((blk * Hkv + g) * BS + off) * D;
+        for (int64_t d = 0; d < D; d += LANES) {
+            const int n = CHUNK(D, d);
+            store(v, v0 + d, load(qkv, row + (H + Hkv + g) * D + d, n, bf16), n, kv_bf16);
+        }
+    }
 }
 
 /* RoPE on the query and key heads of a fused qkv projection, as HF's rotate_half form:
@@ -98,122 +167,108 @@ int rms_norm(void *h, const void *delta, const void *w, void *out, int64_t T, in
 int rope_kv(const void *qkv, int64_t qkv_stride, const int64_t *pos, const int64_t *kv_index, const void *cos,
             const void *sin, float *q_out, void *kt, void *v, int64_t T, int64_t H, int64_t Hkv, int64_t D,
             int64_t BS, int64_t num_blocks, int64_t max_len, int bf16, int kv_bf16, int nthreads) {
-    if (D % 2 || D > 1024 || Hkv <= 0 || BS <= 0) return -1;
-    for (int64_t t = 0; t < T; t++)
-        if (pos[t] < 0 || pos[t] >= max_len || kv_index[t] < 0 || kv_index[t] >= num_blocks * BS) return -1;
-    const int64_t half = D / 2;
+    if (rope_check(pos, kv_index, T, Hkv, D, BS, num_blocks, max_len)) return -1;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T >= 64)
-    for (int64_t t = 0; t < T; t++) {
-        const int64_t p = pos[t], row = t * qkv_stride, blk = kv_index[t] / BS, off = kv_index[t] % BS;
-        float c[1024], s[1024], x[1024], y[1024];
-        for (int64_t d = 0; d < D; d += LANES) {
-            const int n = CHUNK(D, d);
-            store(c, d, load(cos, p * D + d, n, bf16), n, 0);
-            store(s, d, load(sin, p * D + d, n, bf16), n, 0);
-        }
-        for (int64_t hh = 0; hh < H + Hkv; hh++) {
-            for (int64_t d = 0; d < D; d += LANES) {
-                const int n = CHUNK(D, d);
-                store(x, d, load(qkv, row + hh * D + d, n, bf16), n, 0);
-            }
-            for (int64_t d = 0; d < D; d += LANES) {
-                const int n = CHUNK(D, d);
-                vlanes rot;
-                for (int l = 0; l < LANES; l++) {
-                    const int64_t e = d + l < D ? d + l : 0;
-                    rot[l] = e < half ? -x[e + half] : x[e - half];
-                }
-                const vlanes a = round_to(load(x, d, n, 0) * load(c, d, n, 0), bf16);
-                const vlanes b = round_to(rot * load(s, d, n, 0), bf16);
-                store(y, d, round_to(a + b, bf16), n, 0);
-            }
-            if (hh < H) {
-                __builtin_memcpy(q_out + (t * H + hh) * D, y, (size_t)D * sizeof(float));
-            } else {
-                const int64_t k0 = ((blk * Hkv + (hh - H)) * D) * BS + off;  /* key d at k0 + d * BS */
-                if (kv_bf16) {
-                    uint16_t kh[1024];
-                    for (int64_t d = 0; d < D; d += LANES) store(kh, d, load(y, d, CHUNK(D, d), 0), CHUNK(D, d), 1);
-                    for (int64_t d = 0; d < D; d++) ((uint16_t *)kt)[k0 + d * BS] = kh[d];
-                } else {
-                    for (int64_t d = 0; d < D; d++) ((float *)kt)[k0 + d * BS] = y[d];
-                }
-            }
-        }
-        for (int64_t g = 0; g < Hkv; g++) {
-            const int64_t v0 = ((blk * Hkv + g) * BS + off) * D;
-            for (int64_t d = 0; d < D; d += LANES) {
-                const int n = CHUNK(D, d);
-                store(v, v0 + d, load(qkv, row + (H + Hkv + g) * D + d, n, bf16), n, kv_bf16);
-            }
-        }
-    }
+    for (int64_t t = 0; t < T; t++)
+        rope_row(qkv, qkv_stride, pos, kv_index, cos, sin, q_out, kt, v, t, H, Hkv, D, BS, bf16, kv_bf16);
     return 0;
 }
 
 /* gu: [T, 2 I] (gate then up, as the fused gate_up projection writes them). out: [T, I] =
  * dtype(dtype(silu(gate)) * up), silu(x) = x / (1 + exp(-x)) computed from exp(-|x|), which never
  * overflows. */
+/* Chunks [c0, c1) of LANES values of silu_mul below, chunk c = row c / cpr at column (c % cpr) LANES, cpr the
+ * chunks of a row: elementwise, so any split of the chunks gives the same values. */
+static void silu_span(const void *gu, void *out, int64_t I, int bf16, int64_t c0, int64_t c1) {
+    const int64_t cpr = (I + LANES - 1) / LANES;
+    for (int64_t c = c0; c < c1; c++) {
+        const int64_t t = c / cpr, j = (c % cpr) * LANES;
+        const int n = CHUNK(I, j);
+        const vlanes g = load(gu, t * 2 * I + j, n, bf16);
+        const vlanes u = load(gu, t * 2 * I + I + j, n, bf16);
+        const vlanes e = exp_nonpos_flushed((vlanes)((vlanes_u)g | 0x80000000u));  /* exp(-|g|) */
+        const vlanes_i pos = g >= 0.0f;
+        const vlanes num = (vlanes)((pos & (vlanes_i)g) | (~pos & (vlanes_i)(g * e)));
+        const vlanes sg = round_to(num / (1.0f + e), bf16);
+        store(out, t * I + j, sg * u, n, bf16);
+    }
+}
+
 int silu_mul(const void *gu, void *out, int64_t T, int64_t I, int bf16, int nthreads) {
     if (T < 0 || I <= 0) return -1;
+    const int64_t cpr = (I + LANES - 1) / LANES;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T * I >= 65536)
-    for (int64_t t = 0; t < T; t++) {
-        for (int64_t j = 0; j < I; j += LANES) {
-            const int n = CHUNK(I, j);
-            const vlanes g = load(gu, t * 2 * I + j, n, bf16);
-            const vlanes u = load(gu, t * 2 * I + I + j, n, bf16);
-            const vlanes e = exp_nonpos_flushed((vlanes)((vlanes_u)g | 0x80000000u));  /* exp(-|g|) */
-            const vlanes_i pos = g >= 0.0f;
-            const vlanes num = (vlanes)((pos & (vlanes_i)g) | (~pos & (vlanes_i)(g * e)));
-            const vlanes sg = round_to(num / (1.0f + e), bf16);
-            store(out, t * I + j, sg * u, n, bf16);
-        }
-    }
+    for (int64_t t = 0; t < T; t++) silu_span(gu, out, I, bf16, t * cpr, (t + 1) * cpr);
     return 0;
 }
 
-/* In invariant_attention.c and invariant_linear.c, the same library. */
-int invariant_attention(const float *q, int64_t q_row_stride, const void *kt, const void *v, int kv_bf16,
-                        const int64_t *block_table, int64_t bt_stride, const int64_t *req, const int64_t *nvis,
-                        float *out, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t BS, int64_t num_blocks,
-                        float scale, float *scratch, int64_t n_pad, int nthreads, uint16_t *out_bf16);
-int invariant_linear(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int nthreads);
-
-/* Every decoder layer of one forward in one call, when every GEMM is invariant_linear: the same calls,
- * in the same order, with the same arguments the runner would make one by one from Python, so the result
- * is bit-identical to that path; only the ~9 Python-side calls per layer are gone.
+/* Every decoder layer of one forward in one call, when every GEMM is invariant_linear: the same per-row
+ * and per-output computations, in the same order, as the calls the runner would make one by one from
+ * Python, so the result is bit-identical to that path.
+ *
+ * Why one parallel region: at one row a layer is nine short phases, and opening a parallel region for
+ * each (or running the row-wise ones on one thread while the other waits to be woken) costs about as
+ * long as the shorter GEMMs stream. Here the threads stay in one region for the whole forward and meet
+ * at a barrier between phases; each phase splits its work as its standalone call does (whole weight
+ * tiles, whole attention items, whole rows, whole LANES chunks), so one thread computes each output.
  *
  * w: [L * 6] per layer in_norm [hidden], qkv [(H + 2 Hkv) D, hidden], o [hidden, H D], post_norm [hidden],
  * gate_up [2 I, hidden], down [hidden, I]. kt, v: [L] the layers' caches (see rope_kv). h: [T, hidden], the
  * residual stream, updated in place; on return delta holds the last layer's down projection (h + delta is
  * the output, added by the caller as torch adds). Buffers: x [T, hidden], qkv [T, (H + 2 Hkv) D],
  * q and o32 [T, H D] fp32, o [T, H D] (the model's dtype; unused for fp32), delta [T, hidden],
- * gu [T, 2 I], act [T, I]. Returns 0, or the failing call's code (nothing after it runs). */
+ * gu [T, 2 I], act [T, I]. Returns 0, or -1 if an index lies outside the tables or the pool or a shape
+ * outside the kernels (checked before anything is written). */
 int invariant_layers(void *h, const void *const *w, void *const *kt, void *const *v, int64_t L,
                      const int64_t *pos, const int64_t *kv_index, const void *cos, const void *sin, int64_t max_len,
                      const int64_t *block_table, int64_t bt_stride, const int64_t *req, const int64_t *nvis,
                      float scale, float *scratch, int64_t n_pad, void *x, void *qkv, float *q, float *o32, void *o,
                      void *delta, void *gu, void *act, int64_t T, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
                      int64_t I, int64_t BS, int64_t num_blocks, float eps, int bf16, int kv_bf16, int nthreads) {
-    const int64_t nqkv = (H + 2 * Hkv) * D;
-    void *attn_out = bf16 ? o : (void *)o32;
-    int rc;
-    for (int64_t l = 0; l < L; l++) {
-        const void *const *wl = w + 6 * l;
-        if ((rc = rms_norm(h, l ? delta : NULL, wl[0], x, T, hidden, eps, bf16, nthreads))) return rc;
-        if ((rc = invariant_linear(x, wl[1], qkv, T, nqkv, hidden, bf16, nthreads))) return rc;
-        if ((rc = rope_kv(qkv, nqkv, pos, kv_index, cos, sin, q, kt[l], v[l], T, H, Hkv, D, BS, num_blocks, max_len,
-                          bf16, kv_bf16, nthreads)))
-            return rc;
-        if ((rc = invariant_attention(q, H * D, kt[l], v[l], kv_bf16, block_table, bt_stride, req, nvis, o32, T, H, Hkv,
-                                      D, BS, num_blocks, scale, scratch, n_pad, nthreads,
-                                      bf16 ? (uint16_t *)o : NULL)))
-            return rc;
-        if ((rc = invariant_linear(attn_out, wl[2], delta, T, hidden, H * D, bf16, nthreads))) return rc;
-        if ((rc = rms_norm(h, delta, wl[3], x, T, hidden, eps, bf16, nthreads))) return rc;
-        if ((rc = invariant_linear(x, wl[4], gu, T, 2 * I, hidden, bf16, nthreads))) return rc;
-        if ((rc = silu_mul(gu, act, T, I, bf16, nthreads))) return rc;
-        if ((rc = invariant_linear(act, wl[5], delta, T, hidden, I, bf16, nthreads))) return rc;
+    if (T <= 0 || hidden <= 0 || I <= 0 || L <= 0) return -1;
+    if (rope_check(pos, kv_index, T, Hkv, D, BS, num_blocks, max_len)) return -1;
+    int64_t *first = (int64_t *)__builtin_alloca((size_t)(T + 1) * sizeof(int64_t));
+    attn_plan plan;
+    if (attention_plan(&plan, block_table, bt_stride, req, nvis, T, H, Hkv, D, BS, num_blocks, scale, scratch, n_pad,
+                       kv_bf16, first))
+        return -1;
+    const int64_t nqkv = (H + 2 * Hkv) * D, silu_chunks = T * ((I + LANES - 1) / LANES);
+    void *attn_in = bf16 ? o : (void *)o32;
+    uint16_t *o_bf16 = bf16 ? (uint16_t *)o : NULL;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        int id = 0, nt = 1;
+#ifdef _OPENMP
+        id = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        for (int64_t l = 0; l < L; l++) {
+            const void *const *wl = w + 6 * l;
+            /* before each phase that does not stream: this thread's first lines of the GEMM after it */
+            if (PF_NEXT) linear_prefetch(wl[1], nqkv, hidden, bf16, id, nt, PF_NEXT);
+            for (int64_t t = id; t < T; t += nt) rms_row(h, l ? delta : NULL, wl[0], x, t, hidden, eps, bf16);
+#pragma omp barrier
+            linear_part(x, wl[1], qkv, T, nqkv, hidden, bf16, id, nt);
+#pragma omp barrier
+            if (PF_NEXT) linear_prefetch(wl[2], hidden, H * D, bf16, id, nt, PF_NEXT);
+            for (int64_t t = id; t < T; t += nt)
+                rope_row(qkv, nqkv, pos, kv_index, cos, sin, q, kt[l], v[l], t, H, Hkv, D, BS, bf16, kv_bf16);
+#pragma omp barrier
+            attention_part(&plan, q, H * D, kt[l], v[l], o32, o_bf16, id, nt);
+#pragma omp barrier
+            linear_part(attn_in, wl[2], delta, T, hidden, H * D, bf16, id, nt);
+#pragma omp barrier
+            if (PF_NEXT) linear_prefetch(wl[4], 2 * I, hidden, bf16, id, nt, PF_NEXT);
+            for (int64_t t = id; t < T; t += nt) rms_row(h, delta, wl[3], x, t, hidden, eps, bf16);
+#pragma omp barrier
+            linear_part(x, wl[4], gu, T, 2 * I, hidden, bf16, id, nt);
+#pragma omp barrier
+            if (PF_NEXT) linear_prefetch(wl[5], hidden, I, bf16, id, nt, PF_NEXT);
+            silu_span(gu, act, I, bf16, silu_chunks * id / nt, silu_chunks * (id + 1) / nt);
+#pragma omp barrier
+            linear_part(act, wl[5], delta, T, hidden, I, bf16, id, nt);
+#pragma omp barrier
+        }
     }
     return 0;
 }

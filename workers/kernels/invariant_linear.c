@@ -37,6 +37,8 @@
 #include <omp.h>
 #endif
 
+#include "kernels.h"
+
 #define MR 4          /* rows of x per tile */
 #define NR 4          /* rows of W per tile */
 #ifndef NB_BYTES
@@ -325,40 +327,59 @@ static inline __attribute__((always_inline)) void row_tile(const void *x, int64_
     }
 }
 
-/* x: [M, K], W: [N, K], y: [M, N], all contiguous; fp32, or bf16 (bf16 != 0) as uint16. */
-int invariant_linear(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16,
-                     int nthreads) {
-    if (M < 0 || N <= 0 || K <= 0) return -1;
-    if (M == 0) return 0;
+/* Thread id's share (of nt threads, each calling this once) of y = x @ W^T: whole weight tiles, so one
+ * thread computes each output. Shapes as invariant_linear, already checked. */
+void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int id, int nt) {
     const int64_t tiles = (N + NR - 1) / NR;
     const int64_t es = bf16 ? 2 : 4;
     /* weight tiles per block: x's row tiles all sweep one block while it sits in cache */
     int64_t nb = NB_BYTES / (NR * K * es);
     if (nb < 1) nb = 1;
     const int prefetch = M <= 2 * MR; /* streaming W: the next tiles are not in cache yet */
+    const int64_t lo = tiles * id / nt, hi = tiles * (id + 1) / nt; /* this thread's weight tiles */
+    for (int64_t b0 = lo; b0 < hi; b0 += nb) {
+        const int64_t b1 = b0 + nb < hi ? b0 + nb : hi;
+        int64_t m0 = 0;
+        /* the block's first row tile reads the weights from memory: prefetch them there */
+        for (; m0 + MR <= M; m0 += MR) row_tile(x, m0, MR, W, y, N, K, b0, b1, hi, bf16, m0 == 0 || prefetch);
+        switch (M - m0) {
+        case 1: row_tile(x, m0, 1, W, y, N, K, b0, b1, hi, bf16, m0 == 0 || prefetch); break;
+        case 2: row_tile(x, m0, 2, W, y, N, K, b0, b1, hi, bf16, m0 == 0 || prefetch); break;
+        case 3: row_tile(x, m0, 3, W, y, N, K, b0, b1, hi, bf16, m0 == 0 || prefetch); break;
+        default: break;
+        }
+    }
+}
+
+/* Ask for the first `bytes` of the weights thread id's linear_part (same N, K, nt) will read first, into L2:
+ * issued before a phase that does not stream (a norm, RoPE, attention), they arrive while it computes, so
+ * the GEMM after it starts on warm lines instead of waiting for the stream to ramp up. A hint only. */
+void linear_prefetch(const void *W, int64_t N, int64_t K, int bf16, int id, int nt, int64_t bytes) {
+    const int64_t tiles = (N + NR - 1) / NR, es = bf16 ? 2 : 4;
+    const int64_t lo = tiles * id / nt, hi = tiles * (id + 1) / nt;
+    const char *p = (const char *)W + (size_t)(lo * NR * K * es);
+    int64_t n = (hi - lo) * NR * K * es;
+    if (lo * NR + n / (K * es) > N) n = (N - lo * NR) * K * es; /* the last tile's rows past N */
+    if (n > bytes) n = bytes;
+    for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(p + b, 0, 2);
+}
+
+/* x: [M, K], W: [N, K], y: [M, N], all contiguous; fp32, or bf16 (bf16 != 0) as uint16. */
+int invariant_linear(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16,
+                     int nthreads) {
+    if (M < 0 || N <= 0 || K <= 0) return -1;
+    if (M == 0) return 0;
+    const int64_t tiles = (N + NR - 1) / NR;
     int nt = nthreads < 1 ? 1 : nthreads;
     if ((double)M * N * K < 262144.0) nt = 1; /* a tiny call costs less than waking the threads */
     if (nt > tiles) nt = (int)tiles;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
 #ifdef _OPENMP
-        const int id = omp_get_thread_num();
+        linear_part(x, W, y, M, N, K, bf16, omp_get_thread_num(), omp_get_num_threads());
 #else
-        const int id = 0;
+        linear_part(x, W, y, M, N, K, bf16, 0, 1);
 #endif
-        const int64_t lo = tiles * id / nt, hi = tiles * (id + 1) / nt; /* this thread's weight tiles */
-        for (int64_t b0 = lo; b0 < hi; b0 += nb) {
-            const int64_t b1 = b0 + nb < hi ? b0 + nb : hi;
-            int64_t m0 = 0;
-            /* the block's first row tile reads the weights from memory: prefetch them there */
-            for (; m0 + MR <= M; m0 += MR) row_tile(x, m0, MR, W, y, N, K, b0, b1, hi, bf16, m0 == 0 || prefetch);
-            switch (M - m0) {
-            case 1: row_tile(x, m0, 1, W, y, N, K, b0, b1, hi, bf16, m0 == 0 || prefetch); break;
-            case 2: row_tile(x, m0, 2, W, y, N, K, b0, b1, hi, bf16, m0 == 0 || prefetch); break;
-            case 3: row_tile(x, m0, 3, W, y, N, K, b0, b1, hi, bf16, m0 == 0 || prefetch); break;
-            default: break;
-            }
-        }
     }
     return 0;
 }

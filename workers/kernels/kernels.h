@@ -1,0 +1,33 @@
+/* What the native kernels' sources share: the thread-share entry points a fused forward calls from inside
+ * one parallel region (invariant_layer.c), beside the standalone calls that open their own. */
+
+#ifndef SPECSERVE_KERNELS_H
+#define SPECSERVE_KERNELS_H
+
+#include <stdint.h>
+
+/* One step's attention work, the same for every layer (attention_plan in invariant_attention.c). */
+typedef struct {
+    const int64_t *block_table, *req, *nvis, *first; /* first: [tiles + 1] each tile's first query row */
+    int64_t bt_stride, tiles, work, H, Hkv, D, BS;
+    float scale;
+    float *scratch; /* nthreads * ROWS * (H / Hkv) * n_pad floats */
+    int64_t n_pad;
+    int kv_bf16;
+} attn_plan;
+
+int attention_plan(attn_plan *p, const int64_t *block_table, int64_t bt_stride, const int64_t *req,
+                   const int64_t *nvis, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t BS, int64_t num_blocks,
+                   float scale, float *scratch, int64_t n_pad, int kv_bf16, int64_t *first);
+void attention_part(const attn_plan *p, const float *q, int64_t q_row_stride, const void *kt, const void *v,
+                    float *out, uint16_t *out_bf16, int id, int nt);
+int invariant_attention(const float *q, int64_t q_row_stride, const void *kt, const void *v, int kv_bf16,
+                        const int64_t *block_table, int64_t bt_stride, const int64_t *req, const int64_t *nvis,
+                        float *out, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t BS, int64_t num_blocks,
+                        float scale, float *scratch, int64_t n_pad, int nthreads, uint16_t *out_bf16);
+
+void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int id, int nt);
+void linear_prefetch(const void *W, int64_t N, int64_t K, int bf16, int id, int nt, int64_t bytes);
+int invariant_linear(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int nthreads);
+
+#endif
