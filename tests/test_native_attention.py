@@ -213,7 +213,7 @@ def test_a_prepared_step_computes_what_the_checked_calls_do(kernel, dtype):
         ops,
         kernel,
         dtype,
-        [tuple(p) for p in caches],
+        native_attention.BoundCaches.bind([tuple(p) for p in caches]),
         H,
         pos,
         kv_index,
@@ -240,16 +240,12 @@ def test_a_prepared_step_computes_what_the_checked_calls_do(kernel, dtype):
     assert torch.equal(step.silu_mul(gu, torch.empty(T, inter, dtype=dtype)), ops.silu_mul(gu))
     with pytest.raises(ValueError, match="contiguous int64"):
         native_attention.NativeStep(
-            ops, kernel, dtype, [tuple(p) for p in caches], H, pos.int(), kv_index, cos, sin, bt, req, nvis, 41, D**-0.5
-        )
-    with pytest.raises(ValueError, match="one shape and dtype"):
-        native_attention.NativeStep(
             ops,
             kernel,
             dtype,
-            [tuple(caches[0]), (caches[1][0][:4].contiguous(), caches[1][1][:4].contiguous())],
+            native_attention.BoundCaches.bind([tuple(p) for p in caches]),
             H,
-            pos,
+            pos.int(),
             kv_index,
             cos,
             sin,
@@ -258,4 +254,8 @@ def test_a_prepared_step_computes_what_the_checked_calls_do(kernel, dtype):
             nvis,
             41,
             D**-0.5,
+        )
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        native_attention.BoundCaches.bind(
+            [tuple(caches[0]), (caches[1][0][:4].contiguous(), caches[1][1][:4].contiguous())]
         )

@@ -36,11 +36,16 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 _KERNELS = Path(__file__).parent / "kernels"
 SOURCES = (_KERNELS / "invariant_attention.c", _KERNELS / "invariant_layer.c", _KERNELS / "invariant_linear.c")
@@ -96,32 +101,34 @@ def _library() -> ctypes.CDLL | None:
         return None
 
 
+def _from_library(cls: Callable[[ctypes.CDLL], _T]) -> _T | None:
+    """``cls`` over the compiled library, or ``None`` where it cannot be built or is turned off."""
+    dll = _library()
+    return cls(dll) if dll is not None else None
+
+
 @functools.lru_cache(maxsize=1)
 def load() -> NativeAttention | None:
     """The attention kernel, or ``None`` where the library cannot be built or is turned off."""
-    dll = _library()
-    return NativeAttention(dll) if dll is not None else None
+    return _from_library(NativeAttention)
 
 
 @functools.lru_cache(maxsize=1)
 def load_layer_ops() -> NativeLayerOps | None:
     """The layer's row-wise ops, from the same library as :func:`load` (``None`` exactly when it is)."""
-    dll = _library()
-    return NativeLayerOps(dll) if dll is not None else None
+    return _from_library(NativeLayerOps)
 
 
 @functools.lru_cache(maxsize=1)
 def load_linear() -> NativeLinear | None:
     """The batch-invariant linear, from the same library as :func:`load` (``None`` exactly when it is)."""
-    dll = _library()
-    return NativeLinear(dll) if dll is not None else None
+    return _from_library(NativeLinear)
 
 
 @functools.lru_cache(maxsize=1)
 def load_layers() -> NativeLayers | None:
     """Every decoder layer in one call, from the same library as :func:`load` (``None`` exactly when it is)."""
-    dll = _library()
-    return NativeLayers(dll) if dll is not None else None
+    return _from_library(NativeLayers)
 
 
 def clear_cache() -> None:
@@ -143,6 +150,46 @@ def _check_caches(kt_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
 
 LANES = 16  # the kernel's key block (LANES in the C source): a cache block holds a multiple of it
 ROWS = 4  # query rows of one request per tile (ROWS in the C source)
+
+
+def attention_scratch(threads: int, num_heads: int, num_kv_heads: int, max_nvis: int) -> tuple[int, int]:
+    """``(n_pad, floats)``: the attention's score row length for ``max_nvis`` visible keys and the scratch
+    its ``threads`` threads need (the C source's contract)."""
+    n_pad = -(-max_nvis // LANES) * LANES + 2 * LANES
+    return n_pad, threads * ROWS * (num_heads // num_kv_heads) * n_pad
+
+
+@dataclass(frozen=True)
+class BoundCaches:
+    """Every layer's key and value cache, checked once: the kernels read them through raw pointers, and a
+    runner's caches are fixed when it starts, so a step need not check them again."""
+
+    ptrs: list[tuple[int, int]]  # per layer (kt_cache, v_cache) addresses
+    num_blocks: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    kv_bf16: int
+    keep: list[torch.Tensor]  # the caches, alive while pointed to
+
+    @classmethod
+    def bind(cls, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> BoundCaches:
+        """``kv_caches``: per layer ``(kt_cache [num_blocks, Hkv, D, BS], v_cache [num_blocks, Hkv, BS, D])``."""
+        kt0, v0 = kv_caches[0]
+        num_blocks, Hkv, D, BS = kt0.shape
+        kv_bf16 = _check_caches(kt0, v0)
+        for kt, v in kv_caches:
+            if kt.shape != kt0.shape or v.shape != v0.shape or _check_caches(kt, v) != kv_bf16:
+                raise ValueError("every layer's caches must have one shape and dtype")
+        return cls(
+            ptrs=[(kt.data_ptr(), v.data_ptr()) for kt, v in kv_caches],
+            num_blocks=num_blocks,
+            num_kv_heads=Hkv,
+            head_dim=D,
+            block_size=BS,
+            kv_bf16=kv_bf16,
+            keep=[t for pair in kv_caches for t in pair],
+        )
 
 
 class NativeAttention:
@@ -180,6 +227,13 @@ class NativeAttention:
         self._fn = fn
         self._local = threading.local()  # scratch per thread: engines in one process may step concurrently
 
+    def scratch(self, floats: int) -> torch.Tensor:
+        """This thread's scratch of at least ``floats`` fp32 values (kept and grown, never shrunk)."""
+        buf = getattr(self._local, "scratch", None)
+        if buf is None or buf.numel() < floats:
+            buf = self._local.scratch = torch.empty(floats, dtype=torch.float32)
+        return buf
+
     def __call__(
         self,
         q: torch.Tensor,  # [T, H, D] fp32, each row's heads contiguous (any row stride)
@@ -199,11 +253,8 @@ class NativeAttention:
         if not all(t.dtype == torch.int64 and t.is_contiguous() for t in (block_table, req, nvis)):
             raise ValueError("block_table, req and nvis must be contiguous int64")
         threads = torch.get_num_threads()
-        n_pad = -(-max_nvis // LANES) * LANES + 2 * LANES
-        need = threads * ROWS * (H // Hkv) * n_pad
-        scratch = getattr(self._local, "scratch", None)
-        if scratch is None or scratch.numel() < need:
-            scratch = self._local.scratch = torch.empty(need, dtype=torch.float32)
+        n_pad, need = attention_scratch(threads, H, Hkv, max_nvis)
+        scratch = self.scratch(need)
         out = torch.empty(T, H, D, dtype=torch.float32)
         rc = self._fn(
             q.data_ptr(),
@@ -389,9 +440,9 @@ class NativeStep:
 
     Why: a one-row decode step makes about five native calls per layer, and checking shapes, dtypes and
     contiguity and allocating each output in every call costs more than the call's arithmetic. Here
-    the step's index tensors, the caches' layout and the output buffers are checked and made once;
-    each call then passes raw pointers. The tensors a call is given are the runner's own (its GEMM
-    outputs, its caches, its weights), whose layout the runner guarantees.
+    the step's index tensors and the output buffers are checked and made once (the caches once per
+    runner, :class:`BoundCaches`); each call then passes raw pointers. The tensors a call is given are the
+    runner's own (its GEMM outputs, its caches, its weights), whose layout the runner guarantees.
     """
 
     def __init__(
@@ -399,7 +450,7 @@ class NativeStep:
         ops: NativeLayerOps,
         attn: NativeAttention,
         dtype: torch.dtype,  # the model's: the residual stream, norms, GEMM inputs and outputs
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (kt_cache, v_cache), see rope_kv
+        caches: BoundCaches,
         num_heads: int,
         positions: torch.Tensor,  # [T] int64
         kv_index: torch.Tensor,  # [T] int64
@@ -413,61 +464,29 @@ class NativeStep:
     ) -> None:
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError("the model's dtype must be fp32 or bf16")
-        kt0, v0 = kv_caches[0]
-        num_blocks, Hkv, D, BS = kt0.shape
-        kv_bf16 = _check_caches(kt0, v0)
-        for kt, v in kv_caches:
-            if kt.shape != kt0.shape or v.shape != v0.shape or _check_caches(kt, v) != kv_bf16:
-                raise ValueError("every layer's caches must have one shape and dtype")
-        idx = (positions, kv_index, block_table, req, nvis)
-        if not all(t.dtype == torch.int64 and t.is_contiguous() for t in idx):
-            raise ValueError("positions, kv_index, block_table, req and nvis must be contiguous int64")
+        _check_index(positions, kv_index, block_table, req, nvis)
+        D = caches.head_dim
         if cos.dtype != dtype or sin.dtype != dtype or cos.shape != sin.shape or cos.shape[1] != D:
             raise ValueError("cos and sin must be [max_len, head_dim] in the model's dtype")
-        T, H = positions.shape[0], num_heads
+        T, H, Hkv = positions.shape[0], num_heads, caches.num_kv_heads
         self.T, self.H, self.Hkv, self.D, self.bf16 = T, H, Hkv, D, int(dtype == torch.bfloat16)
         self.threads = torch.get_num_threads()
-        self._ops, self._attn = ops, attn
-        self._kv = [(kt.data_ptr(), v.data_ptr()) for kt, v in kv_caches]
+        self._ops, self._attn, self._caches = ops, attn, caches
         self.q = torch.empty(T, H, D, dtype=torch.float32)  # the rotated queries
         self.o32 = torch.empty(T, H, D, dtype=torch.float32)  # attention's output
         self.o = self.o32.view(T, H * D) if dtype == torch.float32 else torch.empty(T, H * D, dtype=dtype)
-        self._o_bf16 = None if dtype == torch.float32 else self.o.data_ptr()
-        n_pad = -(-max_nvis // LANES) * LANES + 2 * LANES
-        need = self.threads * ROWS * (H // Hkv) * n_pad
-        scratch = getattr(attn._local, "scratch", None)
-        if scratch is None or scratch.numel() < need:
-            scratch = attn._local.scratch = torch.empty(need, dtype=torch.float32)
+        n_pad, need = attention_scratch(self.threads, H, Hkv, max_nvis)
+        scratch = attn.scratch(need)
         self._keep = (positions, kv_index, cos, sin, block_table, req, nvis, scratch)  # alive while pointed to
         # the arguments of every call but the per-layer pointers, in the C functions' order
-        self._rope_args = (
-            positions.data_ptr(),
-            kv_index.data_ptr(),
-            cos.data_ptr(),
-            sin.data_ptr(),
-            self.q.data_ptr(),
+        BS, nb, o_bf16 = caches.block_size, caches.num_blocks, None if dtype == torch.float32 else self.o.data_ptr()
+        self._rope_args = (positions.data_ptr(), kv_index.data_ptr(), cos.data_ptr(), sin.data_ptr(), self.q.data_ptr())
+        self._rope_tail = (T, H, Hkv, D, BS, nb, cos.shape[0], self.bf16, caches.kv_bf16, self.threads)
+        self._attn_args: tuple[int | float | None, ...] = (
+            *(block_table.data_ptr(), block_table.shape[1], req.data_ptr(), nvis.data_ptr(), self.o32.data_ptr()),
+            *(T, H, Hkv, D, BS, nb, scale, scratch.data_ptr(), n_pad, self.threads, o_bf16),
         )
-        self._rope_tail = (T, H, Hkv, D, BS, num_blocks, cos.shape[0], self.bf16, kv_bf16, self.threads)
-        self._attn_args = (
-            block_table.data_ptr(),
-            block_table.shape[1],
-            req.data_ptr(),
-            nvis.data_ptr(),
-            self.o32.data_ptr(),
-            T,
-            H,
-            Hkv,
-            D,
-            BS,
-            num_blocks,
-            scale,
-            scratch.data_ptr(),
-            n_pad,
-            self.threads,
-            self._o_bf16,
-        )
-        self._kv_bf16 = kv_bf16
-        self._max_nvis, self._num_blocks = max_nvis, num_blocks
+        self._max_nvis = max_nvis
 
     def add_rms_norm(
         self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor, eps: float
@@ -481,22 +500,22 @@ class NativeStep:
 
     def rope_kv(self, qkv: torch.Tensor, layer: int) -> torch.Tensor:
         """As :meth:`NativeLayerOps.rope_kv` into layer ``layer``'s caches; returns :attr:`q`."""
-        kt, v = self._kv[layer]
+        kt, v = self._caches.ptrs[layer]
         rc = self._ops._rope(qkv.data_ptr(), qkv.stride(0), *self._rope_args, kt, v, *self._rope_tail)
         if rc != 0:
             raise ValueError(
-                f"rope_kv: a position or cache index outside the tables or the {self._num_blocks}-block pool"
+                f"rope_kv: a position or cache index outside the tables or the {self._caches.num_blocks}-block pool"
             )
         return self.q
 
     def attention(self, layer: int) -> torch.Tensor:
         """Attention of :attr:`q` over layer ``layer``'s caches: ``[T, H * D]`` in the model's dtype (:attr:`o`)."""
-        kt, v = self._kv[layer]
-        rc = self._attn._fn(self.q.data_ptr(), self.q.stride(0), kt, v, self._kv_bf16, *self._attn_args)
+        kt, v = self._caches.ptrs[layer]
+        rc = self._attn._fn(self.q.data_ptr(), self.q.stride(0), kt, v, self._caches.kv_bf16, *self._attn_args)
         if rc != 0:
             raise ValueError(
                 f"attention shapes outside the kernel (max visible keys {self._max_nvis}), or a block id outside "
-                f"the pool of {self._num_blocks}"
+                f"the pool of {self._caches.num_blocks}"
             )
         return self.o
 
@@ -506,14 +525,25 @@ class NativeStep:
         return out
 
 
+def _check_index(*ts: torch.Tensor) -> None:
+    if not all(t.dtype == torch.int64 and t.is_contiguous() for t in ts):
+        raise ValueError("positions, kv_index, block_table, req and nvis must be contiguous int64")
+
+
+# The phases of a layer in the fused forward, in order: what NativeLayers.profile accumulates.
+PHASES: tuple[str, ...] = ("rms_norm", "gemm qkv", "rope_kv", "attention", "gemm o", "rms_norm post")
+PHASES += ("gemm gate_up", "silu_mul", "gemm down")
+
+
 class NativeLayers:
     """Every decoder layer of a forward as one native call (``invariant_layers`` in
     workers/kernels/invariant_layer.c), for a runner whose GEMMs are all the native linear kernel.
 
     Why: with every GEMM native, a layer is nine native calls; made from Python they cost a few
-    microseconds each in argument handling, which at one row is a large part of the step. The C loop makes
-    the same calls with the same arguments in the same order, so the result is bit-identical to making them
-    one by one. The weights' and caches' addresses are bound once (:meth:`bind`); a call passes the step's.
+    microseconds each in argument handling, and opening a parallel region per call costs as much again at
+    one row. The C function runs them in one parallel region with the same per-output computations, so the
+    result is bit-identical to making them one by one. A runner binds its weights and caches once
+    (:meth:`bind`); a step passes its index tensors.
     """
 
     def __init__(self, dll: ctypes.CDLL) -> None:
@@ -523,53 +553,131 @@ class NativeLayers:
         fn.argtypes += [p] * 8 + [i64] * 8 + [f32, i32, i32, i32]
         fn.restype = ctypes.c_int
         self._fn = fn
+        self._profile = dll.layers_profile
+        self._profile.argtypes = [p]
+        self._profile.restype = None
+
+    def profile(self, acc: torch.Tensor | None) -> None:
+        """Accumulate each phase's wall time (seconds, thread 0's clock between barriers) into ``acc``
+        ([len(PHASES)] float64, kept alive by the caller) on every fused forward, or stop (None)."""
+        if acc is not None and (acc.dtype != torch.float64 or acc.shape != (len(PHASES),) or not acc.is_contiguous()):
+            raise ValueError(f"the profile takes a contiguous [{len(PHASES)}] float64 tensor")
+        self._profile(None if acc is None else acc.data_ptr())
 
     def bind(
         self,
         layers: list[dict[str, torch.Tensor]],  # per layer in_norm, qkv, o, post_norm, gate_up, down: contiguous
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (kt_cache, v_cache)
-    ) -> tuple[ctypes.Array, ctypes.Array, ctypes.Array, list[torch.Tensor]]:
-        """The pointer tables of one runner's weights and caches (which must outlive them: the runner's own)."""
+        caches: BoundCaches,
+        cos: torch.Tensor,  # [max_len, D] the model's dtype
+        sin: torch.Tensor,
+        num_heads: int,
+        eps: float,
+        attn: NativeAttention,  # whose scratch the attention phase uses
+    ) -> BoundLayers:
+        return BoundLayers(self._fn, layers, caches, cos, sin, num_heads, eps, attn)
+
+
+@dataclass
+class _Buffers:
+    """The fused forward's intermediates for one row count (see invariant_layers)."""
+
+    x: torch.Tensor  # [T, hidden] the normalized rows each GEMM reads
+    qkv: torch.Tensor  # [T, (H + 2 Hkv) D]
+    q: torch.Tensor  # [T, H D] fp32, the rotated queries
+    o32: torch.Tensor  # [T, H D] fp32, attention's output
+    o: torch.Tensor  # [T, H D] the model's dtype: the o projection's input (o32 itself in fp32)
+    delta: torch.Tensor  # [T, hidden] the last GEMM's output
+    gu: torch.Tensor  # [T, 2 I]
+    act: torch.Tensor  # [T, I]
+
+
+class BoundLayers:
+    """One runner's layers bound to the fused call: weights, caches and tables as pointer arrays made once."""
+
+    MAX_SHAPES = 16  # row counts whose buffers are kept (a decode step's few, a prefill chunk's)
+
+    def __init__(
+        self,
+        fn: ctypes._CFuncPtr,  # type: ignore[name-defined]
+        layers: list[dict[str, torch.Tensor]],
+        caches: BoundCaches,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_heads: int,
+        eps: float,
+        attn: NativeAttention,
+    ) -> None:
         names = ("in_norm", "qkv", "o", "post_norm", "gate_up", "down")
-        keep = [L[n] for L in layers for n in names]
-        if not all(t.is_contiguous() for t in keep):
-            raise ValueError("every layer weight must be contiguous")
-        for kt, v in kv_caches:
-            _check_caches(kt, v)
-        w = (ctypes.c_void_p * len(keep))(*(t.data_ptr() for t in keep))
-        kts = (ctypes.c_void_p * len(kv_caches))(*(kt.data_ptr() for kt, _ in kv_caches))
-        vs = (ctypes.c_void_p * len(kv_caches))(*(v.data_ptr() for _, v in kv_caches))
-        return w, kts, vs, keep
+        weights = [L[n] for L in layers for n in names]
+        dtype = weights[0].dtype
+        if dtype not in (torch.float32, torch.bfloat16) or any(
+            t.dtype != dtype or not t.is_contiguous() for t in weights
+        ):
+            raise ValueError("every layer weight must be contiguous and all fp32 or all bf16")
+        if cos.dtype != dtype or sin.shape != cos.shape or cos.shape[1] != caches.head_dim:
+            raise ValueError("cos and sin must be [max_len, head_dim] in the model's dtype")
+        self._fn, self._attn, self._caches = fn, attn, caches
+        self.dtype, self.num_heads, self.eps = dtype, num_heads, eps
+        self.hidden = layers[0]["in_norm"].shape[0]
+        self.intermediate = layers[0]["down"].shape[1]
+        self._keep = (weights, cos, sin)
+        self._w = (ctypes.c_void_p * len(weights))(*(t.data_ptr() for t in weights))
+        self._kt = (ctypes.c_void_p * len(caches.ptrs))(*(kt for kt, _ in caches.ptrs))
+        self._v = (ctypes.c_void_p * len(caches.ptrs))(*(v for _, v in caches.ptrs))
+        self._cos, self._sin, self._max_len = cos.data_ptr(), sin.data_ptr(), cos.shape[0]
+        self._buffers: dict[int, _Buffers] = {}
+
+    def buffers(self, T: int) -> _Buffers:
+        b = self._buffers.get(T)
+        if b is None:
+            if len(self._buffers) >= self.MAX_SHAPES:
+                self._buffers.clear()
+            H, Hkv, D, dt = self.num_heads, self._caches.num_kv_heads, self._caches.head_dim, self.dtype
+            o32 = torch.empty(T, H * D, dtype=torch.float32)
+            b = self._buffers[T] = _Buffers(
+                x=torch.empty(T, self.hidden, dtype=dt),
+                qkv=torch.empty(T, (H + 2 * Hkv) * D, dtype=dt),
+                q=torch.empty(T, H * D, dtype=torch.float32),
+                o32=o32,
+                o=o32 if dt == torch.float32 else torch.empty(T, H * D, dtype=dt),
+                delta=torch.empty(T, self.hidden, dtype=dt),
+                gu=torch.empty(T, 2 * self.intermediate, dtype=dt),
+                act=torch.empty(T, self.intermediate, dtype=dt),
+            )
+        return b
 
     def __call__(
         self,
-        bound: tuple[ctypes.Array, ctypes.Array, ctypes.Array, list[torch.Tensor]],
-        step: NativeStep,
-        h: torch.Tensor,  # [T, hidden] the model's dtype, updated in place
-        intermediate: int,
-        eps: float,
-    ) -> torch.Tensor:  # [T, hidden]: the last layer's down projection (the output is h + it)
-        w, kts, vs, _ = bound
+        h: torch.Tensor,  # [T, hidden] the model's dtype, contiguous, updated in place
+        positions: torch.Tensor,  # [T] int64
+        kv_index: torch.Tensor,  # [T] int64
+        block_table: torch.Tensor,  # [num_reqs, max_blocks] int64
+        req: torch.Tensor,  # [T] int64
+        nvis: torch.Tensor,  # [T] int64
+        max_nvis: int,
+        scale: float,
+    ) -> torch.Tensor:  # [T, hidden]: the last layer's down projection (the output is h + it), a reused buffer
         T, hidden = h.shape
-        nl = len(kts)
-        qkv = h.new_empty(T, (step.H + 2 * step.Hkv) * step.D)
-        x, delta = torch.empty_like(h), torch.empty_like(h)
-        gu, act = h.new_empty(T, 2 * intermediate), h.new_empty(T, intermediate)
-        a = (
-            step._attn_args
-        )  # block_table, bt_stride, req, nvis, o32, T, H, Hkv, D, BS, num_blocks, scale, scratch, n_pad
-        r = step._rope_args  # positions, kv_index, cos, sin, q
+        if h.dtype != self.dtype or hidden != self.hidden or not h.is_contiguous():
+            raise ValueError("the residual stream must be a contiguous [T, hidden] tensor in the model's dtype")
+        _check_index(positions, kv_index, block_table, req, nvis)
+        c, b = self._caches, self.buffers(T)
+        threads = torch.get_num_threads()
+        n_pad, need = attention_scratch(threads, self.num_heads, c.num_kv_heads, max_nvis)
+        scratch = self._attn.scratch(need)
         rc = self._fn(
-            h.data_ptr(), w, kts, vs, nl,
-            r[0], r[1], r[2], r[3], step._rope_tail[6],
-            a[0], a[1], a[2], a[3], a[11], a[12], a[13],
-            x.data_ptr(), qkv.data_ptr(), r[4], a[4], step.o.data_ptr(), delta.data_ptr(), gu.data_ptr(),
-            act.data_ptr(),
-            T, hidden, step.H, step.Hkv, step.D, intermediate, step._rope_tail[4], step._num_blocks,
-            eps, step.bf16, step._kv_bf16, step.threads,
+            h.data_ptr(), self._w, self._kt, self._v, len(c.ptrs),
+            positions.data_ptr(), kv_index.data_ptr(), self._cos, self._sin, self._max_len,
+            block_table.data_ptr(), block_table.shape[1], req.data_ptr(), nvis.data_ptr(), scale,
+            scratch.data_ptr(), n_pad,
+            b.x.data_ptr(), b.qkv.data_ptr(), b.q.data_ptr(), b.o32.data_ptr(), b.o.data_ptr(), b.delta.data_ptr(),
+            b.gu.data_ptr(), b.act.data_ptr(),
+            T, hidden, self.num_heads, c.num_kv_heads, c.head_dim, self.intermediate, c.block_size, c.num_blocks,
+            self.eps, int(self.dtype == torch.bfloat16), c.kv_bf16, threads,
         )  # fmt: skip
         if rc != 0:
             raise ValueError(
-                f"a layer's native call failed ({rc}): shapes outside the kernels or indices outside the pool"
+                f"the fused layers refused the step: a position or cache index outside the tables or the "
+                f"{c.num_blocks}-block pool, or attention shapes outside the kernel (max visible keys {max_nvis})"
             )
-        return delta
+        return b.delta

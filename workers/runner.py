@@ -295,13 +295,15 @@ class ModelRunner:
         self._k_storage = [hugepages.zeros(k_storage, kv_dtype, self.device) for _ in range(self.num_layers)]
         self.k_cache = [kt.transpose(2, 3) for kt in self._k_storage] if self.native_attn else self._k_storage
         self.v_cache = [hugepages.zeros(kv_shape, kv_dtype, self.device) for _ in range(self.num_layers)]
-        # With every GEMM native too, a forward's layers are one native call (the same calls, made in C).
-        self.native_layers = (
-            native_attention.load_layers() if self.native_gemm is not None and self.native_ops is not None else None
+        # The caches' addresses and layout, checked once for every step's native calls.
+        self._caches = (
+            native_attention.BoundCaches.bind(list(zip(self._k_storage, self.v_cache))) if self.native_attn else None
         )
-        self._bound_layers = (
-            self.native_layers.bind(self.layers, list(zip(self._k_storage, self.v_cache)))
-            if self.native_layers
+        # With every GEMM native too, a forward's layers are one native call (the same calls, made in C).
+        fused = native_attention.load_layers() if self.native_gemm is not None and self.native_ops is not None else None
+        self.native_layers = (
+            fused.bind(self.layers, self._caches, self.cos, self.sin, self.num_heads, self.eps, self.native_attn)
+            if fused is not None and self._caches is not None and self.native_attn is not None
             else None
         )
         self.fused_layers = True  # False: the layers' calls made one by one from Python (benchmarks time them)
@@ -566,28 +568,16 @@ class ModelRunner:
         # h: [T, hidden] (a fresh tensor, never the embedding table) -> [T, hidden]; kv_index: [T] where each
         # row's key and value go; bt: [num_requests, nb] block tables; req_of_tok, nvis: [T] each row's request
         # and visible keys
-        ops, attn, D = self.native_ops, self.native_attn, self.head_dim
-        assert ops is not None and attn is not None  # the caller checked: the native library loaded
+        D = self.head_dim
+        if self.native_layers is not None and self.fused_layers:
+            return h + self.native_layers(h, positions, kv_index, bt, req_of_tok, nvis, max_kv, D**-0.5)
+        ops, attn, caches = self.native_ops, self.native_attn, self._caches
+        assert ops is not None and attn is not None and caches is not None  # the caller checked: the library loaded
         # every native call's arguments checked and converted once for the whole step
         step = native_attention.NativeStep(
-            ops,
-            attn,
-            self.dtype,
-            list(zip(self._k_storage, self.v_cache)),
-            self.num_heads,
-            positions,
-            kv_index,
-            self.cos,
-            self.sin,
-            bt,
-            req_of_tok,
-            nvis,
-            max_kv,
-            D**-0.5,
-        )
-        if self.native_layers is not None and self.fused_layers:
-            assert self._bound_layers is not None
-            return h + self.native_layers(self._bound_layers, step, h, self.intermediate_size, self.eps)
+            ops, attn, self.dtype, caches, self.num_heads, positions, kv_index, self.cos, self.sin, bt, req_of_tok,
+            nvis, max_kv, D**-0.5,
+        )  # fmt: skip
         x = torch.empty_like(h)  # [T, hidden] the normalized rows each GEMM reads
         delta = None
         # When the down projection's row blocking pads this step's rows (one call of call_rows > T: e.g. a

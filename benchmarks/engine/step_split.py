@@ -8,7 +8,9 @@ Phases of an engine step (``LLMEngine.step``):
 - weight GEMMs, one entry per weight (``qkv``, ``o``, ``gate_up``, ``down``, ``lm_head``), with the
   bytes each reads, so each gets its achieved GB/s;
 - attention and the row-wise ops (residual + RMSNorm, RoPE + KV write, SiLU * up) where the native
-  kernels run; on a runner without them (the draft model) they are inside ``forward, other``;
+  kernels run; on a runner without them (the draft model) they are inside ``forward, other``. Where the
+  layers run as one fused native call (the served bf16 path on a CPU with the native GEMMs), the call
+  clocks its own phases from barrier to barrier (``NativeLayers.profile``), wall time whatever ``clock``;
 - ``forward, other``: the rest of ``ModelRunner.forward`` (index tensors, embedding, row blocking);
 - schedule, propose, build (the step's own Python around the forward), sampling (verify) and output
   (commit, detokenize, stop checks: ``OutputProcessor.process`` less verify).
@@ -97,10 +99,13 @@ class StepSplit:
         self._patch(r, "_linear_kernel", linear_kernel)
         self._patch(r, "_lm_head_kernel", self.timer("lm_head", r._lm_head_kernel))
         self._patch(r, "forward", self.timer("forward", r.forward))
-        # the layers' native calls made one by one from Python, so each is timed (not one fused C loop)
-        if getattr(r, "native_layers", None) is not None:
-            self._patch(r, "fused_layers", False)
-        if r.native_ops is not None:  # a forward makes its native calls through one NativeStep
+        fused = native_attention.load_layers() if getattr(r, "native_layers", None) is not None else None
+        if fused is not None and r.fused_layers:
+            # the layers as served, one fused C call: it clocks its own phases (wall time, barrier to barrier)
+            acc = torch.zeros(len(native_attention.PHASES), dtype=torch.float64)
+            fused.profile(acc)
+            self._undo.append(lambda: (fused.profile(None), self._add_phases(acc)))
+        elif r.native_ops is not None:  # a forward makes its native calls through one NativeStep
             step = native_attention.NativeStep
             for name in ("attention", *ROW_OPS):
                 self._patch(step, name, self.timer(name, getattr(step, name)))
@@ -113,6 +118,12 @@ class StepSplit:
             for fn in ("verify", "verify_coupled"):  # the sampler: called from the processor's module
                 self._patch(output_processor, fn, self.timer("sampling", getattr(output_processor, fn)))
         return self
+
+    def _add_phases(self, acc: torch.Tensor) -> None:
+        """The fused forward's phase clocks, under the names the per-call timers use."""
+        for phase, secs in zip(native_attention.PHASES, acc.tolist()):
+            name = phase.removeprefix("gemm ") if phase.startswith("gemm ") else phase
+            self.totals["add_rms_norm" if name.startswith("rms_norm") else name] += secs
 
     def __exit__(self, *exc: object) -> None:
         while self._undo:

@@ -19,14 +19,12 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 #define LANES 16
-#ifndef PF_NEXT
-#define PF_NEXT 32768 /* bytes of the next GEMM's weights each thread asks for before a phase that does not stream */
-#endif
 
 #include "kernels.h"
 #include "vec_math.h"
@@ -202,6 +200,18 @@ int silu_mul(const void *gu, void *out, int64_t T, int64_t I, int bf16, int nthr
     return 0;
 }
 
+/* Where the fused forward adds each phase's seconds (thread 0's clock from barrier to barrier, so a phase's
+ * share includes waiting for the slower thread), or NULL: benchmarks/engine/step_split.py reads it. */
+static double *phase_acc;
+
+void layers_profile(double *acc) { phase_acc = acc; }
+
+static inline double seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 /* Every decoder layer of one forward in one call, when every GEMM is invariant_linear: the same per-row
  * and per-output computations, in the same order, as the calls the runner would make one by one from
  * Python, so the result is bit-identical to that path.
@@ -242,33 +252,46 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
         id = omp_get_thread_num();
         nt = omp_get_num_threads();
 #endif
+        double *const acc = id == 0 ? phase_acc : NULL;
+        double t_phase = acc ? seconds() : 0.0;
+#define PHASE(i)                                   \
+    if (acc) {                                     \
+        const double t_now = seconds();            \
+        acc[i] += t_now - t_phase;                 \
+        t_phase = t_now;                           \
+    }
         for (int64_t l = 0; l < L; l++) {
             const void *const *wl = w + 6 * l;
-            /* before each phase that does not stream: this thread's first lines of the GEMM after it */
-            if (PF_NEXT) linear_prefetch(wl[1], nqkv, hidden, bf16, id, nt, PF_NEXT);
             for (int64_t t = id; t < T; t += nt) rms_row(h, l ? delta : NULL, wl[0], x, t, hidden, eps, bf16);
 #pragma omp barrier
+            PHASE(0);
             linear_part(x, wl[1], qkv, T, nqkv, hidden, bf16, id, nt);
 #pragma omp barrier
-            if (PF_NEXT) linear_prefetch(wl[2], hidden, H * D, bf16, id, nt, PF_NEXT);
+            PHASE(1);
             for (int64_t t = id; t < T; t += nt)
                 rope_row(qkv, nqkv, pos, kv_index, cos, sin, q, kt[l], v[l], t, H, Hkv, D, BS, bf16, kv_bf16);
 #pragma omp barrier
+            PHASE(2);
             attention_part(&plan, q, H * D, kt[l], v[l], o32, o_bf16, id, nt);
 #pragma omp barrier
+            PHASE(3);
             linear_part(attn_in, wl[2], delta, T, hidden, H * D, bf16, id, nt);
 #pragma omp barrier
-            if (PF_NEXT) linear_prefetch(wl[4], 2 * I, hidden, bf16, id, nt, PF_NEXT);
+            PHASE(4);
             for (int64_t t = id; t < T; t += nt) rms_row(h, delta, wl[3], x, t, hidden, eps, bf16);
 #pragma omp barrier
+            PHASE(5);
             linear_part(x, wl[4], gu, T, 2 * I, hidden, bf16, id, nt);
 #pragma omp barrier
-            if (PF_NEXT) linear_prefetch(wl[5], hidden, I, bf16, id, nt, PF_NEXT);
+            PHASE(6);
             silu_span(gu, act, I, bf16, silu_chunks * id / nt, silu_chunks * (id + 1) / nt);
 #pragma omp barrier
+            PHASE(7);
             linear_part(act, wl[5], delta, T, hidden, I, bf16, id, nt);
 #pragma omp barrier
+            PHASE(8);
         }
     }
+#undef PHASE
     return 0;
 }

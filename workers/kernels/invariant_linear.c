@@ -351,19 +351,6 @@ void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, in
     }
 }
 
-/* Ask for the first `bytes` of the weights thread id's linear_part (same N, K, nt) will read first, into L2:
- * issued before a phase that does not stream (a norm, RoPE, attention), they arrive while it computes, so
- * the GEMM after it starts on warm lines instead of waiting for the stream to ramp up. A hint only. */
-void linear_prefetch(const void *W, int64_t N, int64_t K, int bf16, int id, int nt, int64_t bytes) {
-    const int64_t tiles = (N + NR - 1) / NR, es = bf16 ? 2 : 4;
-    const int64_t lo = tiles * id / nt, hi = tiles * (id + 1) / nt;
-    const char *p = (const char *)W + (size_t)(lo * NR * K * es);
-    int64_t n = (hi - lo) * NR * K * es;
-    if (lo * NR + n / (K * es) > N) n = (N - lo * NR) * K * es; /* the last tile's rows past N */
-    if (n > bytes) n = bytes;
-    for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(p + b, 0, 2);
-}
-
 /* x: [M, K], W: [N, K], y: [M, N], all contiguous; fp32, or bf16 (bf16 != 0) as uint16. */
 int invariant_linear(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16,
                      int nthreads) {
