@@ -371,6 +371,15 @@ class ModelRunner:
         g = cache[tables]  # [S, nb, Hkv, BS, D]
         return g.transpose(1, 2).reshape(S, self.num_kv_heads, nb * self.block_size, self.head_dim)[:, :, :length]
 
+    def _final_norm(self, h: torch.Tensor, delta: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+        """The final RMSNorm of ``rows`` ([M] int64) of the residual stream: ``[T, hidden] -> [M, hidden]``.
+        ``delta``: the last layer's output, which the native layers leave for this norm to add (one native
+        call for the selected rows, where torch's ops cost several small calls), or None (already added)."""
+        if delta is None or self.native_ops is None:
+            return self._rms_norm((h if delta is None else h + delta)[rows], self.final_norm)
+        hr, out = h.index_select(0, rows), h.new_empty(rows.shape[0], h.shape[1])
+        return self.native_ops.add_rms_norm(hr, delta.index_select(0, rows), self.final_norm, out, self.eps)
+
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]; computed in fp32 like HF's LlamaRMSNorm, then cast back
         xf = x.float()
@@ -464,8 +473,9 @@ class ModelRunner:
 
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         h = self.embed[flat_ids]  # [T, hidden]
+        delta = None  # [T, hidden] the last layer's output where the native layers leave it unadded
         if self.native_ops:
-            h = self._layers_native(h, positions, kv_index, bt, req_of_tok, nvis, max_kv)
+            h, delta = self._layers_native(h, positions, kv_index, bt, req_of_tok, nvis, max_kv)
         else:
             # The layers as torch ops: no C compiler, a non-invariant runner, or (tests isolating the
             # row-wise ops) the native attention with native_ops switched off.
@@ -542,13 +552,13 @@ class ModelRunner:
         rows = torch.tensor(
             [offsets[i] + r for i, rs in enumerate(batch.logits_rows) for r in rs], dtype=torch.long, device=dev
         )  # [M]
-        hs = self._rms_norm(h[rows], self.final_norm)  # [M, hidden]
+        hs = self._final_norm(h, delta, rows)  # [M, hidden]
         extra = None
         if batch.hidden_rows is not None:
             hrows = torch.tensor(
                 [offsets[i] + r for i, rs in enumerate(batch.hidden_rows) for r in rs], dtype=torch.long, device=dev
             )  # [M']
-            extra = self._rms_norm(h[hrows], self.final_norm)  # [M', hidden]
+            extra = self._final_norm(h, delta, hrows)  # [M', hidden]
         return StepOutput(logits=self._lm_head(hs), hidden=hs, extra_hidden=extra)
 
     def _layers_native(
@@ -560,17 +570,18 @@ class ModelRunner:
         req_of_tok: torch.Tensor,
         nvis: torch.Tensor,
         max_kv: int,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every decoder layer with the native row-wise ops and attention; the GEMMs run as ``cpu_gemm`` says.
 
-        Each residual add is fused into the RMSNorm after it, so ``h`` is updated in place there.
+        Each residual add is fused into the RMSNorm after it, so ``h`` is updated in place there; the last
+        layer's output is returned beside it for the final norm to add (``(h, delta)``).
         """
-        # h: [T, hidden] (a fresh tensor, never the embedding table) -> [T, hidden]; kv_index: [T] where each
-        # row's key and value go; bt: [num_requests, nb] block tables; req_of_tok, nvis: [T] each row's request
-        # and visible keys
+        # h: [T, hidden] (a fresh tensor, never the embedding table) -> (h, delta), [T, hidden] each; kv_index: [T]
+        # where each row's key and value go; bt: [num_requests, nb] block tables; req_of_tok, nvis: [T] each
+        # row's request and visible keys
         D = self.head_dim
         if self.native_layers is not None and self.fused_layers:
-            return h + self.native_layers(h, positions, kv_index, bt, req_of_tok, nvis, max_kv, D**-0.5)
+            return h, self.native_layers(h, positions, kv_index, bt, req_of_tok, nvis, max_kv, D**-0.5)
         ops, attn, caches = self.native_ops, self.native_attn, self._caches
         assert ops is not None and attn is not None and caches is not None  # the caller checked: the library loaded
         # every native call's arguments checked and converted once for the whole step
@@ -605,7 +616,7 @@ class ModelRunner:
             else:
                 delta = self._linear(down_in, L, "down")  # [T, hidden]
         assert delta is not None  # a model has at least one layer
-        return h + delta
+        return h, delta
 
     def _attention_groups(
         self, batch: StepBatch, num_new: list[int], offsets: list[int], pad_keys: bool = False

@@ -124,10 +124,13 @@ static void rope_row(const void *qkv, int64_t qkv_stride, const int64_t *pos, co
         for (int64_t d = 0; d < D; d += LANES) {
             const int n = CHUNK(D, d);
             vlanes rot;
-            for (int l = 0; l < LANES; l++) {
-                const int64_t e = d + l < D ? d + l : 0;
-                rot[l] = e < half ? -x[e + half] : x[e - half];
-            }
+            if (half % LANES == 0) /* whole vectors from one half: -x[d + half ..] or x[d - half ..] */
+                rot = d < half ? -load_lanes(x + d + half) : load_lanes(x + d - half);
+            else
+                for (int l = 0; l < LANES; l++) {
+                    const int64_t e = d + l < D ? d + l : 0;
+                    rot[l] = e < half ? -x[e + half] : x[e - half];
+                }
             const vlanes a = round_to(load(x, d, n, 0) * load(c, d, n, 0), bf16);
             const vlanes b = round_to(rot * load(s, d, n, 0), bf16);
             store(y, d, round_to(a + b, bf16), n, 0);
