@@ -79,7 +79,8 @@ class StreamIdleTimeout:
                 await send(message)
                 return
             try:
-                await asyncio.wait_for(send(message), limit)
+                async with asyncio.timeout(limit):  # one timer per write: no task per token, as wait_for makes
+                    await send(message)
             except TimeoutError:
                 log.warning(
                     "%s %s: the client took no data for %.3g s; its stream is cancelled",
