@@ -19,6 +19,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 import uuid
@@ -91,6 +92,19 @@ def percentile(values: Sequence[float], p: float) -> float:
     pos = (len(xs) - 1) * p / 100.0
     lo, hi = math.floor(pos), math.ceil(pos)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def paired(a: Sequence[float], b: Sequence[float]) -> dict[str, float]:
+    """Side B against side A over paired rounds (``a[i]`` and ``b[i]`` timed back to back): each round's own
+    B/A ratio, so minutes of host noise cancel; medians of both sides in ms beside them."""
+    r = [y / x for x, y in zip(a, b)]
+    return {
+        "a_ms": 1e3 * statistics.median(a),
+        "b_ms": 1e3 * statistics.median(b),
+        "ratio": statistics.median(r),
+        "ratio_min": min(r),
+        "ratio_max": max(r),
+    }
 
 
 def ratio(a: float, b: float) -> float:

@@ -318,7 +318,8 @@ class Ingress:
                     yield event
                 open_choices -= bool(c.last["finished"])
             while open_choices:
-                j, item, err = await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):  # a timer, not a task per token
+                    j, item, err = await queue.get()
                 if err is not None:
                     raise err
                 choices[j].add(item)
@@ -351,7 +352,8 @@ class Ingress:
         """Read one choice to its end (non-streaming)."""
         try:
             while not c.last["finished"]:  # type: ignore[index]
-                c.add(await asyncio.wait_for(gen.__anext__(), max(0.0, deadline - time.monotonic())))
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    c.add(await gen.__anext__())
         except TimeoutError:
             gen.cancel()
             raise HTTPError(

@@ -27,7 +27,17 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.common import RESULTS_DIR, bar_panel, env_info, figure, format_table, loadavg, progress, save_result
+from benchmarks.common import (
+    RESULTS_DIR,
+    bar_panel,
+    env_info,
+    figure,
+    format_table,
+    loadavg,
+    paired,
+    progress,
+    save_result,
+)
 from benchmarks.engine.decode_floor import read_bandwidth_gbs
 from benchmarks.engine.step_ab import step_times
 from benchmarks.engine.step_split import GEMMS, weight_bytes
@@ -161,18 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     for dt in dtypes:
         for name, _ in cells:
             a, b = times[(dt, name, "onednn")], times[(dt, name, "native")]
-            r = [y / x for x, y in zip(a, b)]
-            rows.append(
-                {
-                    "dtype": dt,
-                    "cell": name,
-                    "onednn_ms": 1e3 * statistics.median(a),
-                    "native_ms": 1e3 * statistics.median(b),
-                    "ratio": statistics.median(r),
-                    "ratio_min": min(r),
-                    "ratio_max": max(r),
-                }
-            )
+            p = paired(a, b)
+            rows.append({"dtype": dt, "cell": name, "onednn_ms": p.pop("a_ms"), "native_ms": p.pop("b_ms"), **p})
     print(
         format_table(
             rows,

@@ -27,7 +27,17 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import RESULTS_DIR, bar_panel, env_info, figure, format_table, loadavg, progress, save_result
+from benchmarks.common import (
+    RESULTS_DIR,
+    bar_panel,
+    env_info,
+    figure,
+    format_table,
+    loadavg,
+    paired,
+    progress,
+    save_result,
+)
 from benchmarks.fidelity.invariance_bench import PROMPT
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
@@ -112,18 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     for dt in dtypes:
         for c in cs:
             a, b = times[(dt, "A", c)], times[(dt, "B", c)]
-            r = [y / x for x, y in zip(a, b)]
-            rows.append(
-                {
-                    "dtype": dt,
-                    "c": c,
-                    "a_ms": 1e3 * statistics.median(a),
-                    "b_ms": 1e3 * statistics.median(b),
-                    "ratio": statistics.median(r),
-                    "ratio_min": min(r),
-                    "ratio_max": max(r),
-                }
-            )
+            rows.append({"dtype": dt, "c": c, **paired(a, b)})
     print(
         format_table(
             rows,
