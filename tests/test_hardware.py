@@ -1,4 +1,5 @@
-"""``dtype: auto`` follows the CPU's flags: bf16 only where the hardware multiplies it natively."""
+"""``dtype: auto`` and ``cpu_gemm: auto`` follow the CPU's flags: bf16 only where the hardware multiplies it
+natively, the native GEMMs where they measured faster."""
 
 from __future__ import annotations
 
@@ -26,3 +27,22 @@ def test_explicit_dtypes_are_taken_as_they_are(monkeypatch):
     monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset())
     assert hardware.resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
     assert hardware.resolve_dtype("float32", torch.device("cpu")) == torch.float32
+
+
+@pytest.mark.parametrize(
+    "flags,dtype,expected",
+    [
+        ({"avx512f", "avx512_bf16"}, torch.bfloat16, "native"),
+        ({"avx512f", "avx512_bf16"}, torch.float32, "native"),
+        ({"avx512f"}, torch.float32, "native"),
+        ({"avx512f"}, torch.bfloat16, "onednn"),  # bf16 without the dot-product instructions: emulated
+        ({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, torch.bfloat16, "onednn"),  # AMX wins prefill
+        ({"avx512f", "amx_tile"}, torch.float32, "onednn"),  # unmeasured there: the library's
+        ({"avx2", "fma"}, torch.float32, "onednn"),  # the native kernel loses from 16 rows on
+        (set(), torch.float32, "onednn"),
+    ],
+)
+def test_auto_gemm_is_native_where_it_measured_faster(monkeypatch, flags, dtype, expected):
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset(flags))
+    assert hardware.resolve_cpu_gemm("auto", dtype) == expected
+    assert hardware.resolve_cpu_gemm("onednn", dtype) == "onednn"  # an explicit choice is kept

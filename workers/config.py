@@ -92,8 +92,9 @@ class EngineConfig(BaseModel):
     device: str = Field("auto", description="'auto' picks CUDA when present, else CPU.")
     cpu_gemm: Literal["auto", "onednn", "mkl", "native"] = Field(
         "auto",
-        description="CPU matmul backend. 'auto': 'native' for a bf16 model on a CPU with AVX512-BF16 and no AMX, "
-        "where it measured fastest at every batch size, else 'onednn' (docs/benchmarks.md#gemm_ab). 'onednn' "
+        description="CPU matmul backend. 'auto': 'native' on a CPU with AVX-512 and no AMX (a bf16 model also needs "
+        "AVX512-BF16), where its fused forward decoded faster at every batch size measured, else 'onednn' "
+        "(docs/benchmarks.md#gemm_ab). 'onednn' "
         "prepacks every weight once, which makes steps faster at every "
         "batch size (docs/benchmarks.md); 'mkl' is F.linear, the call HF's own forward makes, so "
         "fp32 logits are bit-identical to HF. oneDNN sums in another order: logits differ from HF's by up to "

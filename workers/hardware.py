@@ -31,13 +31,16 @@ def cpu_has_native_bf16() -> bool:
 
 
 def resolve_cpu_gemm(name: str, dtype: torch.dtype) -> str:
-    """``"auto"``: the native linear kernel where it measured fastest, a bf16 model on a CPU with AVX512-BF16
-    and no AMX (docs/benchmarks.md, ``gemm_ab``); oneDNN elsewhere: its AMX kernels win prefill and large
-    batches, and in fp32 or on AVX2 the native kernel loses from 16 rows on. Any other name is kept."""
+    """``"auto"``: the native linear kernel where it measured fastest, a CPU with AVX-512 and no AMX (with
+    AVX512-BF16 for a bf16 model), where its fused forward decodes faster at every batch size measured
+    (docs/benchmarks.md, ``gemm_ab``); oneDNN elsewhere: its AMX kernels win prefill and large batches, and
+    on AVX2 the native kernel loses from 16 rows on. Any other name is kept."""
     if name != "auto":
         return name
     flags = cpu_flags()
-    native = dtype == torch.bfloat16 and "avx512_bf16" in flags and not any(f.startswith("amx") for f in flags)
+    if any(f.startswith("amx") for f in flags) or "avx512f" not in flags:
+        return "onednn"
+    native = dtype == torch.float32 or (dtype == torch.bfloat16 and "avx512_bf16" in flags)
     return "native" if native else "onednn"
 
 

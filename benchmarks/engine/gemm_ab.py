@@ -40,7 +40,7 @@ from benchmarks.common import (
 )
 from benchmarks.engine.decode_floor import read_bandwidth_gbs
 from benchmarks.engine.step_ab import step_times
-from benchmarks.engine.step_split import GEMMS, weight_bytes
+from benchmarks.engine.step_split import GEMMS, StepSplit, weight_bytes
 from benchmarks.fidelity.invariance_bench import PROMPT
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
@@ -78,33 +78,13 @@ def prefill_s(eng: LLMEngine, ids: list[int], chunk: int, clock: Callable[[], fl
 
 
 def gemm_times(eng: LLMEngine, steps: int, clock: Callable[[], float]) -> dict[str, float]:
-    """Seconds in each weight GEMM (and in the whole step) over ``steps`` engine steps: timers around the runner's
-    two GEMM entry points on this instance only, removed after."""
-    r = eng.runner
-    totals: dict[str, float] = dict.fromkeys((*GEMMS, "step"), 0.0)
-    linear, head = r._linear_kernel, r._lm_head_kernel
-
-    def timed_linear(x: torch.Tensor, L: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-        t0 = clock()
-        out = linear(x, L, name)
-        totals[name] += clock() - t0
-        return out
-
-    def timed_head(hs: torch.Tensor) -> torch.Tensor:
-        t0 = clock()
-        out = head(hs)
-        totals["lm_head"] += clock() - t0
-        return out
-
-    r._linear_kernel, r._lm_head_kernel = timed_linear, timed_head  # type: ignore[method-assign]
-    try:
+    """Seconds in each weight GEMM (and in the whole step) over ``steps`` engine steps, from the step split
+    (benchmarks/engine/step_split.py: timers on the runner's GEMM entry points, or the fused layers' own
+    phase clocks where the layers run as one native call)."""
+    with StepSplit(engine=eng, clock=clock) as sp:
         for _ in range(steps):
-            t0 = clock()
             eng.step()
-            totals["step"] += clock() - t0
-    finally:
-        del r._linear_kernel, r._lm_head_kernel  # the class's methods again
-    return totals
+    return {g: sp.totals.get(g, 0.0) for g in (*GEMMS, "step")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             wb = weight_bytes(eng.runner)
             for g in (*GEMMS, "step"):
                 t = totals[g] / args.steps
-                gbs = wb[g] / t / 1e9 if g in wb else None
+                gbs = wb[g] / t / 1e9 if g in wb and t else None
                 split_rows.append({"dtype": dt, "backend": be, "phase": g, "ms": 1e3 * t, "gb_s": gbs})
     print(
         format_table(
