@@ -530,9 +530,9 @@ def _check_index(*ts: torch.Tensor) -> None:
         raise ValueError("positions, kv_index, block_table, req and nvis must be contiguous int64")
 
 
-# The phases of a layer in the fused forward, in order: what NativeLayers.profile accumulates.
+# The phases of a layer in the fused forward, in order, then the head's: what NativeLayers.profile accumulates.
 PHASES: tuple[str, ...] = ("rms_norm", "gemm qkv", "rope_kv", "attention", "gemm o", "rms_norm post")
-PHASES += ("gemm gate_up", "silu_mul", "gemm down")
+PHASES += ("gemm gate_up", "silu_mul", "gemm down", "rms_norm final", "gemm lm_head")  # the last two: the head
 
 
 class NativeLayers:
@@ -556,6 +556,9 @@ class NativeLayers:
         self._profile = dll.layers_profile
         self._profile.argtypes = [p]
         self._profile.restype = None
+        self._head = dll.invariant_head
+        self._head.argtypes = [p, p, p, i64, i64, p, p, p, p, i64, i64, f32, i32, i32]
+        self._head.restype = ctypes.c_int
 
     def profile(self, acc: torch.Tensor | None) -> None:
         """Accumulate each phase's wall time (seconds, thread 0's clock between barriers) into ``acc``
@@ -574,7 +577,7 @@ class NativeLayers:
         eps: float,
         attn: NativeAttention,  # whose scratch the attention phase uses
     ) -> BoundLayers:
-        return BoundLayers(self._fn, layers, caches, cos, sin, num_heads, eps, attn)
+        return BoundLayers(self._fn, self._head, layers, caches, cos, sin, num_heads, eps, attn)
 
 
 @dataclass
@@ -599,6 +602,7 @@ class BoundLayers:
     def __init__(
         self,
         fn: ctypes._CFuncPtr,  # type: ignore[name-defined]
+        head_fn: ctypes._CFuncPtr,  # type: ignore[name-defined]
         layers: list[dict[str, torch.Tensor]],
         caches: BoundCaches,
         cos: torch.Tensor,
@@ -616,7 +620,7 @@ class BoundLayers:
             raise ValueError("every layer weight must be contiguous and all fp32 or all bf16")
         if cos.dtype != dtype or sin.shape != cos.shape or cos.shape[1] != caches.head_dim:
             raise ValueError("cos and sin must be [max_len, head_dim] in the model's dtype")
-        self._fn, self._attn, self._caches = fn, attn, caches
+        self._fn, self._head_fn, self._attn, self._caches = fn, head_fn, attn, caches
         self.dtype, self.num_heads, self.eps = dtype, num_heads, eps
         self.hidden = layers[0]["in_norm"].shape[0]
         self.intermediate = layers[0]["down"].shape[1]
@@ -681,3 +685,32 @@ class BoundLayers:
                 f"{c.num_blocks}-block pool, or attention shapes outside the kernel (max visible keys {max_nvis})"
             )
         return b.delta
+
+    def head(
+        self,
+        h: torch.Tensor,  # [T, hidden] the residual stream the layers left
+        delta: torch.Tensor,  # [T, hidden] the last layer's output, not yet added
+        rows: torch.Tensor,  # [M] int64: the rows whose logits the step needs
+        norm_w: torch.Tensor,  # [hidden] the final norm's weight, the model's dtype
+        lm_head: torch.Tensor,  # [V, hidden] the model's dtype, contiguous
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, hidden] normed rows, [M, V] logits), the model's dtype
+        """The final RMSNorm of ``rows`` of ``h + delta`` and their logits in one native call
+        (``invariant_head``): the values the norm and the linear kernel give one call at a time. ``h`` is
+        left as it was."""
+        T, hidden = h.shape
+        M, V = rows.shape[0], lm_head.shape[0]
+        if not (rows.dtype == torch.int64 and rows.is_contiguous() and delta.shape == h.shape):
+            raise ValueError("head: rows must be contiguous int64 and delta shaped like h")
+        if any(t.dtype != self.dtype or not t.is_contiguous() for t in (h, delta, norm_w, lm_head)):
+            raise ValueError("head: h, delta and the weights must be contiguous in the model's dtype")
+        if norm_w.shape != (hidden,) or lm_head.shape[1] != hidden:
+            raise ValueError("head: weight shapes disagree with the residual stream")
+        hs, logits = h.new_empty(M, hidden), h.new_empty(M, V)
+        rc = self._head_fn(
+            h.data_ptr(), delta.data_ptr(), rows.data_ptr(), M, T, norm_w.data_ptr(), lm_head.data_ptr(),
+            hs.data_ptr(), logits.data_ptr(), hidden, V, self.eps, int(self.dtype == torch.bfloat16),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"head: a row outside 0..{T - 1}")
+        return hs, logits

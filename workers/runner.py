@@ -472,7 +472,7 @@ class ModelRunner:
             groups = self._attention_groups(batch, num_new, offsets)
 
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        h = self.embed[flat_ids]  # [T, hidden]
+        h = self.embed.index_select(0, flat_ids)  # [T, hidden]: a copy (the layers update it in place)
         delta = None  # [T, hidden] the last layer's output where the native layers leave it unadded
         if self.native_ops:
             h, delta = self._layers_native(h, positions, kv_index, bt, req_of_tok, nvis, max_kv)
@@ -552,14 +552,20 @@ class ModelRunner:
         rows = torch.tensor(
             [offsets[i] + r for i, rs in enumerate(batch.logits_rows) for r in rs], dtype=torch.long, device=dev
         )  # [M]
-        hs = self._final_norm(h, delta, rows)  # [M, hidden]
+        if delta is not None and self.native_layers is not None and self.fused_layers:
+            # the final norm and the LM head in one native call: the values of the two calls below
+            hs, logits = self.native_layers.head(h, delta, rows, self.final_norm, self.lm_head)  # [M, hidden], [M, V]
+            logits = logits.float()
+        else:
+            hs = self._final_norm(h, delta, rows)  # [M, hidden]
+            logits = self._lm_head(hs)  # [M, V] float32
         extra = None
         if batch.hidden_rows is not None:
             hrows = torch.tensor(
                 [offsets[i] + r for i, rs in enumerate(batch.hidden_rows) for r in rs], dtype=torch.long, device=dev
             )  # [M']
             extra = self._final_norm(h, delta, hrows)  # [M', hidden]
-        return StepOutput(logits=self._lm_head(hs), hidden=hs, extra_hidden=extra)
+        return StepOutput(logits=logits, hidden=hs, extra_hidden=extra)
 
     def _layers_native(
         self,

@@ -298,3 +298,44 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
 #undef PHASE
     return 0;
 }
+
+/* The model's head after the fused layers: for each of the M rows `rows` of the residual stream, the final
+ * RMSNorm of h + delta (the last layer's output, which invariant_layers leaves unadded) into hs, then
+ * logits = hs @ W^T, in one parallel region: the same row computations as rms_norm on those rows and
+ * invariant_linear, so the same bits, without a second region and the Python between them. h is not
+ * changed. h, delta: [T, hidden]; rows: [M] in 0..T-1; norm_w: [hidden]; W: [V, hidden]; hs: [M, hidden];
+ * logits: [M, V], all in the model's dtype. Returns 0, or -1 if a row lies outside 0..T-1. */
+int invariant_head(const void *h, const void *delta, const int64_t *rows, int64_t M, int64_t T, const void *norm_w,
+                   const void *W, void *hs, void *logits, int64_t hidden, int64_t V, float eps, int bf16,
+                   int nthreads) {
+    if (M < 0 || hidden <= 0 || V <= 0) return -1;
+    for (int64_t m = 0; m < M; m++)
+        if (rows[m] < 0 || rows[m] >= T) return -1;
+    if (M == 0) return 0;
+    const size_t es = bf16 ? 2 : 4, row_bytes = (size_t)hidden * es;
+    double *const acc = phase_acc;
+    const double t0 = acc ? seconds() : 0.0;
+    double t1 = t0;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        int id = 0, nt = 1;
+#ifdef _OPENMP
+        id = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        for (int64_t m = id; m < M; m += nt) {
+            char *out = (char *)hs + (size_t)m * row_bytes;
+            __builtin_memcpy(out, (const char *)h + (size_t)rows[m] * row_bytes, row_bytes);
+            rms_row(out, (const char *)delta + (size_t)rows[m] * row_bytes, norm_w, out, 0, hidden, eps, bf16);
+        }
+#pragma omp barrier
+        if (acc && id == 0) t1 = seconds();
+        linear_part(hs, W, logits, M, V, hidden, bf16, id, nt);
+    }
+    if (acc) { /* the phases after the layers' nine */
+        const double t2 = seconds();
+        acc[9] += t1 - t0;
+        acc[10] += t2 - t1;
+    }
+    return 0;
+}
