@@ -18,7 +18,8 @@ In one run, with the thread count the engine uses:
    (benchmarks/engine/step_split.py): each weight GEMM with its achieved GB/s, attention, row-wise ops,
    sampling, the engine's Python;
 5. ``--http``: c=1 TPOT over HTTP from a local cluster (the served config: bf16 where the CPU has
-   native bf16), its ratio to the floor, and the replica path (TPOT less the in-process step).
+   native bf16), its ratio to the floor (the run's and each rep's own window), and the replica path: TPOT
+   less the in-process step, each rep paired with a step and a bandwidth read taken just before it.
 
 Writes benchmarks/results/decode_floor.{json,png}.
 """
@@ -123,8 +124,13 @@ def split_draft(d: DraftStepper, steps: int) -> list[dict[str, Any]]:
     return sp.table(steps)
 
 
-def http_tpot_ms(steps: int, reps: int) -> list[float]:
-    """c=1 TPOT samples (ms) over HTTP from a fresh local cluster with the served defaults."""
+def http_paired(
+    eng: LLMEngine, prompt: list[int], reader: ReadBandwidth, steps: int, reps: int
+) -> list[dict[str, float]]:
+    """c=1 over HTTP from a fresh local cluster with the served defaults, each rep paired with the in-process
+    step of ``eng`` and the read bandwidth, taken just before it: on a host whose bandwidth swings, a TPOT
+    is only comparable with what was measured in the same minute. Returns per rep ``tpot_ms``,
+    ``inproc_ms`` and ``gb_s``."""
     import tempfile
     from pathlib import Path
 
@@ -137,9 +143,11 @@ def http_tpot_ms(steps: int, reps: int) -> list[float]:
         try:
             cluster.start()
             over_http(cluster.base_url, PROMPT, 4, speculation="off")
-            for _ in range(reps):
+            for _ in progress(range(reps), desc="http"):
+                gb_s = reader.sample(3)["best_gb_s"]
+                inproc = decode_step_s(eng, prompt, 1, steps)
                 s, k, _ = over_http(cluster.base_url, PROMPT, steps, speculation="off")
-                out.append(1e3 * s / (k - 1))
+                out.append({"tpot_ms": 1e3 * s / (k - 1), "inproc_ms": 1e3 * inproc, "gb_s": gb_s})
         finally:
             cluster.stop()
     return out
@@ -256,16 +264,21 @@ def main(argv: list[str] | None = None) -> int:
 
     http: dict[str, Any] | None = None
     if args.http:
-        tp = http_tpot_ms(args.steps * 3, args.http_reps)
         served = "bfloat16" if resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16 else "float32"
-        inproc = next(r["step_ms"] for r in rows if r["model"] == "engine" and r["dtype"] == served and r["c"] == 1)
+        reps = http_paired(engines[served], prompt, reader, args.steps * 3, args.http_reps)
+        tp = [r["tpot_ms"] for r in reps]
+        wbytes = weights[f"engine/{served}"]["total"]
         floor_ms = next(r["floor_ms"] for r in rows if r["model"] == "engine" and r["dtype"] == served)
+        window = [r["tpot_ms"] * r["gb_s"] * 1e6 / wbytes for r in reps]  # each rep against its own minute's floor
         http = {
             "dtype": served,
             "tpot_ms": statistics.median(tp),
             "tpot_samples_ms": tp,
             "ratio": statistics.median(tp) / floor_ms,
-            "replica_path_ms": statistics.median(tp) - inproc,
+            "ratio_window": statistics.median(window),
+            "ratio_window_samples": window,
+            "replica_path_ms": statistics.median(r["tpot_ms"] - r["inproc_ms"] for r in reps),
+            "paired": reps,
         }
 
     table = format_table(
@@ -297,8 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     if http:
         print(
-            f"HTTP c=1 TPOT {http['tpot_ms']:.2f} ms = {http['ratio']:.2f}x the {http['dtype']} floor; "
-            f"replica path {http['replica_path_ms']:.2f} ms beyond the in-process step"
+            f"HTTP c=1 TPOT {http['tpot_ms']:.2f} ms = {http['ratio']:.2f}x the {http['dtype']} floor "
+            f"({http['ratio_window']:.2f}x each rep's own window); replica path {http['replica_path_ms']:.2f} ms "
+            "beyond the in-process step measured just before each rep"
         )
     env["loadavg_end"] = loadavg()
     result = {
