@@ -362,7 +362,10 @@ def test_prompt_logprobs_independent_of_chunking_and_batch(tiny_loaded, dtype):
     outs = _run_all(chunked, others + [("s", prompt, {"max_tokens": 2, "prompt_logprobs": 3})])
     got = next(x for x in outs if x.request_id == "s" and x.prompt_logprobs is not None)
     assert got.prompt_logprobs == o.prompt_logprobs
-    r = ModelRunner(tiny_loaded.model, 1, MAX_LEN, getattr(torch, dtype), batch_invariant=True)
+    # the engine's own GEMM backend (cpu_gemm: auto picks it by CPU): each backend rounds its own way
+    r = ModelRunner(
+        tiny_loaded.model, 1, MAX_LEN, getattr(torch, dtype), batch_invariant=True, cpu_gemm=one.runner.cpu_gemm
+    )
     lp = r.forward(StepBatch([0], [0], [prompt], [list(range(len(prompt)))])).logits.log_softmax(-1)
     assert [e.logprob for e in o.prompt_logprobs[1:]] == [float(lp[j, prompt[j + 1]]) for j in range(len(prompt) - 1)]
 
