@@ -81,7 +81,7 @@ def test_runner_logits_match_the_library_gemm(tiny_loaded, linear):
 def test_the_layers_in_one_native_call_equal_the_calls_one_by_one(tiny_loaded, linear, dtype):
     """With every GEMM native, a forward's layers run as one C loop making the same calls: the logits and
     the caches it writes are bit-identical to the calls made one by one from Python, for a step that mixes
-    prefill chunks and decode rows of requests whose blocks are scattered over the pool."""
+    prefill chunks and decode rows of requests whose blocks are scattered over the pool, and for a decode step."""
     from workers.runner import StepBatch
 
     runners = [
@@ -96,7 +96,10 @@ def test_the_layers_in_one_native_call_equal_the_calls_one_by_one(tiny_loaded, l
     first.block_tables = tables
     nxt = StepBatch([0, 1, 2], [35, 22, 3], [[9], [11, 12, 13, 14], [8]], [[0], [0, 1, 2, 3], [0]])
     nxt.block_tables = tables
-    outs = [[r.forward(b).logits for b in (first, nxt)] for r in runners]
+    # a decode step (one row per request), where each attention item ropes its own heads
+    dec = StepBatch([0, 1, 2], [36, 26, 4], [[3], [5], [6]], [[0], [0], [0]])
+    dec.block_tables = tables
+    outs = [[r.forward(b).logits for b in (first, nxt, dec)] for r in runners]
     for a, b in zip(*outs):
         assert torch.equal(a, b)
     for (ka, va), (kb, vb) in zip(

@@ -531,6 +531,8 @@ def _check_index(*ts: torch.Tensor) -> None:
 
 
 # The phases of a layer in the fused forward, in order, then the head's: what NativeLayers.profile accumulates.
+# In a step where every request has one row (a decode step), each attention item ropes its own heads: rope_kv's
+# time is inside attention's then.
 PHASES: tuple[str, ...] = ("rms_norm", "gemm qkv", "rope_kv", "attention", "gemm o", "rms_norm post")
 PHASES += ("gemm gate_up", "silu_mul", "gemm down", "rms_norm final", "gemm lm_head")  # the last two: the head
 

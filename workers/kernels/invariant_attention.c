@@ -205,44 +205,51 @@ int attention_plan(attn_plan *p, const int64_t *block_table, int64_t bt_stride, 
     return 0;
 }
 
+/* One (tile, kv head) item `it` of a layer's attention under plan p, in thread id's scratch; `next`: the
+ * item this thread computes after it (its first blocks are fetched while this one computes), or -1. q, kt,
+ * v, out, out_bf16 as invariant_attention. */
+void attention_item(const attn_plan *p, const float *q, int64_t q_row_stride, const void *kt, const void *v,
+                    float *out, uint16_t *out_bf16, int64_t it, int64_t next, int id) {
+    const int64_t H = p->H, Hkv = p->Hkv, D = p->D, BS = p->BS, G = H / Hkv, bt_stride = p->bt_stride;
+    const int64_t *first = p->first, *req = p->req, *nvis = p->nvis, *block_table = p->block_table;
+    const int64_t kv_stride = Hkv * D * BS, esize = p->kv_bf16 ? 2 : 4;
+    if (next >= 0) {
+        const int64_t t1 = first[next / Hkv], g1 = next % Hkv;
+        const int64_t *bt1 = block_table + req[t1] * bt_stride;
+        for (int64_t b = 0; b < AHEAD && b * BS < nvis[t1]; b++) {
+            prefetch_block((const char *)kt + g1 * D * BS * esize, bt1[b] * kv_stride, D * BS, p->kv_bf16);
+            prefetch_block((const char *)v + g1 * BS * D * esize, bt1[b] * kv_stride, D * BS, p->kv_bf16);
+        }
+    }
+    const int64_t t0 = first[it / Hkv], R = first[it / Hkv + 1] - t0, g = it % Hkv;
+    const float *qs[ROWS * MAX_GROUP];
+    float *os[ROWS * MAX_GROUP];
+    int n[ROWS];
+    for (int64_t r = 0; r < R; r++) {
+        n[r] = (int)nvis[t0 + r];
+        for (int64_t i = 0; i < G; i++) {
+            qs[r * G + i] = q + (t0 + r) * q_row_stride + (g * G + i) * D;
+            os[r * G + i] = out + ((t0 + r) * H + g * G + i) * D;
+        }
+    }
+    attend_tile(qs, (int)R, (int)G, p->kv_bf16, n, block_table + req[t0] * bt_stride,
+                (const char *)kt + g * D * BS * esize, (const char *)v + g * BS * D * esize, BS, kv_stride, (int)D,
+                p->scale, p->scratch + (int64_t)id * ROWS * G * p->n_pad, p->n_pad, os);
+    if (out_bf16) /* the o projection's input in a bf16 model: this item's outputs rounded as torch rounds */
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t o = ((t0 + r) * H + g * G) * D;
+            round_bf16(out + o, out_bf16 + o, G * D);
+        }
+}
+
 /* Thread id's share (of nt threads, each calling this once) of one layer's attention under plan p: whole
  * (tile, kv head) items, in a static split, so one thread computes each output. q, kt, v, out, out_bf16 as
  * invariant_attention. */
 void attention_part(const attn_plan *p, const float *q, int64_t q_row_stride, const void *kt, const void *v,
                     float *out, uint16_t *out_bf16, int id, int nt) {
-    const int64_t H = p->H, Hkv = p->Hkv, D = p->D, BS = p->BS, G = H / Hkv, bt_stride = p->bt_stride;
-    const int64_t *first = p->first, *req = p->req, *nvis = p->nvis, *block_table = p->block_table;
-    const int64_t items = p->tiles * Hkv, kv_stride = Hkv * D * BS, esize = p->kv_bf16 ? 2 : 4;
-    const int64_t lo = items * id / nt, hi = items * (id + 1) / nt;
-    for (int64_t it = lo; it < hi; it++) {
-        if (it + 1 < hi) { /* the next item's first blocks, while this one computes */
-            const int64_t t1 = first[(it + 1) / Hkv], g1 = (it + 1) % Hkv;
-            const int64_t *bt1 = block_table + req[t1] * bt_stride;
-            for (int64_t b = 0; b < AHEAD && b * BS < nvis[t1]; b++) {
-                prefetch_block((const char *)kt + g1 * D * BS * esize, bt1[b] * kv_stride, D * BS, p->kv_bf16);
-                prefetch_block((const char *)v + g1 * BS * D * esize, bt1[b] * kv_stride, D * BS, p->kv_bf16);
-            }
-        }
-        const int64_t t0 = first[it / Hkv], R = first[it / Hkv + 1] - t0, g = it % Hkv;
-        const float *qs[ROWS * MAX_GROUP];
-        float *os[ROWS * MAX_GROUP];
-        int n[ROWS];
-        for (int64_t r = 0; r < R; r++) {
-            n[r] = (int)nvis[t0 + r];
-            for (int64_t i = 0; i < G; i++) {
-                qs[r * G + i] = q + (t0 + r) * q_row_stride + (g * G + i) * D;
-                os[r * G + i] = out + ((t0 + r) * H + g * G + i) * D;
-            }
-        }
-        attend_tile(qs, (int)R, (int)G, p->kv_bf16, n, block_table + req[t0] * bt_stride,
-                    (const char *)kt + g * D * BS * esize, (const char *)v + g * BS * D * esize, BS, kv_stride,
-                    (int)D, p->scale, p->scratch + (int64_t)id * ROWS * G * p->n_pad, p->n_pad, os);
-        if (out_bf16) /* the o projection's input in a bf16 model: this item's outputs rounded as torch rounds */
-            for (int64_t r = 0; r < R; r++) {
-                const int64_t o = ((t0 + r) * H + g * G) * D;
-                round_bf16(out + o, out_bf16 + o, G * D);
-            }
-    }
+    const int64_t items = p->tiles * p->Hkv, lo = items * id / nt, hi = items * (id + 1) / nt;
+    for (int64_t it = lo; it < hi; it++)
+        attention_item(p, q, q_row_stride, kt, v, out, out_bf16, it, it + 1 < hi ? it + 1 : -1, id);
 }
 
 /* q: [T, H, D] at q + t * q_row_stride + h * D. kt: [num_blocks, Hkv, D, BS] (keys transposed) and

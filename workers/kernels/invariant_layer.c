@@ -104,57 +104,74 @@ static int rope_check(const int64_t *pos, const int64_t *kv_index, int64_t T, in
     return 0;
 }
 
-/* Row t of rope_kv below, its arguments checked. */
-static void rope_row(const void *qkv, int64_t qkv_stride, const int64_t *pos, const int64_t *kv_index, const void *cos,
-                     const void *sin, float *q_out, void *kt, void *v, int64_t t, int64_t H, int64_t Hkv, int64_t D,
-                     int64_t BS, int bf16, int kv_bf16) {
+/* Head hh of row t (a query head if hh < H, else key head hh - H) rotated: into q_out, or into the cache. */
+static inline void rope_head(const void *qkv, int64_t row, const float *c, const float *s, float *q_out, void *kt,
+                             int64_t t, int64_t hh, int64_t H, int64_t Hkv, int64_t D, int64_t BS, int64_t blk,
+                             int64_t off, int bf16, int kv_bf16) {
     const int64_t half = D / 2;
+    float x[1024], y[1024];
+    for (int64_t d = 0; d < D; d += LANES) {
+        const int n = CHUNK(D, d);
+        store(x, d, load(qkv, row + hh * D + d, n, bf16), n, 0);
+    }
+    for (int64_t d = 0; d < D; d += LANES) {
+        const int n = CHUNK(D, d);
+        vlanes rot;
+        if (half % LANES == 0) /* whole vectors from one half: -x[d + half ..] or x[d - half ..] */
+            rot = d < half ? -load_lanes(x + d + half) : load_lanes(x + d - half);
+        else
+            for (int l = 0; l < LANES; l++) {
+                const int64_t e = d + l < D ? d + l : 0;
+                rot[l] = e < half ? -x[e + half] : x[e - half];
+            }
+        const vlanes a = round_to(load(x, d, n, 0) * load(c, d, n, 0), bf16);
+        const vlanes b = round_to(rot * load(s, d, n, 0), bf16);
+        store(y, d, round_to(a + b, bf16), n, 0);
+    }
+    if (hh < H) {
+        __builtin_memcpy(q_out + (t * H + hh) * D, y, (size_t)D * sizeof(float));
+    } else {
+        const int64_t k0 = ((blk * Hkv + (hh - H)) * D) * BS + off;  /* key d at k0 + d * BS */
+        if (kv_bf16) {
+            uint16_t kh[1024];
+            for (int64_t d = 0; d < D; d += LANES) store(kh, d, load(y, d, CHUNK(D, d), 0), CHUNK(D, d), 1);
+            for (int64_t d = 0; d < D; d++) ((uint16_t *)kt)[k0 + d * BS] = kh[d];
+        } else {
+            for (int64_t d = 0; d < D; d++) ((float *)kt)[k0 + d * BS] = y[d];
+        }
+    }
+}
+
+/* Row t of rope_kv below, its arguments checked, for query heads [q0, q1) and kv heads [g0, g1) only
+ * (every head is computed on its own: any split of the heads gives the same values). */
+static void rope_heads(const void *qkv, int64_t qkv_stride, const int64_t *pos, const int64_t *kv_index,
+                       const void *cos, const void *sin, float *q_out, void *kt, void *v, int64_t t, int64_t H,
+                       int64_t Hkv, int64_t D, int64_t BS, int bf16, int kv_bf16, int64_t q0, int64_t q1, int64_t g0,
+                       int64_t g1) {
     const int64_t p = pos[t], row = t * qkv_stride, blk = kv_index[t] / BS, off = kv_index[t] % BS;
-    float c[1024], s[1024], x[1024], y[1024];
+    float c[1024], s[1024];
     for (int64_t d = 0; d < D; d += LANES) {
         const int n = CHUNK(D, d);
         store(c, d, load(cos, p * D + d, n, bf16), n, 0);
         store(s, d, load(sin, p * D + d, n, bf16), n, 0);
     }
-    for (int64_t hh = 0; hh < H + Hkv; hh++) {
-        for (int64_t d = 0; d < D; d += LANES) {
-            const int n = CHUNK(D, d);
-            store(x, d, load(qkv, row + hh * D + d, n, bf16), n, 0);
-        }
-        for (int64_t d = 0; d < D; d += LANES) {
-            const int n = CHUNK(D, d);
-            vlanes rot;
-            if (half % LANES == 0) /* whole vectors from one half: -x[d + half ..] or x[d - half ..] */
-                rot = d < half ? -load_lanes(x + d + half) : load_lanes(x + d - half);
-            else
-                for (int l = 0; l < LANES; l++) {
-                    const int64_t e = d + l < D ? d + l : 0;
-                    rot[l] = e < half ? -x[e + half] : x[e - half];
-                }
-            const vlanes a = round_to(load(x, d, n, 0) * load(c, d, n, 0), bf16);
-            const vlanes b = round_to(rot * load(s, d, n, 0), bf16);
-            store(y, d, round_to(a + b, bf16), n, 0);
-        }
-        if (hh < H) {
-            __builtin_memcpy(q_out + (t * H + hh) * D, y, (size_t)D * sizeof(float));
-        } else {
-            const int64_t k0 = ((blk * Hkv + (hh - H)) * D) * BS + off;  /* key d at k0 + d * BS */
-            if (kv_bf16) {
-                uint16_t kh[1024];
-                for (int64_t d = 0; d < D; d += LANES) store(kh, d, load(y, d, CHUNK(D, d), 0), CHUNK(D, d), 1);
-                for (int64_t d = 0; d < D; d++) ((uint16_t *)kt)[k0 + d * BS] = kh[d];
-            } else {
-                for (int64_t d = 0; d < D; d++) ((float *)kt)[k0 + d * BS] = y[d];
-            }
-        }
-    }
-    for (int64_t g = 0; g < Hkv; g++) {
+    for (int64_t hh = q0; hh < q1; hh++)
+        rope_head(qkv, row, c, s, q_out, kt, t, hh, H, Hkv, D, BS, blk, off, bf16, kv_bf16);
+    for (int64_t hh = H + g0; hh < H + g1; hh++)
+        rope_head(qkv, row, c, s, q_out, kt, t, hh, H, Hkv, D, BS, blk, off, bf16, kv_bf16);
+    for (int64_t g = g0; g < g1; g++) {
         const int64_t v0 = ((blk * Hkv + g) * BS + off) * D;
         for (int64_t d = 0; d < D; d += LANES) {
             const int n = CHUNK(D, d);
             store(v, v0 + d, load(qkv, row + (H + Hkv + g) * D + d, n, bf16), n, kv_bf16);
         }
     }
+}
+
+static void rope_row(const void *qkv, int64_t qkv_stride, const int64_t *pos, const int64_t *kv_index, const void *cos,
+                     const void *sin, float *q_out, void *kt, void *v, int64_t t, int64_t H, int64_t Hkv, int64_t D,
+                     int64_t BS, int bf16, int kv_bf16) {
+    rope_heads(qkv, qkv_stride, pos, kv_index, cos, sin, q_out, kt, v, t, H, Hkv, D, BS, bf16, kv_bf16, 0, H, 0, Hkv);
 }
 
 /* RoPE on the query and key heads of a fused qkv projection, as HF's rotate_half form:
@@ -246,6 +263,8 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
                        kv_bf16, first))
         return -1;
     const int64_t nqkv = (H + 2 * Hkv) * D, silu_chunks = T * ((I + LANES - 1) / LANES);
+    int one_row_each = 1; /* each request has one row (rows of a request are consecutive, requests in order) */
+    for (int64_t t = 1; t < T; t++) one_row_each &= req[t] > req[t - 1];
     void *attn_in = bf16 ? o : (void *)o32;
     uint16_t *o_bf16 = bf16 ? (uint16_t *)o : NULL;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
@@ -271,11 +290,23 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
             linear_part(x, wl[1], qkv, T, nqkv, hidden, bf16, id, nt);
 #pragma omp barrier
             PHASE(1);
-            for (int64_t t = id; t < T; t += nt)
-                rope_row(qkv, nqkv, pos, kv_index, cos, sin, q, kt[l], v[l], t, H, Hkv, D, BS, bf16, kv_bf16);
+            if (one_row_each) {
+                /* a decode step: an item reads only its own row's new key and value, so it ropes its own
+                 * heads first and the phase between them, with its barrier, is gone (rope_kv's clock reads 0) */
+                const int64_t items = plan.tiles * Hkv, lo = items * id / nt, hi = items * (id + 1) / nt;
+                for (int64_t it = lo; it < hi; it++) {
+                    const int64_t t = plan.first[it / Hkv], g = it % Hkv;
+                    rope_heads(qkv, nqkv, pos, kv_index, cos, sin, q, kt[l], v[l], t, H, Hkv, D, BS, bf16, kv_bf16,
+                               g * (H / Hkv), (g + 1) * (H / Hkv), g, g + 1);
+                    attention_item(&plan, q, H * D, kt[l], v[l], o32, o_bf16, it, it + 1 < hi ? it + 1 : -1, id);
+                }
+            } else {
+                for (int64_t t = id; t < T; t += nt)
+                    rope_row(qkv, nqkv, pos, kv_index, cos, sin, q, kt[l], v[l], t, H, Hkv, D, BS, bf16, kv_bf16);
 #pragma omp barrier
-            PHASE(2);
-            attention_part(&plan, q, H * D, kt[l], v[l], o32, o_bf16, id, nt);
+                PHASE(2);
+                attention_part(&plan, q, H * D, kt[l], v[l], o32, o_bf16, id, nt);
+            }
 #pragma omp barrier
             PHASE(3);
             linear_part(attn_in, wl[2], delta, T, hidden, H * D, bf16, id, nt);

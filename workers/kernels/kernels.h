@@ -19,6 +19,8 @@ typedef struct {
 int attention_plan(attn_plan *p, const int64_t *block_table, int64_t bt_stride, const int64_t *req,
                    const int64_t *nvis, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t BS, int64_t num_blocks,
                    float scale, float *scratch, int64_t n_pad, int kv_bf16, int64_t *first);
+void attention_item(const attn_plan *p, const float *q, int64_t q_row_stride, const void *kt, const void *v,
+                    float *out, uint16_t *out_bf16, int64_t it, int64_t next, int id);
 void attention_part(const attn_plan *p, const float *q, int64_t q_row_stride, const void *kt, const void *v,
                     float *out, uint16_t *out_bf16, int id, int nt);
 int invariant_attention(const float *q, int64_t q_row_stride, const void *kt, const void *v, int kv_bf16,
