@@ -81,7 +81,8 @@ def test_runner_logits_match_the_library_gemm(tiny_loaded, linear):
 def test_the_layers_in_one_native_call_equal_the_calls_one_by_one(tiny_loaded, linear, dtype):
     """With every GEMM native, a forward's layers run as one C loop making the same calls: the logits and
     the caches it writes are bit-identical to the calls made one by one from Python, for a step that mixes
-    prefill chunks and decode rows of requests whose blocks are scattered over the pool, and for a decode step."""
+    prefill chunks and decode rows of requests whose blocks are scattered over the pool, and for decode steps of
+    three requests and of one."""
     from workers.runner import StepBatch
 
     runners = [
@@ -99,7 +100,11 @@ def test_the_layers_in_one_native_call_equal_the_calls_one_by_one(tiny_loaded, l
     # a decode step (one row per request), where each attention item ropes its own heads
     dec = StepBatch([0, 1, 2], [36, 26, 4], [[3], [5], [6]], [[0], [0], [0]])
     dec.block_tables = tables
-    outs = [[r.forward(b).logits for b in (first, nxt, dec)] for r in runners]
+    # one row, fewer than the threads: each thread keeps its own residual stream and norms
+    solo = StepBatch([0], [37], [[4]], [[0]])
+    solo.block_tables = tables[:1]
+    assert torch.get_num_threads() > 1
+    outs = [[r.forward(b).logits for b in (first, nxt, dec, solo)] for r in runners]
     for a, b in zip(*outs):
         assert torch.equal(a, b)
     for (ka, va), (kb, vb) in zip(

@@ -19,6 +19,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -267,6 +268,11 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
     for (int64_t t = 1; t < T; t++) one_row_each &= req[t] > req[t - 1];
     void *attn_in = bf16 ? o : (void *)o32;
     uint16_t *o_bf16 = bf16 ? (uint16_t *)o : NULL;
+    /* Fewer rows than threads (a decode step of a few requests): every thread keeps its own copy of the residual
+     * stream and computes each norm and SiLU * up in full, the same row computations, so a GEMM's input is its
+     * own and three phases per layer, with their barriers and their wait on one thread, are gone. */
+    const size_t es = bf16 ? 2 : 4, own_bytes = (size_t)T * (size_t)(2 * hidden + I) * es;
+    char *own = nthreads > 1 && T < nthreads ? malloc(own_bytes * (size_t)nthreads) : NULL;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         int id = 0, nt = 1;
@@ -274,6 +280,11 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
         id = omp_get_thread_num();
         nt = omp_get_num_threads();
 #endif
+        const int few = own != NULL && T < nt; /* the same for every thread */
+        void *const hp = few ? own + (size_t)id * own_bytes : h; /* this thread's residual stream */
+        void *const xp = few ? (char *)hp + (size_t)T * hidden * es : x;       /* the norms' output */
+        void *const actp = few ? (char *)xp + (size_t)T * hidden * es : act; /* SiLU * up's */
+        if (few) __builtin_memcpy(hp, h, (size_t)T * hidden * es); /* h itself is only read until the end */
         double *const acc = id == 0 ? phase_acc : NULL;
         double t_phase = acc ? seconds() : 0.0;
 #define PHASE(i)                                   \
@@ -284,10 +295,14 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
     }
         for (int64_t l = 0; l < L; l++) {
             const void *const *wl = w + 6 * l;
-            for (int64_t t = id; t < T; t += nt) rms_row(h, l ? delta : NULL, wl[0], x, t, hidden, eps, bf16);
+            if (few) {
+                for (int64_t t = 0; t < T; t++) rms_row(hp, l ? delta : NULL, wl[0], xp, t, hidden, eps, bf16);
+            } else {
+                for (int64_t t = id; t < T; t += nt) rms_row(h, l ? delta : NULL, wl[0], x, t, hidden, eps, bf16);
 #pragma omp barrier
+            }
             PHASE(0);
-            linear_part(x, wl[1], qkv, T, nqkv, hidden, bf16, id, nt);
+            linear_part(xp, wl[1], qkv, T, nqkv, hidden, bf16, id, nt);
 #pragma omp barrier
             PHASE(1);
             if (one_row_each) {
@@ -312,21 +327,31 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
             linear_part(attn_in, wl[2], delta, T, hidden, H * D, bf16, id, nt);
 #pragma omp barrier
             PHASE(4);
-            for (int64_t t = id; t < T; t += nt) rms_row(h, delta, wl[3], x, t, hidden, eps, bf16);
+            if (few) {
+                for (int64_t t = 0; t < T; t++) rms_row(hp, delta, wl[3], xp, t, hidden, eps, bf16);
+            } else {
+                for (int64_t t = id; t < T; t += nt) rms_row(h, delta, wl[3], x, t, hidden, eps, bf16);
 #pragma omp barrier
+            }
             PHASE(5);
-            linear_part(x, wl[4], gu, T, 2 * I, hidden, bf16, id, nt);
+            linear_part(xp, wl[4], gu, T, 2 * I, hidden, bf16, id, nt);
 #pragma omp barrier
             PHASE(6);
-            silu_span(gu, act, I, bf16, silu_chunks * id / nt, silu_chunks * (id + 1) / nt);
+            if (few) {
+                silu_span(gu, actp, I, bf16, 0, silu_chunks);
+            } else {
+                silu_span(gu, act, I, bf16, silu_chunks * id / nt, silu_chunks * (id + 1) / nt);
 #pragma omp barrier
+            }
             PHASE(7);
-            linear_part(act, wl[5], delta, T, hidden, I, bf16, id, nt);
+            linear_part(actp, wl[5], delta, T, hidden, I, bf16, id, nt);
 #pragma omp barrier
             PHASE(8);
         }
+        if (few && id == 0) __builtin_memcpy(h, hp, (size_t)T * hidden * es); /* as the shared path leaves it */
     }
 #undef PHASE
+    free(own);
     return 0;
 }
 
