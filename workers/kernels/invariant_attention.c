@@ -27,9 +27,6 @@
 
 #include <stddef.h>
 #include <stdint.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #define LANES 16  /* keys per score block: a multiple of every vector width the compiler may use */
 #define MAX_GROUP 16  /* query heads per kv head */
@@ -270,11 +267,9 @@ int invariant_attention(const float *q, int64_t q_row_stride, const void *kt, co
     const int nt = nthreads > 1 && p.work * H * D > 200000 ? nthreads : 1;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-#ifdef _OPENMP
-        attention_part(&p, q, q_row_stride, kt, v, out, out_bf16, omp_get_thread_num(), omp_get_num_threads());
-#else
-        attention_part(&p, q, q_row_stride, kt, v, out, out_bf16, 0, 1);
-#endif
+        int id, n;
+        team_place(&id, &n);
+        attention_part(&p, q, q_row_stride, kt, v, out, out_bf16, id, n);
     }
     return 0;
 }

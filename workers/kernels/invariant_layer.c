@@ -21,9 +21,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <time.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #define LANES 16
 
@@ -275,11 +272,8 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
     char *own = nthreads > 1 && T < nthreads ? malloc(own_bytes * (size_t)nthreads) : NULL;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
-        int id = 0, nt = 1;
-#ifdef _OPENMP
-        id = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
+        int id, nt;
+        team_place(&id, &nt);
         const int few = own != NULL && T < nt; /* the same for every thread */
         void *const hp = few ? own + (size_t)id * own_bytes : h; /* this thread's residual stream */
         void *const xp = few ? (char *)hp + (size_t)T * hidden * es : x;       /* the norms' output */
@@ -374,11 +368,8 @@ int invariant_head(const void *h, const void *delta, const int64_t *rows, int64_
     double t1 = t0;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
-        int id = 0, nt = 1;
-#ifdef _OPENMP
-        id = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
+        int id, nt;
+        team_place(&id, &nt);
         for (int64_t m = id; m < M; m += nt) {
             char *out = (char *)hs + (size_t)m * row_bytes;
             __builtin_memcpy(out, (const char *)h + (size_t)rows[m] * row_bytes, row_bytes);

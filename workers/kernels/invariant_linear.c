@@ -33,9 +33,6 @@
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "kernels.h"
 
@@ -362,11 +359,9 @@ int invariant_linear(const void *x, const void *W, void *y, int64_t M, int64_t N
     if (nt > tiles) nt = (int)tiles;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-#ifdef _OPENMP
-        linear_part(x, W, y, M, N, K, bf16, omp_get_thread_num(), omp_get_num_threads());
-#else
-        linear_part(x, W, y, M, N, K, bf16, 0, 1);
-#endif
+        int id, n;
+        team_place(&id, &n);
+        linear_part(x, W, y, M, N, K, bf16, id, n);
     }
     return 0;
 }

@@ -5,6 +5,21 @@
 #define SPECSERVE_KERNELS_H
 
 #include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* This thread's place in the enclosing parallel region: its id and the team's size (0 and 1 outside one, or
+ * without OpenMP). Every thread-share function below takes the pair. */
+static inline void team_place(int *id, int *nt) {
+#ifdef _OPENMP
+    *id = omp_get_thread_num();
+    *nt = omp_get_num_threads();
+#else
+    *id = 0;
+    *nt = 1;
+#endif
+}
 
 /* One step's attention work, the same for every layer (attention_plan in invariant_attention.c). */
 typedef struct {
