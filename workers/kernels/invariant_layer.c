@@ -279,6 +279,8 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
         void *const xp = few ? (char *)hp + (size_t)T * hidden * es : x;       /* the norms' output */
         void *const actp = few ? (char *)xp + (size_t)T * hidden * es : act; /* SiLU * up's */
         if (few) __builtin_memcpy(hp, h, (size_t)T * hidden * es); /* h itself is only read until the end */
+        const int64_t t0 = few ? 0 : id, dt = few ? 1 : nt; /* the rows this thread normalizes */
+        const int64_t c0 = few ? 0 : silu_chunks * id / nt, c1 = few ? silu_chunks : silu_chunks * (id + 1) / nt;
         double *const acc = id == 0 ? phase_acc : NULL;
         double t_phase = acc ? seconds() : 0.0;
 #define PHASE(i)                                   \
@@ -289,10 +291,8 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
     }
         for (int64_t l = 0; l < L; l++) {
             const void *const *wl = w + 6 * l;
-            if (few) {
-                for (int64_t t = 0; t < T; t++) rms_row(hp, l ? delta : NULL, wl[0], xp, t, hidden, eps, bf16);
-            } else {
-                for (int64_t t = id; t < T; t += nt) rms_row(h, l ? delta : NULL, wl[0], x, t, hidden, eps, bf16);
+            for (int64_t t = t0; t < T; t += dt) rms_row(hp, l ? delta : NULL, wl[0], xp, t, hidden, eps, bf16);
+            if (!few) {
 #pragma omp barrier
             }
             PHASE(0);
@@ -321,20 +321,16 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
             linear_part(attn_in, wl[2], delta, T, hidden, H * D, bf16, id, nt);
 #pragma omp barrier
             PHASE(4);
-            if (few) {
-                for (int64_t t = 0; t < T; t++) rms_row(hp, delta, wl[3], xp, t, hidden, eps, bf16);
-            } else {
-                for (int64_t t = id; t < T; t += nt) rms_row(h, delta, wl[3], x, t, hidden, eps, bf16);
+            for (int64_t t = t0; t < T; t += dt) rms_row(hp, delta, wl[3], xp, t, hidden, eps, bf16);
+            if (!few) {
 #pragma omp barrier
             }
             PHASE(5);
             linear_part(xp, wl[4], gu, T, 2 * I, hidden, bf16, id, nt);
 #pragma omp barrier
             PHASE(6);
-            if (few) {
-                silu_span(gu, actp, I, bf16, 0, silu_chunks);
-            } else {
-                silu_span(gu, act, I, bf16, silu_chunks * id / nt, silu_chunks * (id + 1) / nt);
+            silu_span(gu, actp, I, bf16, c0, c1);
+            if (!few) {
 #pragma omp barrier
             }
             PHASE(7);
