@@ -466,8 +466,7 @@ class NativeStep:
             raise ValueError("the model's dtype must be fp32 or bf16")
         _check_index(positions, kv_index, block_table, req, nvis)
         D = caches.head_dim
-        if cos.dtype != dtype or sin.dtype != dtype or cos.shape != sin.shape or cos.shape[1] != D:
-            raise ValueError("cos and sin must be [max_len, head_dim] in the model's dtype")
+        _check_rope_tables(cos, sin, dtype, D)
         T, H, Hkv = positions.shape[0], num_heads, caches.num_kv_heads
         self.T, self.H, self.Hkv, self.D, self.bf16 = T, H, Hkv, D, int(dtype == torch.bfloat16)
         self.threads = torch.get_num_threads()
@@ -525,6 +524,11 @@ class NativeStep:
         return out
 
 
+def _check_rope_tables(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype, head_dim: int) -> None:
+    if cos.dtype != dtype or sin.dtype != dtype or cos.shape != sin.shape or cos.shape[1] != head_dim:
+        raise ValueError("cos and sin must be [max_len, head_dim] in the model's dtype")
+
+
 def _check_index(*ts: torch.Tensor) -> None:
     if not all(t.dtype == torch.int64 and t.is_contiguous() for t in ts):
         raise ValueError("positions, kv_index, block_table, req and nvis must be contiguous int64")
@@ -578,8 +582,10 @@ class NativeLayers:
         num_heads: int,
         eps: float,
         attn: NativeAttention,  # whose scratch the attention phase uses
+        norm_w: torch.Tensor,  # [hidden] the final norm's weight
+        lm_head: torch.Tensor,  # [V, hidden] the LM head rows a step computes
     ) -> BoundLayers:
-        return BoundLayers(self._fn, self._head, layers, caches, cos, sin, num_heads, eps, attn)
+        return BoundLayers(self._fn, self._head, layers, caches, cos, sin, num_heads, eps, attn, norm_w, lm_head)
 
 
 @dataclass
@@ -612,6 +618,8 @@ class BoundLayers:
         num_heads: int,
         eps: float,
         attn: NativeAttention,
+        norm_w: torch.Tensor,
+        lm_head: torch.Tensor,
     ) -> None:
         names = ("in_norm", "qkv", "o", "post_norm", "gate_up", "down")
         weights = [L[n] for L in layers for n in names]
@@ -620,13 +628,17 @@ class BoundLayers:
             t.dtype != dtype or not t.is_contiguous() for t in weights
         ):
             raise ValueError("every layer weight must be contiguous and all fp32 or all bf16")
-        if cos.dtype != dtype or sin.shape != cos.shape or cos.shape[1] != caches.head_dim:
-            raise ValueError("cos and sin must be [max_len, head_dim] in the model's dtype")
+        _check_rope_tables(cos, sin, dtype, caches.head_dim)
+        if norm_w.dtype != dtype or lm_head.dtype != dtype or not (norm_w.is_contiguous() and lm_head.is_contiguous()):
+            raise ValueError("the final norm and the LM head must be contiguous in the model's dtype")
+        if norm_w.shape != layers[0]["in_norm"].shape or lm_head.shape[1] != norm_w.shape[0]:
+            raise ValueError("the final norm and the LM head disagree with the layers' hidden size")
         self._fn, self._head_fn, self._attn, self._caches = fn, head_fn, attn, caches
         self.dtype, self.num_heads, self.eps = dtype, num_heads, eps
         self.hidden = layers[0]["in_norm"].shape[0]
         self.intermediate = layers[0]["down"].shape[1]
-        self._keep = (weights, cos, sin)
+        self._keep = (weights, cos, sin, norm_w, lm_head)
+        self._norm_w, self._lm_head, self.vocab = norm_w.data_ptr(), lm_head.data_ptr(), lm_head.shape[0]
         self._w = (ctypes.c_void_p * len(weights))(*(t.data_ptr() for t in weights))
         self._kt = (ctypes.c_void_p * len(caches.ptrs))(*(kt for kt, _ in caches.ptrs))
         self._v = (ctypes.c_void_p * len(caches.ptrs))(*(v for _, v in caches.ptrs))
@@ -693,24 +705,20 @@ class BoundLayers:
         h: torch.Tensor,  # [T, hidden] the residual stream the layers left
         delta: torch.Tensor,  # [T, hidden] the last layer's output, not yet added
         rows: torch.Tensor,  # [M] int64: the rows whose logits the step needs
-        norm_w: torch.Tensor,  # [hidden] the final norm's weight, the model's dtype
-        lm_head: torch.Tensor,  # [V, hidden] the model's dtype, contiguous
     ) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, hidden] normed rows, [M, V] logits), the model's dtype
-        """The final RMSNorm of ``rows`` of ``h + delta`` and their logits in one native call
-        (``invariant_head``): the values the norm and the linear kernel give one call at a time. ``h`` is
-        left as it was."""
+        """The final RMSNorm of ``rows`` of ``h + delta`` and their logits (the bound LM head) in one native
+        call (``invariant_head``): the values the norm and the linear kernel give one call at a time. ``h``
+        is left as it was."""
         T, hidden = h.shape
-        M, V = rows.shape[0], lm_head.shape[0]
+        M = rows.shape[0]
         if not (rows.dtype == torch.int64 and rows.is_contiguous() and delta.shape == h.shape):
             raise ValueError("head: rows must be contiguous int64 and delta shaped like h")
-        if any(t.dtype != self.dtype or not t.is_contiguous() for t in (h, delta, norm_w, lm_head)):
-            raise ValueError("head: h, delta and the weights must be contiguous in the model's dtype")
-        if norm_w.shape != (hidden,) or lm_head.shape[1] != hidden:
-            raise ValueError("head: weight shapes disagree with the residual stream")
-        hs, logits = h.new_empty(M, hidden), h.new_empty(M, V)
+        if hidden != self.hidden or any(t.dtype != self.dtype or not t.is_contiguous() for t in (h, delta)):
+            raise ValueError("head: h and delta must be contiguous [T, hidden] tensors in the model's dtype")
+        hs, logits = h.new_empty(M, hidden), h.new_empty(M, self.vocab)
         rc = self._head_fn(
-            h.data_ptr(), delta.data_ptr(), rows.data_ptr(), M, T, norm_w.data_ptr(), lm_head.data_ptr(),
-            hs.data_ptr(), logits.data_ptr(), hidden, V, self.eps, int(self.dtype == torch.bfloat16),
+            h.data_ptr(), delta.data_ptr(), rows.data_ptr(), M, T, self._norm_w, self._lm_head,
+            hs.data_ptr(), logits.data_ptr(), hidden, self.vocab, self.eps, int(self.dtype == torch.bfloat16),
             torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:

@@ -302,7 +302,17 @@ class ModelRunner:
         # With every GEMM native too, a forward's layers are one native call (the same calls, made in C).
         fused = native_attention.load_layers() if self.native_gemm is not None and self.native_ops is not None else None
         self.native_layers = (
-            fused.bind(self.layers, self._caches, self.cos, self.sin, self.num_heads, self.eps, self.native_attn)
+            fused.bind(
+                self.layers,
+                self._caches,
+                self.cos,
+                self.sin,
+                self.num_heads,
+                self.eps,
+                self.native_attn,
+                self.final_norm,
+                self.lm_head,
+            )  # fmt: skip
             if fused is not None and self._caches is not None and self.native_attn is not None
             else None
         )
@@ -375,8 +385,9 @@ class ModelRunner:
         """The final RMSNorm of ``rows`` ([M] int64) of the residual stream: ``[T, hidden] -> [M, hidden]``.
         ``delta``: the last layer's output, which the native layers leave for this norm to add (one native
         call for the selected rows, where torch's ops cost several small calls), or None (already added)."""
-        if delta is None or self.native_ops is None:
-            return self._rms_norm((h if delta is None else h + delta)[rows], self.final_norm)
+        if delta is None:
+            return self._rms_norm(h[rows], self.final_norm)
+        assert self.native_ops is not None  # only the native layers leave a delta
         hr, out = h.index_select(0, rows), h.new_empty(rows.shape[0], h.shape[1])
         return self.native_ops.add_rms_norm(hr, delta.index_select(0, rows), self.final_norm, out, self.eps)
 
@@ -554,7 +565,7 @@ class ModelRunner:
         )  # [M]
         if delta is not None and self.native_layers is not None and self.fused_layers:
             # the final norm and the LM head in one native call: the values of the two calls below
-            hs, logits = self.native_layers.head(h, delta, rows, self.final_norm, self.lm_head)  # [M, hidden], [M, V]
+            hs, logits = self.native_layers.head(h, delta, rows)  # [M, hidden], [M, V]
             logits = logits.float()
         else:
             hs = self._final_norm(h, delta, rows)  # [M, hidden]
