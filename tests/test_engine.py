@@ -331,16 +331,26 @@ def test_slow_stream_consumer_gets_the_backlog_as_one_chunk(tiny_loaded):
     assert chunks[-1].finished and chunks[-1].num_output_tokens == 24
 
 
-def test_stream_interval_sends_fewer_chunks_with_the_same_tokens_text_and_logprobs(tiny_loaded):
+def test_stream_interval_sends_fewer_chunks_with_the_same_tokens_text_and_logprobs(tiny_loaded, monkeypatch):
     """stream_interval N: the first token without waiting for N, then chunks of at least N tokens (the last may be
-    shorter); merged chunks keep every token, the text and every logprob."""
+    shorter); merged chunks keep every token, the text and every logprob. The engine thread merges them before the
+    hand-off, so the consumer's loop is woken once per chunk, not once per step."""
     import asyncio
 
     from workers.async_engine import AsyncEngine
 
     params = {"max_tokens": 23, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    handoffs = [0]
+    put = asyncio.Queue.put_nowait
+
+    def counted(self, item):
+        handoffs[0] += 1
+        return put(self, item)
+
+    monkeypatch.setattr(asyncio.Queue, "put_nowait", counted)
 
     def run(interval: int) -> list:
+        handoffs[0] = 0
         ae = AsyncEngine(
             LLMEngine(
                 EngineConfig(
@@ -358,7 +368,10 @@ def test_stream_interval_sends_fewer_chunks_with_the_same_tokens_text_and_logpro
         finally:
             ae.shutdown()
 
-    one, four = run(1), run(4)
+    one = run(1)
+    assert handoffs[0] == 23  # one step, one token, one hand-off
+    four = run(4)
+    assert handoffs[0] <= 1 + -(-22 // 4)
     # A consumer that falls behind the engine (a loaded machine) takes the backlog as one chunk, so the
     # chunk counts are upper bounds; the tokens, text and logprobs are exact whatever the timing.
     assert sum(len(c.token_ids) for c in one) == 23 and len(one) <= 23 and len(four[0].token_ids) >= 1

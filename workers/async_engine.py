@@ -49,6 +49,17 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     )
 
 
+@dataclasses.dataclass
+class _Stream:
+    """One request's way out of the engine thread: its consumer's loop and queue, and (engine thread only) the
+    outputs held back until they make a chunk."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    held: RequestOutput | None = None
+    sent_first: bool = False
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], claim_cpu: bool = False) -> None:
         """``engine``: a built engine, or a factory that the loop thread calls to build one.
@@ -63,7 +74,7 @@ class AsyncEngine:
         opens regions (the per-token cost of the alternatives is in docs/benchmarks.md).
         """
         self._cmds: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._stop = False
         self.dead: BaseException | None = None
@@ -108,7 +119,7 @@ class AsyncEngine:
         if params.structured is not None:  # compiled here, in a worker thread: a slow grammar never stalls a step
             kwargs["grammar"] = await loop.run_in_executor(None, self.engine.grammars.compile, params.structured)
         q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (loop, q)
+        self._streams[request_id] = _Stream(loop, q)
         try:
             await self.call(lambda e: e.add_request(request_id, prompt_ids, **kwargs))
         except BaseException as e:
@@ -117,21 +128,17 @@ class AsyncEngine:
                 self.abort(request_id)
             raise
         finished = False
-        interval = self.engine.config.stream_interval
-        sent_first = False
         try:
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     raise item
-                # One chunk, not many: take what is already queued (the consumer fell behind), and after the
-                # first token wait for stream_interval tokens.
-                while not item.finished and (not q.empty() or (sent_first and len(item.token_ids) < interval)):
-                    nxt = q.get_nowait() if not q.empty() else await q.get()
+                # One chunk, not many: take what is already queued (this consumer fell behind the engine).
+                while not item.finished and not q.empty():
+                    nxt = q.get_nowait()
                     if isinstance(nxt, BaseException):
                         raise nxt
                     item = merge_outputs(item, nxt)
-                sent_first = sent_first or bool(item.token_ids)
                 yield item
                 if item.finished:
                     finished = True
@@ -173,13 +180,23 @@ class AsyncEngine:
     # ------------------------------------------------------------------ engine thread
 
     def _deliver(self, rid: str, item: Any) -> None:
+        """Hand ``item`` (a step's output, or an error) to its stream's loop. After a stream's first token, outputs
+        are merged here, in the engine thread, until they hold ``stream_interval`` tokens: each hand-off wakes the
+        replica's event loop, whose CPU time on a node where the engine holds every core stretches the steps."""
         s = self._streams.get(rid)
-        if s is not None:
-            loop, q = s
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
-            except RuntimeError:  # the consumer's loop is closed
-                pass
+        if s is None:
+            return
+        if isinstance(item, RequestOutput):
+            if s.held is not None:
+                item, s.held = merge_outputs(s.held, item), None
+            if s.sent_first and not item.finished and len(item.token_ids) < self.engine.config.stream_interval:
+                s.held = item
+                return
+            s.sent_first = s.sent_first or bool(item.token_ids)
+        try:
+            s.loop.call_soon_threadsafe(s.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed
+            pass
 
     def _run(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
         # before the engine is built: the OpenMP pool its first parallel op starts inherits this
