@@ -136,3 +136,28 @@ def test_the_runner_with_native_ops_stays_close_to_the_torch_ops(tiny_loaded, dt
     slow = r.forward(batch).logits
     tol = 1e-4 if dtype == torch.float32 else 0.1
     torch.testing.assert_close(fast, slow, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("vocab", [1, 17, 63, 64, 65, 49152, 49155])
+def test_argmax_gives_torchs_indices_on_ties_nans_infinities_and_signed_zeros(ops, vocab):
+    """Greedy tokens come from the native argmax: it must return exactly what ``torch.argmax`` does, the first
+    maximal index, the first NaN where a row has one, and -0.0 equal to 0.0, whatever the row's length."""
+    from workers.rejection_sampler import argmax
+
+    gen = torch.Generator().manual_seed(vocab)
+    rows = [
+        torch.randn(vocab, generator=gen),
+        torch.randint(-3, 3, (vocab,), generator=gen).float(),  # many ties at the maximum
+        torch.full((vocab,), float("-inf")),
+        torch.zeros(vocab).index_fill_(0, torch.arange(0, vocab, 2), -0.0),
+        torch.randn(vocab, generator=gen).index_fill_(0, torch.randint(0, vocab, (2,), generator=gen), float("nan")),
+        torch.randn(vocab, generator=gen).index_fill_(0, torch.randint(0, vocab, (2,), generator=gen), float("inf")),
+        torch.full((vocab,), 7.0).index_fill_(0, torch.tensor([vocab - 1]), 8.0),  # the maximum in the tail
+    ]
+    x = torch.stack(rows)  # [7, vocab]
+    assert torch.equal(ops.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(argmax(x), x.argmax(dim=-1))
+    for r in range(x.shape[0]):  # a row alone: the same answer
+        assert torch.equal(ops.argmax(x[r : r + 1].contiguous()), x[r : r + 1].argmax(dim=-1))
+    with pytest.raises(ValueError, match="float32"):
+        ops.argmax(x.bfloat16())

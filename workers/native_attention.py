@@ -301,6 +301,17 @@ class NativeLayerOps:
         self._silu.argtypes = [p, p, i64, i64, i32, i32]
         for fn in (self._rms, self._rope, self._silu):
             fn.restype = ctypes.c_int
+        self._argmax = dll.argmax_rows
+        self._argmax.argtypes = [p, i64, i64, p]
+        self._argmax.restype = None
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:  # x: [R, V] float32 -> [R] int64
+        """``x.argmax(dim=-1)``, the same indices (the first maximal one; the first NaN where a row has one)."""
+        if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.shape[1] == 0:
+            raise ValueError("argmax: x must be a contiguous, non-empty [R, V] float32 tensor")
+        out = torch.empty(x.shape[0], dtype=torch.long)
+        self._argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+        return out
 
     @staticmethod
     def _bf16(*ts: torch.Tensor) -> int:

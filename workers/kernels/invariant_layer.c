@@ -105,6 +105,59 @@ int rms_norm(void *h, const void *delta, const void *w, void *out, int64_t T, in
     return 0;
 }
 
+/* Whether any lane of a comparison's result is set. */
+static inline int any_lane(vlanes_i m) {
+    uint64_t w[sizeof m / 8], o = 0;
+    __builtin_memcpy(w, &m, sizeof m);
+    for (size_t i = 0; i < sizeof m / 8; i++) o |= w[i];
+    return o != 0;
+}
+
+/* out[r] = the index of row r's largest value, torch.argmax's answer: the first maximal index, or the first
+ * NaN's if the row holds one (torch orders NaN above every number); -0.0 equals 0.0. x: [R, V] fp32.
+ * Why not torch's: its reduction reads a greedy step's 49,152 logits several times slower. Two passes:
+ * the lane-wise maximum (and whether a NaN was seen), then the first index holding it. */
+void argmax_rows(const float *x, int64_t R, int64_t V, int64_t *out) {
+    enum { BLK = 4 * LANES }; /* four independent chains: a compare-and-select's latency, not its throughput */
+    for (int64_t r = 0; r < R; r++) {
+        const float *row = x + r * V;
+        const int64_t vend = V - V % BLK;
+        vlanes m[4];
+        for (int c = 0; c < 4; c++) m[c] = (vlanes){0} + row[0];
+        vlanes_i nan = {0};
+        for (int64_t j = 0; j < vend; j += BLK)
+            for (int c = 0; c < 4; c++) {
+                const vlanes v = load_lanes(row + j + c * LANES);
+                const vlanes_i gt = v > m[c];
+                nan |= v != v;
+                m[c] = (vlanes)(((vlanes_i)v & gt) | ((vlanes_i)m[c] & ~gt));
+            }
+        float best = row[0];
+        for (int c = 0; c < 4; c++)
+            for (int l = 0; l < LANES; l++) best = m[c][l] > best ? m[c][l] : best;
+        int has_nan = any_lane(nan);
+        for (int64_t j = vend; j < V; j++) {
+            has_nan |= row[j] != row[j];
+            best = row[j] > best ? row[j] : best;
+        }
+        int64_t at = -1, j = 0;
+        if (has_nan) {
+            for (; j < V && at < 0; j++)
+                if (row[j] != row[j]) at = j;
+        } else {
+            const vlanes b = (vlanes){0} + best;
+            for (; j < vend; j += BLK) {
+                const vlanes_i eq = (load_lanes(row + j) == b) | (load_lanes(row + j + LANES) == b) |
+                                    (load_lanes(row + j + 2 * LANES) == b) | (load_lanes(row + j + 3 * LANES) == b);
+                if (any_lane(eq)) break;
+            }
+            for (; j < V && at < 0; j++)
+                if (row[j] == best) at = j;
+        }
+        out[r] = at;
+    }
+}
+
 /* Every position inside the tables and every cache index inside the pool (0), else -1. */
 static int rope_check(const int64_t *pos, const int64_t *kv_index, int64_t T, int64_t Hkv, int64_t D, int64_t BS,
                       int64_t num_blocks, int64_t max_len) {
