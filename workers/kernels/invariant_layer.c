@@ -381,10 +381,6 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
                 PHASE(2);
                 attention_part(&plan, q, H * D, kt[l], v[l], o32, o_bf16, id, nt);
             }
-            /* attention leaves the memory bus idle, and the threads finish their items unevenly: each requests
-             * its share of the o projection's weights into its L2 now, and the GEMM after the barrier reads
-             * them from there */
-            linear_prefetch(wl[2], hidden, H * D, bf16, id, nt);
 #pragma omp barrier
             PHASE(3);
             linear_part(attn_in, wl[2], delta, T, hidden, H * D, bf16, id, nt);

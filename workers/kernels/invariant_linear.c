@@ -358,18 +358,6 @@ void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, in
     }
 }
 
-/* Thread id's share of W for linear_part requested into this core's L2, for a thread that would otherwise
- * wait at a barrier while the memory bus idles: a compute phase (attention) then overlaps the next GEMM's
- * weight stream. Values are unchanged: only where the bytes come from. */
-void linear_prefetch(const void *W, int64_t N, int64_t K, int bf16, int id, int nt) {
-    const int64_t tiles = (N + NR - 1) / NR, es = bf16 ? 2 : 4;
-    const int64_t lo = tiles * id / nt, hi = tiles * (id + 1) / nt;
-    int64_t n1 = hi * NR;
-    if (n1 > N) n1 = N;
-    const char *b = (const char *)W + (size_t)(lo * NR * K * es), *e = (const char *)W + (size_t)(n1 * K * es);
-    for (; b < e; b += 64) __builtin_prefetch(b, 0, 2); /* locality 2: L2 (prefetcht1 on x86) */
-}
-
 /* x: [M, K], W: [N, K], y: [M, N], all contiguous; fp32, or bf16 (bf16 != 0) as uint16. */
 int invariant_linear(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16,
                      int nthreads) {

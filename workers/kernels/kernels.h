@@ -44,7 +44,6 @@ int invariant_attention(const float *q, int64_t q_row_stride, const void *kt, co
                         float scale, float *scratch, int64_t n_pad, int nthreads, uint16_t *out_bf16);
 
 void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int id, int nt);
-void linear_prefetch(const void *W, int64_t N, int64_t K, int bf16, int id, int nt);
 int invariant_linear(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int nthreads);
 
 #endif
