@@ -100,6 +100,13 @@ class DraftConfig(BaseModel):
         "kernels on a CPU with a C compiler, instead of torch ops: a shorter draft step (docs/benchmarks.md). They "
         "round differently, which may change a draft, never the output.",
     )
+    cpu_gemm: Literal["auto", "onednn", "mkl", "native"] = Field(
+        "auto",
+        description="The draft model's weight GEMMs on a CPU, as engine.cpu_gemm: 'auto' takes the native kernels "
+        "where they measured fastest. With native_kernels too, its whole forward is one native call: a draft step "
+        "about half as long at one request (docs/benchmarks.md). They round differently, which may change a draft, "
+        "never the output.",
+    )
     num_threads: int | None = Field(None, ge=1, description="torch threads in the draft replica.")
     max_num_seqs: int = Field(
         256,

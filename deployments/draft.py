@@ -86,6 +86,7 @@ class DraftWorker:
                     target_vocab_size=target.model.config.vocab_size,
                     vocab_ids=loaded.draft_vocab,
                     native_kernels=d.native_kernels,
+                    cpu_gemm=d.cpu_gemm,
                 ),
             ),
         ]

@@ -41,10 +41,19 @@ def model() -> LlamaForCausalLM:
 
 
 def proposer(
-    model: LlamaForCausalLM, num_slots: int = 4, max_model_len: int = MAX_LEN, native: bool = False
+    model: LlamaForCausalLM,
+    num_slots: int = 4,
+    max_model_len: int = MAX_LEN,
+    native: bool = False,
+    cpu_gemm: str = "onednn",
 ) -> DraftModelProposer:
     return DraftModelProposer(
-        model, num_slots=num_slots, max_model_len=max_model_len, device="cpu", native_kernels=native
+        model,
+        num_slots=num_slots,
+        max_model_len=max_model_len,
+        device="cpu",
+        native_kernels=native,
+        cpu_gemm=cpu_gemm,
     )
 
 
@@ -138,20 +147,26 @@ def test_rollback_after_plain_steps(model: LlamaForCausalLM) -> None:
     assert again == greedy_reference(model, tokens, 3)
 
 
-@pytest.mark.parametrize("native", [False, True], ids=["torch-ops", "native-kernels"])
-def test_incremental_equals_fresh_over_many_steps(model: LlamaForCausalLM, native: bool) -> None:
+@pytest.mark.parametrize(
+    "native,cpu_gemm",
+    [(False, "onednn"), (True, "onednn"), (True, "native")],
+    ids=["torch-ops", "native-kernels", "native-forward"],
+)
+def test_incremental_equals_fresh_over_many_steps(model: LlamaForCausalLM, native: bool, cpu_gemm: str) -> None:
     """A proposer that follows requests step by step (random accept lengths, random
     recovered tokens, varying k, one request taking plain steps) drafts what a fresh one does."""
     rng = random.Random(7)
     seqs = {"a": prompt(6, 2), "b": prompt(3, 3), "c": prompt(10, 4)}
-    prop = proposer(model, native=native)
+    prop = proposer(model, native=native, cpu_gemm=cpu_gemm)
     for step in range(6):
         if step == 2:  # "b" takes two plain decode steps: no propose, two new tokens
             seqs["b"] = seqs["b"] + [rng.randrange(VOCAB), rng.randrange(VOCAB)]
         rids = [rid for rid in seqs if not (rid == "b" and step == 2)]
         ks = {rid: rng.choice([1, 3, 4]) for rid in rids}
         out = prop.propose([req(seqs[rid], ks[rid], rid=rid) for rid in rids])
-        fresh = proposer(model, native=native).propose([req(seqs[rid], ks[rid], rid=rid) for rid in rids])
+        fresh = proposer(model, native=native, cpu_gemm=cpu_gemm).propose(
+            [req(seqs[rid], ks[rid], rid=rid) for rid in rids]
+        )
         assert out.draft_token_ids == fresh.draft_token_ids
         for rid, d in zip(rids, out.draft_token_ids):
             accepted = rng.randint(0, len(d))
@@ -337,17 +352,37 @@ def test_draft_kv_follows_the_tokens_in_use_not_slots_times_max_model_len(model:
 
 
 def test_native_kernels_draft_from_the_same_distribution(model: LlamaForCausalLM) -> None:
-    """The native attention and row-wise ops (a faster draft step) compute what the torch ops do, up to
-    rounding: close logits at every position of a batch, and the native runner really is native."""
+    """The native attention and row-wise ops, and with the native GEMMs the whole forward as one native call (the
+    draft worker's shipped path), compute what the torch ops do, up to rounding: close logits at every position
+    of a batch, and the native runners really are native."""
     from workers import native_attention
 
     if native_attention.load() is None:
         pytest.skip("no C compiler: every runner uses the torch ops")
-    a, b = proposer(model), proposer(model, native=True)
+    a, b, c = proposer(model), proposer(model, native=True), proposer(model, native=True, cpu_gemm="native")
     assert a.runner.attention_kernel != "native" and b.runner.attention_kernel == "native"
+    assert b.runner.native_layers is None and c.runner.native_layers is not None
     prompts = [prompt(n, 30 + n) for n in (5, 9, 14)]
     la = a.runner.forward_tokens(0, 0, prompts[2])  # [n, V]
-    lb = b.runner.forward_tokens(0, 0, prompts[2])
-    torch.testing.assert_close(lb, la, rtol=1e-4, atol=1e-4)
-    outs = [p.propose([req(q, 4, rid=str(i)) for i, q in enumerate(prompts)]) for p in (a, b)]
+    for p in (b, c):
+        torch.testing.assert_close(p.runner.forward_tokens(0, 0, prompts[2]), la, rtol=1e-4, atol=1e-4)
+    outs = [p.propose([req(q, 4, rid=str(i)) for i, q in enumerate(prompts)]) for p in (a, b, c)]
     assert [len(d) for d in outs[1].draft_token_ids] == [4, 4, 4]
+    assert [len(d) for d in outs[2].draft_token_ids] == [4, 4, 4]
+
+
+def test_the_draft_worker_passes_its_gemm_choice_to_the_draft_runner(model: LlamaForCausalLM) -> None:
+    """``draft.cpu_gemm`` reaches the runner: 'auto' resolves as the engine's does, an unknown name is refused by
+    the config, and the proposer refuses one passed directly."""
+    from pydantic import ValidationError
+
+    from cluster.config import DraftConfig
+    from workers.hardware import resolve_cpu_gemm
+
+    assert DraftConfig().cpu_gemm == "auto"
+    with pytest.raises(ValidationError, match="cpu_gemm"):
+        DraftConfig(cpu_gemm="blas")
+    prop = proposer(model, native=True, cpu_gemm="auto")
+    assert prop.runner.cpu_gemm in ("native", resolve_cpu_gemm("auto", torch.float32))
+    with pytest.raises(ValueError, match="cpu_gemm"):
+        proposer(model, cpu_gemm="blas")

@@ -214,6 +214,7 @@ def test_smollm2_every_proposer_writes_the_alone_plain_tokens(smollm2_loaded, dt
     """SmolLM2 with the shipped draft model and EAGLE head, the n-gram and suffix proposers: greedy and
     seeded (T=0.8, top-p 0.95) chat requests, K switched every step, 8 neighbours sharing the batch and
     the chat template's cached prefix: every token equals the request decoded alone and plainly."""
+    from cluster.config import DraftConfig
     from training.common import DRAFT_DIR, EAGLE_DIR
     from workers.model_loader import load_model
     from workers.proposers.draft_model import DraftModelProposer
@@ -229,12 +230,14 @@ def test_smollm2_every_proposer_writes_the_alone_plain_tokens(smollm2_loaded, dt
     proposers = {
         "ngram": NgramProposer(),
         "suffix": SuffixProposer(),
-        "draft_model": DraftModelProposer(
+        "draft_model": DraftModelProposer(  # as the draft worker runs it (its shipped kernels)
             draft.model,
             num_slots=n,
             max_model_len=512,
             target_vocab_size=target.config.vocab_size,
             vocab_ids=draft.draft_vocab,
+            native_kernels=DraftConfig().native_kernels,
+            cpu_gemm=DraftConfig().cpu_gemm,
         ),
         "eagle": EagleProposer("models/smollm2-eagle", target, num_slots=n, max_model_len=512),
     }

@@ -9,8 +9,9 @@ In one run, with the thread count the engine uses:
    floor = bytes / bandwidth (the KV cache read at the measured context is listed beside it);
 3. the engine's plain decode step (batch-invariant, as served) at c = 1, 2, 4 in bf16 and fp32, and
    the draft model's (models/smollm2-draft) step at c = 1, 2, 4, each as a ratio to its own floor, as
-   the draft worker runs it (native attention and row-wise ops, ``draft.native_kernels``) and with
-   torch's ops ("draft-torch-ops").
+   the draft worker runs it ("draft": native attention and row-wise ops, ``draft.native_kernels``, and the
+   GEMMs ``draft.cpu_gemm`` picks, so on a CPU where that is the native kernel the forward is one native
+   call), with oneDNN's GEMMs ("draft-onednn") and with torch's ops ("draft-torch-ops").
    Cells are interleaved round by round; the table gives the median and min..max over rounds, against
    the run's best bandwidth ("x floor") and against the bandwidth read just before and after each cell
    ("x window floor": the host's bandwidth can swing 2x within seconds when other tenants read memory);
@@ -37,6 +38,7 @@ import torch
 from benchmarks.common import RESULTS_DIR, bar_panel, env_info, figure, format_table, loadavg, progress, save_result
 from benchmarks.engine.step_split import StepSplit, weight_bytes
 from benchmarks.fidelity.invariance_bench import PROMPT, decode_step_s
+from cluster.config import DraftConfig
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.hardware import resolve_dtype
@@ -46,7 +48,8 @@ from workers.runner import ModelRunner, StepBatch
 CONCURRENCY = (1, 2, 4)
 DTYPES = ("bfloat16", "float32")
 DRAFT = "models/smollm2-draft"
-DRAFT_KINDS = ("draft", "draft-torch-ops")  # draft.native_kernels true (shipped) and false
+# as shipped (native ops, draft.cpu_gemm), native ops with oneDNN's GEMMs, torch's ops and oneDNN's GEMMs
+DRAFT_KINDS = ("draft", "draft-onednn", "draft-torch-ops")
 MAX_LEN = 512
 
 
@@ -184,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         for dt in DTYPES
     }
     prompt = engines["float32"].tokenize_chat([{"role": "user", "content": PROMPT}])
-    # the draft as the draft worker runs it: native attention and row-wise ops (draft.native_kernels) or torch's
+    # the draft as the draft worker runs it (DraftConfig's defaults), and the two paths it replaced
+    shipped = DraftConfig()
     drafts = {
         (m, dt): DraftStepper(
             ModelRunner(
@@ -193,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                 MAX_LEN,
                 dtype=getattr(torch, dt),
                 head_rows=draft_loaded.draft_vocab,
-                native_kernels=m == "draft",
+                native_kernels=shipped.native_kernels if m == "draft" else m == "draft-onednn",
+                cpu_gemm=shipped.cpu_gemm if m == "draft" else "onednn",
             ),
             prompt,
         )

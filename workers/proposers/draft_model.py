@@ -107,6 +107,10 @@ class DraftModelProposer(Proposer):
             agreement with the target, and the head over the draft vocabulary instead
             of all 49152 rows saves most of the draft's per-token cost. ``q`` stays full-width, 0 outside ``vocab_ids``,
             so the rejection sampler's guarantee is untouched.
+        native_kernels, cpu_gemm: the draft runner's native attention and row-wise ops, and its weight GEMMs
+            (``ModelRunner``'s). With both native on the CPU its whole forward is one native call, as the
+            target's is. They round differently from torch's ops, which may change a draft, never the output.
+            The defaults keep torch's ops (the tests' reference); the draft worker passes its config's.
     """
 
     name = "draft_model"
@@ -123,6 +127,7 @@ class DraftModelProposer(Proposer):
         num_blocks: int | None = None,
         block_size: int = 16,
         native_kernels: bool = False,
+        cpu_gemm: str = "onednn",
     ) -> None:
         from workers.runner import ModelRunner
 
@@ -151,6 +156,7 @@ class DraftModelProposer(Proposer):
             num_blocks=num_blocks,
             block_size=block_size,
             native_kernels=native_kernels,
+            cpu_gemm=cpu_gemm,
         )
         self.blocks = DraftBlocks(self.runner.num_blocks, block_size)
         self.vocab_size = draft_vocab
