@@ -86,8 +86,20 @@ static inline __attribute__((always_inline)) void attend_tile_g(
     for (int i = 0; i < R * G; i++) {
         float *sg = s + i * n_pad;
         const int ni = n[i / G];
+        /* the row's largest score, lane-wise then across lanes: a maximum is exact in any order (only the sign
+         * of a zero maximum may differ, and exp(s - m) does not see it) */
         float m = sg[0];
-        for (int j = 1; j < ni; j++) m = sg[j] > m ? sg[j] : m;
+        int jm = 0;
+        if (ni >= LANES) {
+            vlanes mv = load_lanes(sg);
+            for (jm = LANES; jm + LANES <= ni; jm += LANES) {
+                const vlanes x = load_lanes(sg + jm);
+                const vlanes_i gt = x > mv;
+                mv = (vlanes)(((vlanes_i)x & gt) | ((vlanes_i)mv & ~gt));
+            }
+            for (int l = 0; l < LANES; l++) m = mv[l] > m ? mv[l] : m;
+        }
+        for (; jm < ni; jm++) m = sg[jm] > m ? sg[jm] : m;
         for (int j0 = 0; j0 < nb; j0 += LANES) {
             const vlanes e = exp_nonpos(load_lanes(sg + j0) - m);
             __builtin_memcpy(sg + j0, &e, sizeof e);
