@@ -3,7 +3,8 @@
  * Every query row reads only its own visible keys (0 .. nvis-1 of its request) in one fixed order, and
  * every sum runs in one fixed order: a score adds its head_dim products from d = 0 up, a softmax
  * denominator adds its terms in LANES fixed lanes and then a fixed tree, an output dimension adds
- * its keys from key 0 up. The result for a row is then a function of that row's query, keys and
+ * its keys from key 0 up, one fused multiply-add each (rounded once: fewer instructions than a multiply and
+ * an add, and the same bits whichever instructions compute it). The result for a row is then a function of that row's query, keys and
  * values alone: not of the other rows in the step, how many there are, which cache blocks hold its
  * keys, or how far any key axis is padded. Threads split (tile of rows, kv head) items, whose outputs
  * are independent.
@@ -22,7 +23,8 @@
  * values already, so its results do not depend on which dtype the cache stores them in.
  *
  * Build: workers/native_attention.py compiles this with -ffp-contract=off and without -ffast-math,
- * so the compiler may vectorize the lane loops but never reassociate a sum or fuse a multiply-add.
+ * so the compiler may vectorize the lane loops but never reassociate a sum or fuse a multiply-add the
+ * code does not fuse itself (fma_lanes, __builtin_fmaf).
  */
 
 #include <stddef.h>
@@ -36,6 +38,17 @@
 
 #include "kernels.h"
 #include "vec_math.h"
+
+/* a * x + y, lane by lane, rounded once (a fused multiply-add): the same bits whichever instructions compute it */
+static inline vlanes fma_lanes(float a, vlanes x, vlanes y) {
+#if defined(__AVX512F__) && LANES == 16
+    return (vlanes)_mm512_fmadd_ps(_mm512_set1_ps(a), (__m512)x, (__m512)y);
+#else
+    vlanes r;
+    for (int l = 0; l < LANES; l++) r[l] = __builtin_fmaf(a, x[l], y[l]);
+    return r;
+#endif
+}
 
 /* Ask for n elements from element offset off of a cache (bf16 if KB) ahead of their use: a request's
  * next block is anywhere in the pool, where the hardware prefetcher, which follows runs of addresses,
@@ -131,7 +144,7 @@ static inline __attribute__((always_inline)) void attend_tile_g(
                 const int64_t vj = vb + (int64_t)jj * D;
                 for (int b = 0; b < DB; b++) {
                     const vlanes x = load_kv(v, vj + b * LANES, KB);
-                    for (int i = 0; i < rr * G; i++) acc[i][b] = acc[i][b] + sp[i * n_pad + j0 + jj] * x;
+                    for (int i = 0; i < rr * G; i++) acc[i][b] = fma_lanes(sp[i * n_pad + j0 + jj], x, acc[i][b]);
                 }
             }
         }
@@ -144,7 +157,8 @@ static inline __attribute__((always_inline)) void attend_tile_g(
     for (int d0 = DB * LANES; d0 < D; d0++) {  /* head_dim not a multiple of LANES: the same chains */
         for (int i = 0; i < R * G; i++) {
             float a = 0.0f;
-            for (int j = 0; j < n_max; j++) a = a + s[i * n_pad + j] * load_kv1(v, bt[j / BS] * kv_stride + (j % BS) * D + d0, KB);
+            for (int j = 0; j < n_max; j++)
+                a = __builtin_fmaf(s[i * n_pad + j], load_kv1(v, bt[j / BS] * kv_stride + (j % BS) * D + d0, KB), a);
             out[i][d0] = a * s[i * n_pad + n_pad - 1];
         }
     }

@@ -5,7 +5,7 @@
 #define SPECSERVE_VEC_MATH_H
 
 #include <stdint.h>
-#if defined(__AVX512BW__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
