@@ -141,10 +141,8 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] long
     """``logits.argmax(dim=-1)``: on the CPU through the native kernel (the same indices, a few times faster over
     a vocabulary), else torch's."""
     ops = native_attention.load_layer_ops() if logits.device.type == "cpu" else None
-    if ops is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_contiguous():
-        if logits.shape[0] and logits.shape[1]:
-            return ops.argmax(logits)
-    return logits.argmax(dim=-1)
+    native = logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_contiguous() and logits.numel() > 0
+    return ops.argmax(logits) if ops is not None and native else logits.argmax(dim=-1)
 
 
 def _padded(

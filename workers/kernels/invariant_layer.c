@@ -30,36 +30,25 @@
 /* The value x would hold once stored in the model's dtype. */
 static inline vlanes round_to(vlanes x, int bf16) { return bf16 ? from_bf16(to_bf16(x)) : x; }
 
-/* LANES values from p[i ..], or the first n of them (the rest 0) at a row's end. A whole chunk copies a
- * constant size, which the compiler turns into one vector move; a copy of n bytes is a call into libc. */
+/* LANES values from p[i ..], or the first n of them (the rest 0) at a row's end (copy_bytes: a whole chunk is
+ * one vector move). */
 static inline vlanes load(const void *p, int64_t i, int n, int bf16) {
     if (bf16) {
         vlanes_h h = {0};
-        if (n == LANES)
-            __builtin_memcpy(&h, (const uint16_t *)p + i, sizeof h);
-        else
-            __builtin_memcpy(&h, (const uint16_t *)p + i, (size_t)n * sizeof(uint16_t));
+        copy_bytes(&h, (const uint16_t *)p + i, (size_t)n * sizeof(uint16_t), sizeof h);
         return from_bf16(h);
     }
     vlanes x = {0};
-    if (n == LANES)
-        __builtin_memcpy(&x, (const float *)p + i, sizeof x);
-    else
-        __builtin_memcpy(&x, (const float *)p + i, (size_t)n * sizeof(float));
+    copy_bytes(&x, (const float *)p + i, (size_t)n * sizeof(float), sizeof x);
     return x;
 }
 
 static inline void store(void *p, int64_t i, vlanes x, int n, int bf16) {
     if (bf16) {
         const vlanes_h h = to_bf16(x);
-        if (n == LANES)
-            __builtin_memcpy((uint16_t *)p + i, &h, sizeof h);
-        else
-            __builtin_memcpy((uint16_t *)p + i, &h, (size_t)n * sizeof(uint16_t));
-    } else if (n == LANES) {
-        __builtin_memcpy((float *)p + i, &x, sizeof x);
+        copy_bytes((uint16_t *)p + i, &h, (size_t)n * sizeof(uint16_t), sizeof h);
     } else {
-        __builtin_memcpy((float *)p + i, &x, (size_t)n * sizeof(float));
+        copy_bytes((float *)p + i, &x, (size_t)n * sizeof(float), sizeof x);
     }
 }
 

@@ -308,19 +308,10 @@ static inline __attribute__((always_inline)) void row_tile(const void *x, int64_
             const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_loadu_ps(sums), _mm512_loadu_ps(sums), _CMP_UNORD_Q);
             const __m512i q = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)); /* NaN stays quiet */
             _mm256_storeu_si256((__m256i *)h, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rne, q)));
-            /* a whole tile's copy has a constant size, which the compiler inlines: a call per tile costs
-             * as much as streaming a short GEMM's weights */
-            for (int r = 0; r < mr; r++)
-                if (nc == NR)
-                    memcpy((uint16_t *)y + (m0 + r) * N + n0, h + NR * r, NR * 2);
-                else
-                    memcpy((uint16_t *)y + (m0 + r) * N + n0, h + NR * r, nc * 2);
+            /* copy_bytes: a whole tile's copy inlines; a call per tile costs as much as streaming a short GEMM */
+            for (int r = 0; r < mr; r++) copy_bytes((uint16_t *)y + (m0 + r) * N + n0, h + NR * r, nc * 2, NR * 2);
         } else {
-            for (int r = 0; r < mr; r++)
-                if (nc == NR)
-                    memcpy((float *)y + (m0 + r) * N + n0, sums + NR * r, NR * 4);
-                else
-                    memcpy((float *)y + (m0 + r) * N + n0, sums + NR * r, nc * 4);
+            for (int r = 0; r < mr; r++) copy_bytes((float *)y + (m0 + r) * N + n0, sums + NR * r, nc * 4, NR * 4);
         }
 #else
         for (int r = 0; r < mr; r++) {

@@ -4,6 +4,7 @@
 #ifndef SPECSERVE_KERNELS_H
 #define SPECSERVE_KERNELS_H
 
+#include <stddef.h>
 #include <stdint.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -19,6 +20,15 @@ static inline void team_place(int *id, int *nt) {
     *id = 0;
     *nt = 1;
 #endif
+}
+
+/* n bytes from src to dst, where n is usually `whole`, a constant at the call site: a copy of a constant size
+ * compiles to vector moves, one of a variable size to a call into libc (a chunk's or a tile's worth of work). */
+static inline __attribute__((always_inline)) void copy_bytes(void *dst, const void *src, size_t n, size_t whole) {
+    if (n == whole)
+        __builtin_memcpy(dst, src, whole);
+    else
+        __builtin_memcpy(dst, src, n);
 }
 
 /* One step's attention work, the same for every layer (attention_plan in invariant_attention.c). */
