@@ -91,8 +91,8 @@ def test_the_layers_in_one_native_call_equal_the_calls_one_by_one(tiny_loaded, l
     ]
     assert runners[0].native_layers is not None
     runners[1].fused_layers = False
-    rng = random.Random(3)
-    tables = [rng.sample(range(40), 8) for _ in range(3)]
+    blocks = random.Random(3).sample(range(40), 24)  # each request its own blocks, scattered over the pool
+    tables = [blocks[i * 8 : (i + 1) * 8] for i in range(3)]
     first = StepBatch([0, 1, 2], [0, 0, 0], [list(range(5, 40)), list(range(7, 29)), [3, 4, 5]], [[34], [21], [2]])
     first.block_tables = tables
     nxt = StepBatch([0, 1, 2], [35, 22, 3], [[9], [11, 12, 13, 14], [8]], [[0], [0, 1, 2, 3], [0]])
@@ -111,6 +111,55 @@ def test_the_layers_in_one_native_call_equal_the_calls_one_by_one(tiny_loaded, l
         zip(runners[0]._k_storage, runners[0].v_cache), zip(runners[1]._k_storage, runners[1].v_cache)
     ):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_kernel_thread_preempted_mid_unit_changes_no_bit(tmp_path, linear, dtype, monkeypatch):
+    """A kernel thread that stalls while it holds units (as a preempted one does: the serving processes share
+    the cores) holds the others back only briefly: with a decode step's workspace, where every layer writes its
+    own intermediates, the other thread computes the held units again and goes on alone (the team's
+    takeover), up to the ring of layer intermediates (12 layers, more than the ring holds); with the shared
+    buffers of a prefill chunk it waits. Either way the logits and the caches are bit-identical to an
+    unstalled runner's, for a prefill step, a three-request decode step and a one-row step."""
+    from tests.conftest import make_tiny_llama
+    from workers.model_loader import load_model
+    from workers.runner import StepBatch
+
+    loaded = load_model(str(make_tiny_llama(tmp_path / "m12", seed=5, layers=12)))
+    assert torch.get_num_threads() > 1
+    blocks = random.Random(7).sample(range(40), 24)  # each request its own blocks, scattered over the pool
+    tables = [blocks[i * 8 : (i + 1) * 8] for i in range(3)]
+    steps = [
+        StepBatch([0, 1, 2], [0, 0, 0], [list(range(5, 40)), list(range(7, 29)), [3, 4, 5]], [[34], [21], [2]]),
+        StepBatch([0, 1, 2], [35, 22, 3], [[3], [5], [6]], [[0], [0], [0]]),
+        StepBatch([0], [36], [[4]], [[0]]),
+    ]
+    for b in steps:
+        b.block_tables = tables[: len(b.slots)]
+
+    def run(stall_phase: int, shared: bool) -> tuple[list[torch.Tensor], ModelRunner]:
+        runner = ModelRunner(loaded.model, 4, 128, dtype=dtype, cpu_gemm="native", batch_invariant=True, num_blocks=40)
+        assert runner.native_layers is not None
+        monkeypatch.setattr(native_attention.BoundLayers, "WORKSPACE_BYTES", 0 if shared else 8 << 20)
+        native_attention.stall_kernel_thread(0, stall_phase, 0.02 if stall_phase else 0.0)
+        try:
+            return [runner.forward(b).logits for b in steps], runner
+        finally:
+            native_attention.stall_kernel_thread(0, 0, 0.0)
+
+    ref, ref_runner = run(0, shared=False)
+    # phase 1: the first layer's qkv GEMM; 14: the third layer's o projection in a decode step (five
+    # phases a layer: the row-wise ones are each thread's own)
+    for phase, shared in ((1, False), (14, False), (1, True)):
+        before = native_attention.team_takeovers()
+        got, runner = run(phase, shared)
+        for a, b in zip(ref, got):
+            assert torch.equal(a, b), f"phase {phase}, shared buffers {shared}"
+        for (ka, va), (kb, vb) in zip(
+            zip(ref_runner._k_storage, ref_runner.v_cache), zip(runner._k_storage, runner.v_cache)
+        ):
+            assert torch.equal(ka, kb) and torch.equal(va, vb)
+        assert native_attention.team_takeovers() > before  # in the layers, or the head and the GEMMs outside them
 
 
 def test_config_names_a_bad_backend():

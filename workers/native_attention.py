@@ -131,6 +131,26 @@ def load_layers() -> NativeLayers | None:
     return _from_library(NativeLayers)
 
 
+def team_takeovers() -> int:
+    """How many times, in this process, a kernel thread waiting on units that a preempted thread held has
+    computed them again itself (the team's takeover: workers/kernels/kernels.h); 0 without the library."""
+    dll = _library()
+    if dll is None:
+        return 0
+    dll.team_takeovers.restype = ctypes.c_uint64
+    return int(dll.team_takeovers())
+
+
+def stall_kernel_thread(thread: int, phase: int, seconds: float) -> None:
+    """For tests: kernel thread ``thread`` sleeps ``seconds`` while it holds its first claim of phase
+    ``phase`` (from 1) of every parallel call, as a preemption there would; ``seconds`` 0 ends it."""
+    dll = _library()
+    if dll is None:
+        raise RuntimeError("the native kernels are not loaded")
+    dll.team_stall_at.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_double]
+    dll.team_stall_at(thread, phase, seconds)
+
+
 def clear_cache() -> None:
     """Forget the loaded library, so the next :func:`load` looks again (tests toggle the environment)."""
     for f in (_library, load, load_layer_ops, load_linear, load_layers):
@@ -567,9 +587,12 @@ class NativeLayers:
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         fn = dll.invariant_layers
         fn.argtypes = [p, p, p, p, i64, p, p, p, p, i64, p, i64, p, p, f32, p, i64]
-        fn.argtypes += [p] * 8 + [i64] * 8 + [f32, i32, i32, i32]
+        fn.argtypes += [p] * 8 + [i64] * 8 + [f32, i32, i32, i32, p, i64]
         fn.restype = ctypes.c_int
         self._fn = fn
+        self._workspace_bytes = dll.layers_workspace_bytes
+        self._workspace_bytes.argtypes = [i64] * 7 + [i32, i32]
+        self._workspace_bytes.restype = i64
         self._profile = dll.layers_profile
         self._profile.argtypes = [p]
         self._profile.restype = None
@@ -596,7 +619,9 @@ class NativeLayers:
         norm_w: torch.Tensor,  # [hidden] the final norm's weight
         lm_head: torch.Tensor,  # [V, hidden] the LM head rows a step computes
     ) -> BoundLayers:
-        return BoundLayers(self._fn, self._head, layers, caches, cos, sin, num_heads, eps, attn, norm_w, lm_head)
+        return BoundLayers(
+            self._fn, self._head, self._workspace_bytes, layers, caches, cos, sin, num_heads, eps, attn, norm_w, lm_head
+        )
 
 
 @dataclass
@@ -611,17 +636,23 @@ class _Buffers:
     delta: torch.Tensor  # [T, hidden] the last GEMM's output
     gu: torch.Tensor  # [T, 2 I]
     act: torch.Tensor  # [T, I]
+    ws: torch.Tensor | None  # [bytes] uint8: every layer's own intermediates (a few rows), or None
 
 
 class BoundLayers:
     """One runner's layers bound to the fused call: weights, caches and tables as pointer arrays made once."""
 
     MAX_SHAPES = 16  # row counts whose buffers are kept (a decode step's few, a prefill chunk's)
+    # The largest workspace in which every layer writes its own intermediates: a decode or verify step's few
+    # rows get one, so that a thread waiting on a preempted one can compute its units again (see
+    # invariant_layers); a prefill chunk's many rows share one set of buffers.
+    WORKSPACE_BYTES = 8 << 20
 
     def __init__(
         self,
         fn: ctypes._CFuncPtr,  # type: ignore[name-defined]
         head_fn: ctypes._CFuncPtr,  # type: ignore[name-defined]
+        workspace_bytes: ctypes._CFuncPtr,  # type: ignore[name-defined]
         layers: list[dict[str, torch.Tensor]],
         caches: BoundCaches,
         cos: torch.Tensor,
@@ -645,6 +676,7 @@ class BoundLayers:
         if norm_w.shape != layers[0]["in_norm"].shape or lm_head.shape[1] != norm_w.shape[0]:
             raise ValueError("the final norm and the LM head disagree with the layers' hidden size")
         self._fn, self._head_fn, self._attn, self._caches = fn, head_fn, attn, caches
+        self._workspace_bytes = workspace_bytes
         self.dtype, self.num_heads, self.eps = dtype, num_heads, eps
         self.hidden = layers[0]["in_norm"].shape[0]
         self.intermediate = layers[0]["down"].shape[1]
@@ -654,16 +686,18 @@ class BoundLayers:
         self._kt = (ctypes.c_void_p * len(caches.ptrs))(*(kt for kt, _ in caches.ptrs))
         self._v = (ctypes.c_void_p * len(caches.ptrs))(*(v for _, v in caches.ptrs))
         self._cos, self._sin, self._max_len = cos.data_ptr(), sin.data_ptr(), cos.shape[0]
-        self._buffers: dict[int, _Buffers] = {}
+        self._buffers: dict[tuple[int, int], _Buffers] = {}
 
-    def buffers(self, T: int) -> _Buffers:
-        b = self._buffers.get(T)
+    def buffers(self, T: int, threads: int) -> _Buffers:
+        b = self._buffers.get((T, threads))
         if b is None:
             if len(self._buffers) >= self.MAX_SHAPES:
                 self._buffers.clear()
             H, Hkv, D, dt = self.num_heads, self._caches.num_kv_heads, self._caches.head_dim, self.dtype
             o32 = torch.empty(T, H * D, dtype=torch.float32)
-            b = self._buffers[T] = _Buffers(
+            L, bf16 = len(self._caches.ptrs), int(dt == torch.bfloat16)
+            ws_bytes = self._workspace_bytes(L, T, self.hidden, H, Hkv, D, self.intermediate, bf16, threads)
+            b = self._buffers[(T, threads)] = _Buffers(
                 x=torch.empty(T, self.hidden, dtype=dt),
                 qkv=torch.empty(T, (H + 2 * Hkv) * D, dtype=dt),
                 q=torch.empty(T, H * D, dtype=torch.float32),
@@ -672,6 +706,7 @@ class BoundLayers:
                 delta=torch.empty(T, self.hidden, dtype=dt),
                 gu=torch.empty(T, 2 * self.intermediate, dtype=dt),
                 act=torch.empty(T, self.intermediate, dtype=dt),
+                ws=torch.empty(ws_bytes, dtype=torch.uint8) if ws_bytes <= self.WORKSPACE_BYTES else None,
             )
         return b
 
@@ -690,8 +725,8 @@ class BoundLayers:
         if h.dtype != self.dtype or hidden != self.hidden or not h.is_contiguous():
             raise ValueError("the residual stream must be a contiguous [T, hidden] tensor in the model's dtype")
         _check_index(positions, kv_index, block_table, req, nvis)
-        c, b = self._caches, self.buffers(T)
         threads = torch.get_num_threads()
+        c, b = self._caches, self.buffers(T, threads)
         n_pad, need = attention_scratch(threads, self.num_heads, c.num_kv_heads, max_nvis)
         scratch = self._attn.scratch(need)
         rc = self._fn(
@@ -703,6 +738,7 @@ class BoundLayers:
             b.gu.data_ptr(), b.act.data_ptr(),
             T, hidden, self.num_heads, c.num_kv_heads, c.head_dim, self.intermediate, c.block_size, c.num_blocks,
             self.eps, int(self.dtype == torch.bfloat16), c.kv_bf16, threads,
+            None if b.ws is None else b.ws.data_ptr(), 0 if b.ws is None else b.ws.numel(),
         )  # fmt: skip
         if rc != 0:
             raise ValueError(

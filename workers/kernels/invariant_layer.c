@@ -59,8 +59,11 @@ static inline vlanes exp_nonpos_flushed(vlanes x) {
 
 #define CHUNK(n, j) ((n) - (j) < LANES ? (int)((n) - (j)) : LANES)
 
-/* Row t of rms_norm below. */
-static void rms_row(void *h, const void *delta, const void *w, void *out, int64_t t, int64_t n, float eps, int bf16) {
+/* Row t of rms_norm below, reading the residual from h and, when delta is given, storing h + delta into
+ * h_out (h itself for rms_norm; NULL: not stored, added again where read). Each output is written once, with
+ * its final value. */
+static void rms_row(const void *h, void *h_out, const void *delta, const void *w, void *out, int64_t t, int64_t n,
+                    float eps, int bf16) {
     const int64_t row = t * n;
     vlanes ss = {0};
     for (int64_t j = 0; j < n; j += LANES) {
@@ -68,7 +71,7 @@ static void rms_row(void *h, const void *delta, const void *w, void *out, int64_
         vlanes x = load(h, row + j, c, bf16);
         if (delta) {
             x = round_to(x + load(delta, row + j, c, bf16), bf16);
-            store(h, row + j, x, c, bf16);
+            if (h_out) store(h_out, row + j, x, c, bf16);
         }
         ss = ss + x * x;  /* lanes past the row's end add 0 */
     }
@@ -79,7 +82,14 @@ static void rms_row(void *h, const void *delta, const void *w, void *out, int64_
     const float r = 1.0f / sqrtf(acc[0] / (float)n + eps);
     for (int64_t j = 0; j < n; j += LANES) {
         const int c = CHUNK(n, j);
-        const vlanes y = round_to(load(h, row + j, c, bf16) * r, bf16);
+        vlanes x;
+        if (!delta)
+            x = load(h, row + j, c, bf16);
+        else if (h_out)
+            x = load(h_out, row + j, c, bf16);
+        else
+            x = round_to(load(h, row + j, c, bf16) + load(delta, row + j, c, bf16), bf16);
+        const vlanes y = round_to(x * r, bf16);
         store(out, row + j, load(w, j, c, bf16) * y, c, bf16);
     }
 }
@@ -90,7 +100,7 @@ int rms_norm(void *h, const void *delta, const void *w, void *out, int64_t T, in
              int nthreads) {
     if (T < 0 || n <= 0) return -1;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T * n >= 65536)
-    for (int64_t t = 0; t < T; t++) rms_row(h, delta, w, out, t, n, eps, bf16);
+    for (int64_t t = 0; t < T; t++) rms_row(h, h, delta, w, out, t, n, eps, bf16);
     return 0;
 }
 
@@ -272,8 +282,8 @@ int silu_mul(const void *gu, void *out, int64_t T, int64_t I, int bf16, int nthr
     return 0;
 }
 
-/* Where the fused forward adds each phase's seconds (thread 0's clock from barrier to barrier, so a phase's
- * share includes waiting for the slower thread), or NULL: benchmarks/engine/step_split.py reads it. */
+/* Where the fused forward adds each phase's seconds (thread 0's clock from phase end to phase end, so a
+ * phase's share includes waiting for its last units), or NULL: benchmarks/engine/step_split.py reads it. */
 static double *phase_acc;
 
 void layers_profile(double *acc) { phase_acc = acc; }
@@ -284,58 +294,131 @@ static inline double seconds(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+/* One layer's intermediates in the fused forward: where each phase writes (see invariant_layers). */
+typedef struct {
+    /* the row-wise phases' outputs: with fewer rows than threads, each thread's own copy */
+    void *h_attn;  /* [T, hidden] the residual after the layer's attention input (h + the last layer's output) */
+    void *x;       /* [T, hidden] the input norm's output */
+    void *h_mlp;   /* [T, hidden] the residual after the attention block */
+    void *x_mlp;   /* [T, hidden] the post-attention norm's output */
+    void *act;     /* [T, I] SiLU(gate) * up */
+    /* the GEMMs' and attention's outputs, shared */
+    void *qkv;     /* [T, (H + 2 Hkv) D] */
+    float *q;      /* [T, H D] fp32, the rotated queries */
+    float *o32;    /* [T, H D] fp32, attention's output */
+    void *o;       /* [T, H D] the model's dtype: the o projection's input (o32 itself in fp32) */
+    void *d_attn;  /* [T, hidden] the o projection's output */
+    void *gu;      /* [T, 2 I] */
+    void *d_mlp;   /* [T, hidden] the down projection's output */
+} layer_bufs;
+
+#ifndef RING_LAYERS
+#define RING_LAYERS 8 /* layers whose intermediates the workspace holds at once: the ring stays in L2 */
+#endif
+
+/* Carves one ring slot of layer intermediates out of base (64-byte aligned pieces), with `copies` copies of
+ * the row-wise outputs, and points b at copy `id`'s; returns the slot's bytes. With base NULL, only counts. */
+static int64_t carve_slot(char *base, layer_bufs *b, int64_t T, int64_t hidden, int64_t nqkv, int64_t HD, int64_t I,
+                          int bf16, int copies, int id) {
+    const int64_t es = bf16 ? 2 : 4;
+    const int64_t rows[5] = {T * hidden * es, T * hidden * es, T * hidden * es, T * hidden * es, T * I * es};
+    const int64_t shared[7] = {T * nqkv * es, T * HD * 4, T * HD * 4, bf16 ? T * HD * 2 : 0, T * hidden * es,
+                               T * 2 * I * es, T * hidden * es};
+    void *at[12] = {0};
+    int64_t off = 0;
+    for (int c = 0; c < copies; c++)
+        for (int i = 0; i < 5; i++) {
+            if (c == id) at[i] = base ? base + off : NULL;
+            off += (rows[i] + 63) / 64 * 64;
+        }
+    for (int i = 0; i < 7; i++) {
+        at[5 + i] = base ? base + off : NULL;
+        off += (shared[i] + 63) / 64 * 64;
+    }
+    if (b) {
+        b->h_attn = at[0], b->x = at[1], b->h_mlp = at[2], b->x_mlp = at[3], b->act = at[4];
+        b->qkv = at[5], b->q = (float *)at[6], b->o32 = (float *)at[7], b->o = bf16 ? at[8] : at[7];
+        b->d_attn = at[9], b->gu = at[10], b->d_mlp = at[11];
+    }
+    return off;
+}
+
+static int ring_slots(int64_t L) { return L < RING_LAYERS ? (int)L : RING_LAYERS; }
+
+/* The bytes of the workspace in which invariant_layers gives the layers their own intermediates, for
+ * nthreads threads. */
+int64_t layers_workspace_bytes(int64_t L, int64_t T, int64_t hidden, int64_t H, int64_t Hkv, int64_t D, int64_t I,
+                               int bf16, int nthreads) {
+    const int copies = nthreads > 1 && T < nthreads ? nthreads : 1;
+    return 64 + ring_slots(L) * carve_slot(NULL, NULL, T, hidden, (H + 2 * Hkv) * D, H * D, I, bf16, copies, 0);
+}
+
 /* Every decoder layer of one forward in one call, when every GEMM is invariant_linear: the same per-row
  * and per-output computations, in the same order, as the calls the runner would make one by one from
  * Python, so the result is bit-identical to that path.
  *
  * Why one parallel region: at one row a layer is nine short phases, and opening a parallel region for
  * each (or running the row-wise ones on one thread while the other waits to be woken) costs about as
- * long as the shorter GEMMs stream. Here the threads stay in one region for the whole forward and meet
- * at a barrier between phases; each phase splits its work as its standalone call does (whole weight
- * tiles, whole attention items, whole rows, whole LANES chunks), so one thread computes each output.
+ * long as the shorter GEMMs stream. Here the threads stay in one region for the whole forward and go
+ * through its phases as a team (team in kernels.h): each phase's units (whole weight tiles, whole
+ * attention items, whole rows, whole LANES chunks) are claimed a few at a time, and a phase starts once
+ * the one before is done.
+ *
+ * With a workspace (ws, of layers_workspace_bytes: a decode step's few rows), the layers write their
+ * intermediates into a ring of RING_LAYERS slots there, and a thread reuses a slot only once every thread
+ * has left the layers that read it. So no unit rewrites what a later phase reads, and a thread waiting on
+ * units a preempted thread holds may compute them again (the team's takeover). With fewer rows than
+ * threads, each thread also computes every row-wise phase (the norms, SiLU * up) in its own copy: the
+ * same values, without a phase and its wait. The last layer's residual and down projection are copied to h
+ * and delta at the end. Without a workspace (a prefill chunk's many rows), the layers share the buffers
+ * below, h is updated in place, and held units are only waited for.
  *
  * w: [L * 6] per layer in_norm [hidden], qkv [(H + 2 Hkv) D, hidden], o [hidden, H D], post_norm [hidden],
  * gate_up [2 I, hidden], down [hidden, I]. kt, v: [L] the layers' caches (see rope_kv). h: [T, hidden], the
- * residual stream, updated in place; on return delta holds the last layer's down projection (h + delta is
- * the output, added by the caller as torch adds). Buffers: x [T, hidden], qkv [T, (H + 2 Hkv) D],
- * q and o32 [T, H D] fp32, o [T, H D] (the model's dtype; unused for fp32), delta [T, hidden],
- * gu [T, 2 I], act [T, I]. Returns 0, or -1 if an index lies outside the tables or the pool or a shape
- * outside the kernels (checked before anything is written). */
+ * residual stream, updated; on return delta holds the last layer's down projection (h + delta is the output,
+ * added by the caller as torch adds). Buffers without a workspace: x [T, hidden], qkv [T, (H + 2 Hkv) D],
+ * q and o32 [T, H D] fp32, o [T, H D] (the model's dtype; unused for fp32), delta [T, hidden], gu [T, 2 I],
+ * act [T, I]. Returns 0, or -1 if an index lies outside the tables or the pool, a shape outside the kernels,
+ * or the workspace is too small (checked before anything is written). */
 int invariant_layers(void *h, const void *const *w, void *const *kt, void *const *v, int64_t L,
                      const int64_t *pos, const int64_t *kv_index, const void *cos, const void *sin, int64_t max_len,
                      const int64_t *block_table, int64_t bt_stride, const int64_t *req, const int64_t *nvis,
                      float scale, float *scratch, int64_t n_pad, void *x, void *qkv, float *q, float *o32, void *o,
                      void *delta, void *gu, void *act, int64_t T, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
-                     int64_t I, int64_t BS, int64_t num_blocks, float eps, int bf16, int kv_bf16, int nthreads) {
+                     int64_t I, int64_t BS, int64_t num_blocks, float eps, int bf16, int kv_bf16, int nthreads,
+                     void *ws, int64_t ws_bytes) {
     if (T <= 0 || hidden <= 0 || I <= 0 || L <= 0) return -1;
     if (rope_check(pos, kv_index, T, Hkv, D, BS, num_blocks, max_len)) return -1;
+    const int nmax = nthreads > 0 ? nthreads : 1;
+    if (ws && ws_bytes < layers_workspace_bytes(L, T, hidden, H, Hkv, D, I, bf16, nmax)) return -1;
     int64_t *first = (int64_t *)__builtin_alloca((size_t)(T + 1) * sizeof(int64_t));
     attn_plan plan;
     if (attention_plan(&plan, block_table, bt_stride, req, nvis, T, H, Hkv, D, BS, num_blocks, scale, scratch, n_pad,
                        kv_bf16, first))
         return -1;
-    const int64_t nqkv = (H + 2 * Hkv) * D, silu_chunks = T * ((I + LANES - 1) / LANES);
+    const int64_t nqkv = (H + 2 * Hkv) * D, cpr = (I + LANES - 1) / LANES;
+    /* SiLU's units: chunks of LANES values, grouped so that a phase's units fit a share word */
+    const int64_t silu_group = (T * cpr + (int64_t)SHARE_MASK - 1) / (int64_t)SHARE_MASK;
+    const int64_t silu_units = (T * cpr + silu_group - 1) / silu_group;
+    if ((uint64_t)(9 * L) >= TEAM_MAX_PHASES || T > (int64_t)SHARE_MASK ||
+        plan.tiles * Hkv > (int64_t)SHARE_MASK || (2 * I + 3) / 4 > (int64_t)SHARE_MASK ||
+        (nqkv + 3) / 4 > (int64_t)SHARE_MASK)
+        return -1;
     int one_row_each = 1; /* each request has one row (rows of a request are consecutive, requests in order) */
     for (int64_t t = 1; t < T; t++) one_row_each &= req[t] > req[t - 1];
-    void *attn_in = bf16 ? o : (void *)o32;
-    uint16_t *o_bf16 = bf16 ? (uint16_t *)o : NULL;
-    /* Fewer rows than threads (a decode step of a few requests): every thread keeps its own copy of the residual
-     * stream and computes each norm and SiLU * up in full, the same row computations, so a GEMM's input is its
-     * own and three phases per layer, with their barriers and their wait on one thread, are gone. */
-    const size_t es = bf16 ? 2 : 4, own_bytes = (size_t)T * (size_t)(2 * hidden + I) * es;
-    char *own = nthreads > 1 && T < nthreads ? malloc(own_bytes * (size_t)nthreads) : NULL;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    char *const ws_base = ws ? (char *)(((uintptr_t)ws + 63) & ~(uintptr_t)63) : NULL;
+    const int own_rows = ws != NULL && nmax > 1 && T < nmax; /* each thread computes the row-wise phases itself */
+    const int copies = own_rows ? nmax : 1, slots = ring_slots(L);
+    const int64_t slot_bytes = carve_slot(NULL, NULL, T, hidden, nqkv, H * D, I, bf16, copies, 0);
+    const layer_bufs shared = {h, x, h, x, act, qkv, q, o32, bf16 ? o : (void *)o32, delta, gu, delta};
+    TEAM_SLOTS(team_slots, nmax);
+#pragma omp parallel num_threads(nmax) if (nmax > 1)
     {
-        int id, nt;
-        team_place(&id, &nt);
-        const int few = own != NULL && T < nt; /* the same for every thread */
-        void *const hp = few ? own + (size_t)id * own_bytes : h; /* this thread's residual stream */
-        void *const xp = few ? (char *)hp + (size_t)T * hidden * es : x;       /* the norms' output */
-        void *const actp = few ? (char *)xp + (size_t)T * hidden * es : act; /* SiLU * up's */
-        if (few) __builtin_memcpy(hp, h, (size_t)T * hidden * es); /* h itself is only read until the end */
-        const int64_t t0 = few ? 0 : id, dt = few ? 1 : nt; /* the rows this thread normalizes */
-        const int64_t c0 = few ? 0 : silu_chunks * id / nt, c1 = few ? silu_chunks : silu_chunks * (id + 1) / nt;
-        double *const acc = id == 0 ? phase_acc : NULL;
+        team tm = team_join(team_slots, nmax, ws != NULL);
+        team *const t = &tm;
+        /* the end of this thread's own attention items: while it claims its own, the next is likely its next */
+        const int64_t own_items = plan.tiles * Hkv * (t->id + 1) / t->nt;
+        double *const acc = t->id == 0 ? phase_acc : NULL;
         double t_phase = acc ? seconds() : 0.0;
 #define PHASE(i)                                   \
     if (acc) {                                     \
@@ -343,59 +426,77 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
         acc[i] += t_now - t_phase;                 \
         t_phase = t_now;                           \
     }
+/* a row-wise phase: the rows [0, T) each thread computes itself, or a phase of the team's */
+#define ROWS(r, n, claim, ...)                                      \
+    if (own_rows) {                                                  \
+        for (int64_t r = 0; r < (n); r++) {                          \
+            __VA_ARGS__;                                             \
+        }                                                            \
+    } else                                                           \
+        PHASE_UNITS(t, n, claim, r##_a, r##_z, for (int64_t r = r##_a; r < r##_z; r++) { __VA_ARGS__; })
+        layer_bufs prev = shared, b = shared;
         for (int64_t l = 0; l < L; l++) {
             const void *const *wl = w + 6 * l;
-            for (int64_t t = t0; t < T; t += dt) rms_row(hp, l ? delta : NULL, wl[0], xp, t, hidden, eps, bf16);
-            if (!few) {
-#pragma omp barrier
+            if (ws_base) {
+                /* this layer reads its slot and the last layer's: stage l + 1. Its slot last held layer
+                 * l - slots, read up to layer l - slots + 1: wait until no thread is there */
+                team_at(t, (uint64_t)l + 1);
+                if (slots < L && l - slots + 3 > 0) team_wait_stage(t, (uint64_t)(l - slots + 3));
+                carve_slot(ws_base + (l % slots) * slot_bytes, &b, T, hidden, nqkv, H * D, I, bf16, copies,
+                           own_rows ? t->id : 0);
             }
+            /* the residual entering the layer, and after its first add (none in layer 0) */
+            const void *const h_in = l ? prev.h_mlp : h, *const d_in = l ? prev.d_mlp : NULL;
+            void *const h_attn = l ? b.h_attn : (void *)h;
+            uint16_t *const o_bf16 = bf16 ? (uint16_t *)b.o : NULL;
+            ROWS(r, T, 1, rms_row(h_in, h_attn, d_in, wl[0], b.x, r, hidden, eps, bf16));
             PHASE(0);
-            linear_part(xp, wl[1], qkv, T, nqkv, hidden, bf16, id, nt);
-#pragma omp barrier
+            linear_part(b.x, wl[1], b.qkv, T, nqkv, hidden, bf16, t);
             PHASE(1);
             if (one_row_each) {
                 /* a decode step: an item reads only its own row's new key and value, so it ropes its own
-                 * heads first and the phase between them, with its barrier, is gone (rope_kv's clock reads 0) */
-                const int64_t items = plan.tiles * Hkv, lo = items * id / nt, hi = items * (id + 1) / nt;
-                for (int64_t it = lo; it < hi; it++) {
-                    const int64_t t = plan.first[it / Hkv], g = it % Hkv;
-                    rope_heads(qkv, nqkv, pos, kv_index, cos, sin, q, kt[l], v[l], t, H, Hkv, D, BS, bf16, kv_bf16,
-                               g * (H / Hkv), (g + 1) * (H / Hkv), g, g + 1);
-                    attention_item(&plan, q, H * D, kt[l], v[l], o32, o_bf16, it, it + 1 < hi ? it + 1 : -1, id);
-                }
+                 * heads first and the phase between them is gone (rope_kv's clock reads 0) */
+                PHASE_UNITS(t, plan.tiles * Hkv, 1, a, z, for (int64_t it = a; it < z; it++) {
+                    const int64_t r = plan.first[it / Hkv], g = it % Hkv;
+                    rope_heads(b.qkv, nqkv, pos, kv_index, cos, sin, b.q, kt[l], v[l], r, H, Hkv, D, BS, bf16,
+                               kv_bf16, g * (H / Hkv), (g + 1) * (H / Hkv), g, g + 1);
+                    attention_item(&plan, b.q, H * D, kt[l], v[l], b.o32, o_bf16, it, it + 1 < own_items ? it + 1 : -1,
+                                   t->id);
+                });
             } else {
-                for (int64_t t = id; t < T; t += nt)
-                    rope_row(qkv, nqkv, pos, kv_index, cos, sin, q, kt[l], v[l], t, H, Hkv, D, BS, bf16, kv_bf16);
-#pragma omp barrier
+                PHASE_UNITS(t, T, 1, a, z,
+                            for (int64_t r = a; r < z; r++)
+                                rope_row(b.qkv, nqkv, pos, kv_index, cos, sin, b.q, kt[l], v[l], r, H, Hkv, D, BS, bf16,
+                                         kv_bf16));
                 PHASE(2);
-                attention_part(&plan, q, H * D, kt[l], v[l], o32, o_bf16, id, nt);
+                PHASE_UNITS(t, plan.tiles * Hkv, 1, a, z,
+                            attention_item(&plan, b.q, H * D, kt[l], v[l], b.o32, o_bf16, a, z < own_items ? z : -1,
+                                           t->id));
             }
-#pragma omp barrier
             PHASE(3);
-            linear_part(attn_in, wl[2], delta, T, hidden, H * D, bf16, id, nt);
-#pragma omp barrier
+            linear_part(b.o, wl[2], b.d_attn, T, hidden, H * D, bf16, t);
             PHASE(4);
-            for (int64_t t = t0; t < T; t += dt) rms_row(hp, delta, wl[3], xp, t, hidden, eps, bf16);
-            if (!few) {
-#pragma omp barrier
-            }
+            ROWS(r, T, 1, rms_row(h_attn, b.h_mlp, b.d_attn, wl[3], b.x_mlp, r, hidden, eps, bf16));
             PHASE(5);
-            linear_part(xp, wl[4], gu, T, 2 * I, hidden, bf16, id, nt);
-#pragma omp barrier
+            linear_part(b.x_mlp, wl[4], b.gu, T, 2 * I, hidden, bf16, t);
             PHASE(6);
-            silu_span(gu, actp, I, bf16, c0, c1);
-            if (!few) {
-#pragma omp barrier
-            }
+            ROWS(u, silu_units, 8, {
+                const int64_t c1 = (u + 1) * silu_group < T * cpr ? (u + 1) * silu_group : T * cpr;
+                silu_span(b.gu, b.act, I, bf16, u * silu_group, c1);
+            });
             PHASE(7);
-            linear_part(actp, wl[5], delta, T, hidden, I, bf16, id, nt);
-#pragma omp barrier
+            linear_part(b.act, wl[5], b.d_mlp, T, hidden, I, bf16, t);
             PHASE(8);
+            prev = b;
         }
-        if (few && id == 0) __builtin_memcpy(h, hp, (size_t)T * hidden * es); /* as the shared path leaves it */
+        if (ws_base && t->id == 0) { /* the last layer's residual and output, where the caller reads them */
+            const size_t bytes = (size_t)(T * hidden) * (bf16 ? 2 : 4);
+            __builtin_memcpy(h, prev.h_mlp, bytes);
+            __builtin_memcpy(delta, prev.d_mlp, bytes);
+        }
     }
+#undef ROWS
 #undef PHASE
-    free(own);
     return 0;
 }
 
@@ -408,7 +509,7 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
 int invariant_head(const void *h, const void *delta, const int64_t *rows, int64_t M, int64_t T, const void *norm_w,
                    const void *W, void *hs, void *logits, int64_t hidden, int64_t V, float eps, int bf16,
                    int nthreads) {
-    if (M < 0 || hidden <= 0 || V <= 0) return -1;
+    if (M < 0 || hidden <= 0 || V <= 0 || M > (int64_t)SHARE_MASK || (V + 3) / 4 > (int64_t)SHARE_MASK) return -1;
     for (int64_t m = 0; m < M; m++)
         if (rows[m] < 0 || rows[m] >= T) return -1;
     if (M == 0) return 0;
@@ -416,23 +517,23 @@ int invariant_head(const void *h, const void *delta, const int64_t *rows, int64_
     double *const acc = phase_acc;
     const double t0 = acc ? seconds() : 0.0;
     double t1 = t0;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    const int nmax = nthreads > 0 ? nthreads : 1;
+    TEAM_SLOTS(slots, nmax);
+#pragma omp parallel num_threads(nmax) if (nmax > 1)
     {
-        int id, nt;
-        team_place(&id, &nt);
-        for (int64_t m = id; m < M; m += nt) {
-            char *out = (char *)hs + (size_t)m * row_bytes;
-            __builtin_memcpy(out, (const char *)h + (size_t)rows[m] * row_bytes, row_bytes);
-            rms_row(out, (const char *)delta + (size_t)rows[m] * row_bytes, norm_w, out, 0, hidden, eps, bf16);
-        }
-#pragma omp barrier
-        if (acc && id == 0) t1 = seconds();
-        linear_part(hs, W, logits, M, V, hidden, bf16, id, nt);
+        team tm = team_join(slots, nmax, 1); /* h and delta are only read: held units may be computed again */
+        PHASE_UNITS(&tm, M, 1, a, z, for (int64_t m = a; m < z; m++) {
+            const size_t at = (size_t)rows[m] * row_bytes;
+            rms_row((const char *)h + at, NULL, (const char *)delta + at, norm_w, (char *)hs + (size_t)m * row_bytes, 0,
+                    hidden, eps, bf16);
+        });
+        if (acc && tm.id == 0) t1 = seconds();
+        linear_part(hs, W, logits, M, V, hidden, bf16, &tm);
     }
     if (acc) { /* the phases after the layers' nine */
         const double t2 = seconds();
-        acc[9] += t1 - t0;
         acc[10] += t2 - t1;
+        acc[9] += t1 - t0;
     }
     return 0;
 }

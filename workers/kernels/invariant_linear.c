@@ -18,7 +18,9 @@
  *
  * Tiles of up to 4 rows of x by 4 rows of W share loads (each weight vector is used by every row of
  * the tile, each x vector by every weight row); a tile of fewer rows runs the same per-element code.
- * N is split across OpenMP threads in whole tiles; one thread computes each output entirely.
+ * N is split across OpenMP threads in whole tiles, claimed a few at a time, so that a thread done with its
+ * own share takes over the rest of a preempted one's (team in kernels.h); one thread computes each output
+ * entirely.
  * The instructions are picked at compile time (-march=native): AVX512-BF16, AVX-512F, AVX2 with FMA
  * (16 lanes as two registers of 8, in 2 x 2 sub-tiles: AVX2 has 16 registers), else portable C with
  * fmaf. fp32 results are the same bits in every build (each lane one fused multiply-add per k, the same
@@ -325,28 +327,54 @@ static inline __attribute__((always_inline)) void row_tile(const void *x, int64_
     }
 }
 
-/* Thread id's share (of nt threads, each calling this once) of y = x @ W^T: whole weight tiles, so one
- * thread computes each output. Shapes as invariant_linear, already checked. */
-void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int id, int nt) {
-    const int64_t tiles = (N + NR - 1) / NR;
-    const int64_t es = bf16 ? 2 : 4;
-    /* weight tiles per block: x's row tiles all sweep one block while it sits in cache */
-    int64_t nb = NB_BYTES / (NR * K * es);
-    if (nb < 1) nb = 1;
-    const int prefetch = M <= 2 * MR; /* streaming W: the next tiles are not in cache yet */
-    const int64_t lo = tiles * id / nt, hi = tiles * (id + 1) / nt; /* this thread's weight tiles */
-    for (int64_t b0 = lo; b0 < hi; b0 += nb) {
-        const int64_t b1 = b0 + nb < hi ? b0 + nb : hi;
+/* Weight tiles [a, z) against every row of x, in blocks of nb tiles that all of x's row tiles sweep while the
+ * block sits in cache; the weights are prefetched up to tile tend. */
+static void tile_span(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int64_t a,
+                      int64_t z, int64_t nb, int64_t tend, int prefetch) {
+    for (int64_t b0 = a; b0 < z; b0 += nb) {
+        const int64_t b1 = b0 + nb < z ? b0 + nb : z;
         int64_t m0 = 0;
         /* the block's first row tile reads the weights from memory: prefetch them there */
-        for (; m0 + MR <= M; m0 += MR) row_tile(x, m0, MR, W, y, N, K, b0, b1, hi, bf16, m0 == 0 || prefetch);
+        for (; m0 + MR <= M; m0 += MR) row_tile(x, m0, MR, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch);
         switch (M - m0) {
-        case 1: row_tile(x, m0, 1, W, y, N, K, b0, b1, hi, bf16, m0 == 0 || prefetch); break;
-        case 2: row_tile(x, m0, 2, W, y, N, K, b0, b1, hi, bf16, m0 == 0 || prefetch); break;
-        case 3: row_tile(x, m0, 3, W, y, N, K, b0, b1, hi, bf16, m0 == 0 || prefetch); break;
+        case 1: row_tile(x, m0, 1, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch); break;
+        case 2: row_tile(x, m0, 2, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch); break;
+        case 3: row_tile(x, m0, 3, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch); break;
         default: break;
         }
     }
+}
+
+uint64_t team_takeover_count;
+struct team_stall_spec team_stall;
+
+uint64_t team_takeovers(void) { return __atomic_load_n(&team_takeover_count, __ATOMIC_RELAXED); }
+
+/* Makes thread id sleep `seconds` while it holds its first claim of phase `phase` of every team call (0: no
+ * stall). For tests only: it is what a preemption at that point looks like. */
+void team_stall_at(int id, unsigned phase, double seconds) {
+    team_stall.id = id;
+    team_stall.phase = phase;
+    team_stall.seconds = seconds;
+}
+
+#ifndef CLAIM_TILES
+#define CLAIM_TILES 8 /* weight tiles per claim when streaming W: what a preempted thread can hold back */
+#endif
+
+/* The team's phase y = x @ W^T (see team in kernels.h): units of whole weight tiles, so one thread computes
+ * each output; streaming W (few rows), CLAIM_TILES at a time, else a block of tiles that every row tile
+ * sweeps while it sits in cache. Shapes as invariant_linear, already checked, with (N + 3) / 4 <= SHARE_MASK. */
+void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, team *t) {
+    const int64_t tiles = (N + NR - 1) / NR;
+    const int64_t es = bf16 ? 2 : 4;
+    int64_t nb = NB_BYTES / (NR * K * es);
+    if (nb < 1) nb = 1;
+    const int prefetch = M <= 2 * MR; /* streaming W: the next tiles are not in cache yet */
+    /* the owner's claims run on through its share: prefetch up to its end */
+    const int64_t own_end = tiles * (t->id + 1) / t->nt;
+    PHASE_UNITS(t, tiles, prefetch ? CLAIM_TILES : nb, a, z,
+                tile_span(x, W, y, M, N, K, bf16, a, z, nb, t->victim == 0 ? own_end : z, prefetch));
 }
 
 /* x: [M, K], W: [N, K], y: [M, N], all contiguous; fp32, or bf16 (bf16 != 0) as uint16. */
@@ -358,11 +386,12 @@ int invariant_linear(const void *x, const void *W, void *y, int64_t M, int64_t N
     int nt = nthreads < 1 ? 1 : nthreads;
     if ((double)M * N * K < 262144.0) nt = 1; /* a tiny call costs less than waking the threads */
     if (nt > tiles) nt = (int)tiles;
+    if (tiles > (int64_t)SHARE_MASK) return -1;
+    TEAM_SLOTS(slots, nt);
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-        int id, n;
-        team_place(&id, &n);
-        linear_part(x, W, y, M, N, K, bf16, id, n);
+        team t = team_join(slots, nt, 1); /* x is only read, y only written: held tiles may be computed again */
+        linear_part(x, W, y, M, N, K, bf16, &t);
     }
     return 0;
 }
