@@ -140,7 +140,7 @@ def test_a_kernel_thread_preempted_mid_unit_changes_no_bit(tmp_path, linear, dty
     def run(stall_phase: int, shared: bool) -> tuple[list[torch.Tensor], ModelRunner]:
         runner = ModelRunner(loaded.model, 4, 128, dtype=dtype, cpu_gemm="native", batch_invariant=True, num_blocks=40)
         assert runner.native_layers is not None
-        monkeypatch.setattr(native_attention.BoundLayers, "WORKSPACE_BYTES", 0 if shared else 8 << 20)
+        monkeypatch.setattr(native_attention.BoundLayers, "WORKSPACE_BYTES", 0 if shared else 2 << 20)
         native_attention.stall_kernel_thread(0, stall_phase, 0.02 if stall_phase else 0.0)
         try:
             return [runner.forward(b).logits for b in steps], runner

@@ -646,7 +646,7 @@ class BoundLayers:
     # The largest workspace in which every layer writes its own intermediates: a decode or verify step's few
     # rows get one, so that a thread waiting on a preempted one can compute its units again (see
     # invariant_layers); a prefill chunk's many rows share one set of buffers.
-    WORKSPACE_BYTES = 8 << 20
+    WORKSPACE_BYTES = 2 << 20  # the ring stays in a core's L2 beside the streamed weights
 
     def __init__(
         self,

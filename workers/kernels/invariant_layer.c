@@ -408,6 +408,8 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
     for (int64_t t = 1; t < T; t++) one_row_each &= req[t] > req[t - 1];
     char *const ws_base = ws ? (char *)(((uintptr_t)ws + 63) & ~(uintptr_t)63) : NULL;
     const int own_rows = ws != NULL && nmax > 1 && T < nmax; /* each thread computes the row-wise phases itself */
+    /* claims of a few per thread and phase: a claim's compare-and-swap costs about as much as a row's norm */
+    const int64_t row_claim = (T + 4 * nmax - 1) / (4 * nmax), silu_claim = (silu_units + 4 * nmax - 1) / (4 * nmax);
     const int copies = own_rows ? nmax : 1, slots = ring_slots(L);
     const int64_t slot_bytes = carve_slot(NULL, NULL, T, hidden, nqkv, H * D, I, bf16, copies, 0);
     const layer_bufs shared = {h, x, h, x, act, qkv, q, o32, bf16 ? o : (void *)o32, delta, gu, delta};
@@ -449,7 +451,7 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
             const void *const h_in = l ? prev.h_mlp : h, *const d_in = l ? prev.d_mlp : NULL;
             void *const h_attn = l ? b.h_attn : (void *)h;
             uint16_t *const o_bf16 = bf16 ? (uint16_t *)b.o : NULL;
-            ROWS(r, T, 1, rms_row(h_in, h_attn, d_in, wl[0], b.x, r, hidden, eps, bf16));
+            ROWS(r, T, row_claim, rms_row(h_in, h_attn, d_in, wl[0], b.x, r, hidden, eps, bf16));
             PHASE(0);
             linear_part(b.x, wl[1], b.qkv, T, nqkv, hidden, bf16, t);
             PHASE(1);
@@ -476,11 +478,11 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
             PHASE(3);
             linear_part(b.o, wl[2], b.d_attn, T, hidden, H * D, bf16, t);
             PHASE(4);
-            ROWS(r, T, 1, rms_row(h_attn, b.h_mlp, b.d_attn, wl[3], b.x_mlp, r, hidden, eps, bf16));
+            ROWS(r, T, row_claim, rms_row(h_attn, b.h_mlp, b.d_attn, wl[3], b.x_mlp, r, hidden, eps, bf16));
             PHASE(5);
             linear_part(b.x_mlp, wl[4], b.gu, T, 2 * I, hidden, bf16, t);
             PHASE(6);
-            ROWS(u, silu_units, 8, {
+            ROWS(u, silu_units, silu_claim, {
                 const int64_t c1 = (u + 1) * silu_group < T * cpr ? (u + 1) * silu_group : T * cpr;
                 silu_span(b.gu, b.act, I, bf16, u * silu_group, c1);
             });

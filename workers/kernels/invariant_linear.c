@@ -363,8 +363,7 @@ void team_stall_at(int id, unsigned phase, double seconds) {
 #endif
 
 /* The team's phase y = x @ W^T (see team in kernels.h): units of whole weight tiles, so one thread computes
- * each output; streaming W (few rows), CLAIM_TILES at a time, else a block of tiles that every row tile
- * sweeps while it sits in cache. Shapes as invariant_linear, already checked, with (N + 3) / 4 <= SHARE_MASK. */
+ * each output. Shapes as invariant_linear, already checked, with (N + 3) / 4 <= SHARE_MASK. */
 void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, team *t) {
     const int64_t tiles = (N + NR - 1) / NR;
     const int64_t es = bf16 ? 2 : 4;
@@ -373,7 +372,12 @@ void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, in
     const int prefetch = M <= 2 * MR; /* streaming W: the next tiles are not in cache yet */
     /* the owner's claims run on through its share: prefetch up to its end */
     const int64_t own_end = tiles * (t->id + 1) / t->nt;
-    PHASE_UNITS(t, tiles, prefetch ? CLAIM_TILES : nb, a, z,
+    /* a claim: a few tiles, more as the phase has more (a claim's compare-and-swap costs about as much as
+     * streaming a tile), in whole blocks */
+    int64_t claim = tiles / (8 * t->nt);
+    claim = claim < CLAIM_TILES ? CLAIM_TILES : claim > 4 * CLAIM_TILES ? 4 * CLAIM_TILES : claim;
+    if (!prefetch) claim = (claim + nb - 1) / nb * nb;
+    PHASE_UNITS(t, tiles, claim, a, z,
                 tile_span(x, W, y, M, N, K, bf16, a, z, nb, t->victim == 0 ? own_end : z, prefetch));
 }
 
