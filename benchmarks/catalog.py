@@ -160,6 +160,12 @@ BENCHMARKS = [
     ),
     Benchmark(
         "serving",
+        "benchmarks.serving.replica_path_ab",
+        "Does a change shorten what the serving path adds to each token over HTTP? (two checkouts, paired)",
+        "replica_path_ab.json",
+    ),
+    Benchmark(
+        "serving",
         "benchmarks.serving.telemetry_overhead",
         "What do metrics and traces cost in throughput?",
         "telemetry_overhead.json",
