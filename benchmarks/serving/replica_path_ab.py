@@ -33,11 +33,9 @@ def child(reps: int, steps: int) -> None:
     sys.path.insert(0, os.getcwd())
     import torch
 
-    from benchmarks.engine.decode_floor import MAX_LEN, ReadBandwidth, decode_step_s
+    from benchmarks.engine.decode_floor import MAX_LEN, ReadBandwidth, http_paired
     from benchmarks.engine.step_split import weight_bytes
     from benchmarks.fidelity.invariance_bench import PROMPT
-    from benchmarks.serving.http_overhead import over_http
-    from cluster.local_cluster import LocalCluster
     from workers.config import EngineConfig
     from workers.engine import LLMEngine
     from workers.model_loader import load_model
@@ -47,20 +45,8 @@ def child(reps: int, steps: int) -> None:
     cfg = EngineConfig(max_num_seqs=4, max_model_len=MAX_LEN, num_threads=2, proposers=[], enable_prefix_caching=False)
     eng = LLMEngine(cfg, loaded)
     prompt = eng.tokenize_chat([{"role": "user", "content": PROMPT}])
-    reader, out = ReadBandwidth(512), []
     weights = sum(weight_bytes(eng.runner).values())  # what a batch-1 step must read, in the served dtype
-    with tempfile.TemporaryDirectory() as tmp:
-        cluster = LocalCluster(Path(tmp), args_patch={"engine": {"max_model_len": MAX_LEN, "num_threads": 2}})
-        try:
-            cluster.start()
-            over_http(cluster.base_url, PROMPT, 4, speculation="off")
-            for _ in range(reps):
-                gb_s = reader.sample(3)["best_gb_s"]
-                step = decode_step_s(eng, prompt, 1, steps)
-                s, k, _ = over_http(cluster.base_url, PROMPT, steps, speculation="off")
-                out.append({"tpot_ms": 1e3 * s / (k - 1), "inproc_ms": 1e3 * step, "gb_s": gb_s})
-        finally:
-            cluster.stop()
+    out = http_paired(eng, prompt, ReadBandwidth(512), steps, reps)
     dtype = str(eng.runner.dtype).removeprefix("torch.")
     print(MARK + json.dumps({"reps": out, "dtype": dtype, "model_bytes": weights}), flush=True)
 
