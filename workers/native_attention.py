@@ -601,7 +601,7 @@ class NativeLayers:
         self._head.restype = ctypes.c_int
 
     def profile(self, acc: torch.Tensor | None) -> None:
-        """Accumulate each phase's wall time (seconds, thread 0's clock between barriers) into ``acc``
+        """Accumulate each phase's wall time (seconds, thread 0's clock from phase end to phase end) into ``acc``
         ([len(PHASES)] float64, kept alive by the caller) on every fused forward, or stop (None)."""
         if acc is not None and (acc.dtype != torch.float64 or acc.shape != (len(PHASES),) or not acc.is_contiguous()):
             raise ValueError(f"the profile takes a contiguous [{len(PHASES)}] float64 tensor")
@@ -636,16 +636,16 @@ class _Buffers:
     delta: torch.Tensor  # [T, hidden] the last GEMM's output
     gu: torch.Tensor  # [T, 2 I]
     act: torch.Tensor  # [T, I]
-    ws: torch.Tensor | None  # [bytes] uint8: every layer's own intermediates (a few rows), or None
+    ws: torch.Tensor | None  # [bytes] uint8: the layers' ring of intermediates (a few rows), or None
 
 
 class BoundLayers:
     """One runner's layers bound to the fused call: weights, caches and tables as pointer arrays made once."""
 
     MAX_SHAPES = 16  # row counts whose buffers are kept (a decode step's few, a prefill chunk's)
-    # The largest workspace in which every layer writes its own intermediates: a decode or verify step's few
-    # rows get one, so that a thread waiting on a preempted one can compute its units again (see
-    # invariant_layers); a prefill chunk's many rows share one set of buffers.
+    # The largest workspace for the layers' ring of intermediates (each layer writes its own slot): a decode
+    # or verify step's few rows get one, so that a thread waiting on a preempted one can compute its units
+    # again (see invariant_layers); a prefill chunk's many rows share one set of buffers.
     WORKSPACE_BYTES = 2 << 20  # the ring stays in a core's L2 beside the streamed weights
 
     def __init__(
