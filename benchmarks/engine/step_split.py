@@ -10,7 +10,7 @@ Phases of an engine step (``LLMEngine.step``):
 - attention and the row-wise ops (residual + RMSNorm, RoPE + KV write, SiLU * up) where the native
   kernels run; on a runner without them (the draft model) they are inside ``forward, other``. Where the
   layers run as one fused native call (the served bf16 path on a CPU with the native GEMMs), the call
-  clocks its own phases from barrier to barrier (``NativeLayers.profile``), wall time whatever ``clock``;
+  clocks its own phases from phase end to phase end (``NativeLayers.profile``), wall time whatever ``clock``;
 - ``forward, other``: the rest of ``ModelRunner.forward`` (index tensors, embedding, row blocking);
 - schedule, propose, build (the step's own Python around the forward), sampling (verify) and output
   (commit, detokenize, stop checks: ``OutputProcessor.process`` less verify).
@@ -101,7 +101,7 @@ class StepSplit:
         self._patch(r, "forward", self.timer("forward", r.forward))
         fused = native_attention.load_layers() if getattr(r, "native_layers", None) is not None else None
         if fused is not None and r.fused_layers:
-            # the layers as served, one fused C call: it clocks its own phases (wall time, barrier to barrier)
+            # the layers as served, one fused C call: it clocks its own phases (wall time, phase end to phase end)
             acc = torch.zeros(len(native_attention.PHASES), dtype=torch.float64)
             fused.profile(acc)
             self._undo.append(lambda: (fused.profile(None), self._add_phases(acc)))
