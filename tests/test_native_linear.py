@@ -116,9 +116,9 @@ def test_the_layers_in_one_native_call_equal_the_calls_one_by_one(tiny_loaded, l
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_kernel_thread_preempted_mid_unit_changes_no_bit(tmp_path, linear, dtype, monkeypatch):
     """A kernel thread that stalls while it holds units (as a preempted one does: the serving processes share
-    the cores) holds the others back only briefly: with a decode step's workspace, where every layer writes its
-    own intermediates, the other thread computes the held units again and goes on alone (the team's
-    takeover), up to the ring of layer intermediates (12 layers, more than the ring holds); with the shared
+    the cores) holds the others back only briefly: with a decode step's workspace, where the layers write their
+    intermediates into a ring of slots, the other thread computes the held units again and goes on alone (the
+    team's takeover), up to where the ring wraps (12 layers, more than it holds); with the shared
     buffers of a prefill chunk it waits. Either way the logits and the caches are bit-identical to an
     unstalled runner's, for a prefill step, a three-request decode step and a one-row step."""
     from tests.conftest import make_tiny_llama
@@ -141,7 +141,8 @@ def test_a_kernel_thread_preempted_mid_unit_changes_no_bit(tmp_path, linear, dty
         runner = ModelRunner(loaded.model, 4, 128, dtype=dtype, cpu_gemm="native", batch_invariant=True, num_blocks=40)
         assert runner.native_layers is not None
         monkeypatch.setattr(native_attention.BoundLayers, "WORKSPACE_BYTES", 0 if shared else 2 << 20)
-        native_attention.stall_kernel_thread(0, stall_phase, 0.02 if stall_phase else 0.0)
+        # long against the OS's scheduling noise (a waiter takes held units over within ~2 ms)
+        native_attention.stall_kernel_thread(0, stall_phase, 0.1 if stall_phase else 0.0)
         try:
             return [runner.forward(b).logits for b in steps], runner
         finally:
@@ -159,7 +160,8 @@ def test_a_kernel_thread_preempted_mid_unit_changes_no_bit(tmp_path, linear, dty
             zip(ref_runner._k_storage, ref_runner.v_cache), zip(runner._k_storage, runner.v_cache)
         ):
             assert torch.equal(ka, kb) and torch.equal(va, vb)
-        assert native_attention.team_takeovers() > before  # in the layers, or the head and the GEMMs outside them
+        if not shared:  # with shared buffers the layers only wait (the head may still take over, or not)
+            assert native_attention.team_takeovers() > before, f"no takeover at phase {phase}"
 
 
 def test_config_names_a_bad_backend():

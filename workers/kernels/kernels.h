@@ -184,6 +184,17 @@ static inline int claim_units(team *t, int o, int front, int64_t *a, int64_t *z)
     }
 }
 
+/* How much longer than TAKEOVER_S units may stay held: four of this thread's own claims in the phase (an
+ * attention item at a long context is slow, not preempted), at most TAKEOVER_MAX_S (a waiter that was itself
+ * preempted during its claims would otherwise wait out any preemption of the holder). */
+#ifndef TAKEOVER_MAX_S
+#define TAKEOVER_MAX_S 2e-3
+#endif
+static inline double takeover_slack(const team *t, double since) {
+    const double slack = 4.0 * (since - t->t_begin) / (double)(t->claims + 1);
+    return slack < TAKEOVER_MAX_S ? slack : TAKEOVER_MAX_S;
+}
+
 /* Waits until no other thread holds units of this phase (returns 0: they are done, their outputs visible to
  * this thread), or (with takeover) until one has held the same units too long: returns 1 with them in
  * [*a, *z), to compute again. Every share of the phase is spent when it is called. */
@@ -203,8 +214,7 @@ static inline int phase_wait(team *t, int64_t *a, int64_t *z) {
             const double now = team_clock();
             if (b != seen) {
                 seen = b, since = now;
-            } else if (now - since > TAKEOVER_S + 4.0 * (since - t->t_begin) / (double)(t->claims + 1)) {
-                /* held longer than a few of this thread's own claims took */
+            } else if (now - since > TAKEOVER_S + takeover_slack(t, since)) {
                 t->held_by = held_by, t->held = b;
                 *a = WORD_FRONT(b), *z = WORD_BACK(b);
                 __atomic_fetch_add(&team_takeover_count, 1, __ATOMIC_RELAXED);
