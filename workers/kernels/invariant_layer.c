@@ -288,12 +288,6 @@ static double *phase_acc;
 
 void layers_profile(double *acc) { phase_acc = acc; }
 
-static inline double seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* One layer's intermediates in the fused forward: where each phase writes (see invariant_layers). */
 typedef struct {
     /* the row-wise phases' outputs: with fewer rows than threads, each thread's own copy */
@@ -421,10 +415,10 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
         /* the end of this thread's own attention items: while it claims its own, the next is likely its next */
         const int64_t own_items = plan.tiles * Hkv * (t->id + 1) / t->nt;
         double *const acc = t->id == 0 ? phase_acc : NULL;
-        double t_phase = acc ? seconds() : 0.0;
+        double t_phase = acc ? team_clock() : 0.0;
 #define PHASE(i)                                   \
     if (acc) {                                     \
-        const double t_now = seconds();            \
+        const double t_now = team_clock();         \
         acc[i] += t_now - t_phase;                 \
         t_phase = t_now;                           \
     }
@@ -471,9 +465,10 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
                                 rope_row(b.qkv, nqkv, pos, kv_index, cos, sin, b.q, kt[l], v[l], r, H, Hkv, D, BS, bf16,
                                          kv_bf16));
                 PHASE(2);
-                PHASE_UNITS(t, plan.tiles * Hkv, 1, a, z,
-                            attention_item(&plan, b.q, H * D, kt[l], v[l], b.o32, o_bf16, a, z < own_items ? z : -1,
-                                           t->id));
+                PHASE_UNITS(t, plan.tiles * Hkv, 1, a, z, for (int64_t it = a; it < z; it++) {
+                    attention_item(&plan, b.q, H * D, kt[l], v[l], b.o32, o_bf16, it, it + 1 < own_items ? it + 1 : -1,
+                                   t->id);
+                });
             }
             PHASE(3);
             linear_part(b.o, wl[2], b.d_attn, T, hidden, H * D, bf16, t);
@@ -517,7 +512,7 @@ int invariant_head(const void *h, const void *delta, const int64_t *rows, int64_
     if (M == 0) return 0;
     const size_t es = bf16 ? 2 : 4, row_bytes = (size_t)hidden * es;
     double *const acc = phase_acc;
-    const double t0 = acc ? seconds() : 0.0;
+    const double t0 = acc ? team_clock() : 0.0;
     double t1 = t0;
     const int nmax = nthreads > 0 ? nthreads : 1;
     TEAM_SLOTS(slots, nmax);
@@ -529,11 +524,11 @@ int invariant_head(const void *h, const void *delta, const int64_t *rows, int64_
             rms_row((const char *)h + at, NULL, (const char *)delta + at, norm_w, (char *)hs + (size_t)m * row_bytes, 0,
                     hidden, eps, bf16);
         });
-        if (acc && tm.id == 0) t1 = seconds();
+        if (acc && tm.id == 0) t1 = team_clock();
         linear_part(hs, W, logits, M, V, hidden, bf16, &tm);
     }
     if (acc) { /* the phases after the layers' nine */
-        const double t2 = seconds();
+        const double t2 = team_clock();
         acc[10] += t2 - t1;
         acc[9] += t1 - t0;
     }
