@@ -82,9 +82,13 @@ def replicas_of(m: dict[str, list], name: str, positive: bool = False) -> set[st
 
 
 def run_requests(client) -> list:
-    """Requests over every proposer, plain and speculative, streaming and not, staggered so the
-    Router (which sees each replica's load within 50 ms) spreads them over both replicas."""
+    """Requests over every proposer, plain and speculative, streaming and not. The first one holds a
+    replica for 128 tokens: once its first token is out and the Router has seen that replica's next
+    report (every 50 ms), the next request goes to the other, idle one. Without the holder, short
+    requests that each finish before the next one arrives are load ties, and every tie may go to the
+    same replica."""
     jobs = [
+        {"speculation": "off", "stream": True, "max_tokens": 128, "ignore_eos": True},
         {"speculation": "on", "proposer": "ngram"},
         {"speculation": "on", "proposer": "draft_model"},
         {"speculation": "off"},
@@ -93,18 +97,25 @@ def run_requests(client) -> list:
         {"speculation": "auto"},
     ]
     results: list = [None] * len(jobs)
+    holding = threading.Event()
 
     def one(i: int, extra: dict) -> None:
         extra = dict(extra)
         stream = extra.pop("stream", False)
+        max_tokens = extra.pop("max_tokens", 24)
         content = f"Request {i}. {COPY}"  # distinct prompts: a repeat would follow its blocks to one replica
         kw = dict(
-            model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=24, temperature=0, extra_body=extra
+            model=MODEL,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=max_tokens,
+            temperature=0,
+            extra_body=extra,
         )
         if not stream:
             results[i] = client.chat.completions.create(**kw).usage.model_extra["speculation"]
             return
         for ch in client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+            holding.set()
             if ch.usage:
                 results[i] = ch.usage.model_extra["speculation"]
 
@@ -113,7 +124,11 @@ def run_requests(client) -> list:
         t = threading.Thread(target=one, args=(i, extra))
         t.start()
         threads.append(t)
-        time.sleep(0.4)
+        if i == 0:
+            assert holding.wait(timeout=120), "the holder's first token never came"
+            time.sleep(0.3)  # the holder's replica reports it running
+        else:
+            time.sleep(0.4)
     for t in threads:
         t.join(timeout=240)
     assert all(r is not None for r in results), results
