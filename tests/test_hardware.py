@@ -46,3 +46,15 @@ def test_auto_gemm_is_native_where_it_measured_faster(monkeypatch, flags, dtype,
     monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset(flags))
     assert hardware.resolve_cpu_gemm("auto", dtype) == expected
     assert hardware.resolve_cpu_gemm("onednn", dtype) == "onednn"  # an explicit choice is kept
+
+
+def test_the_last_level_cache_is_the_largest_data_cache_sysfs_lists(tmp_path):
+    """Sizes as sysfs writes them ("32K", "32768K"); the instruction cache does not count; no sysfs: None."""
+    listed = (("Data", "48K"), ("Instruction", "64M"), ("Unified", "1024K"), ("Unified", "32M"))
+    for i, (kind, size) in enumerate(listed):
+        d = tmp_path / f"index{i}"
+        d.mkdir()
+        (d / "type").write_text(kind + "\n")
+        (d / "size").write_text(size + "\n")
+    assert hardware.last_level_cache_bytes(str(tmp_path)) == 32 << 20
+    assert hardware.last_level_cache_bytes(str(tmp_path / "missing")) is None

@@ -36,7 +36,8 @@ def linear():
 @pytest.mark.parametrize("n,k", [(131, 1000), (37, 53), (64, 576)])
 def test_rows_are_invariant_and_match_torch(linear, dtype, n, k):
     """Every row of an M-row call equals that row alone, for M across 1..130 (full and tail tiles of rows
-    and weight rows, odd K), at 1, 2 and 3 threads (131 x 1000 is large enough to run threaded)."""
+    and weight rows, odd K), at 1, 2 and 3 threads (131 x 1000 is large enough to run threaded), whether the
+    weights are fetched non-temporally or not (``stream``, alternating)."""
     gen = torch.Generator().manual_seed(n + k)
     x = torch.randn(130, k, generator=gen).to(dtype)
     w = torch.randn(n, k, generator=gen).to(dtype)
@@ -49,7 +50,7 @@ def test_rows_are_invariant_and_match_torch(linear, dtype, n, k):
             torch.set_num_threads(threads)
             for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64, 127, 130):
                 rows = rng.sample(range(130), m)  # random rows in a random order: each at a random place
-                got = linear(x[rows], w)
+                got = linear(x[rows], w, stream=m % 2 == 1)
                 assert torch.equal(got, alone[rows]), f"M={m} threads={threads}"
     finally:
         torch.set_num_threads(before)
@@ -91,6 +92,9 @@ def test_the_layers_in_one_native_call_equal_the_calls_one_by_one(tiny_loaded, l
     ]
     assert runners[0].native_layers is not None
     runners[1].fused_layers = False
+    # the fused call fetches the weights non-temporally, the one-by-one calls into every cache level
+    assert runners[0].native_layers is not None
+    runners[0].native_layers.stream, runners[1].stream_weights = True, False
     blocks = random.Random(3).sample(range(40), 24)  # each request its own blocks, scattered over the pool
     tables = [blocks[i * 8 : (i + 1) * 8] for i in range(3)]
     first = StepBatch([0, 1, 2], [0, 0, 0], [list(range(5, 40)), list(range(7, 29)), [3, 4, 5]], [[34], [21], [2]])
@@ -111,6 +115,23 @@ def test_the_layers_in_one_native_call_equal_the_calls_one_by_one(tiny_loaded, l
         zip(runners[0]._k_storage, runners[0].v_cache), zip(runners[1]._k_storage, runners[1].v_cache)
     ):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_weights_larger_than_the_last_level_cache_are_streamed(tiny_loaded, linear, monkeypatch):
+    """A runner whose weights exceed the last-level cache fetches them non-temporally in every native GEMM
+    (they are read from memory each step anyway); one whose weights fit keeps them cached; an unknown
+    cache size keeps them cached. The logits are the same bits either way."""
+    from workers import hardware
+
+    ids = list(range(5, 45))
+    logits = {}
+    for llc, streams in ((1 << 10, True), (1 << 40, False), (None, False)):
+        monkeypatch.setattr(hardware, "last_level_cache_bytes", lambda llc=llc: llc)
+        runner = ModelRunner(tiny_loaded.model, 1, 64, cpu_gemm="native", batch_invariant=True)
+        assert runner.stream_weights is streams
+        assert runner.native_layers is not None and runner.native_layers.stream is streams
+        logits[llc] = runner.forward_tokens(0, 0, ids)
+    assert torch.equal(logits[1 << 10], logits[1 << 40]) and torch.equal(logits[None], logits[1 << 40])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -44,6 +44,32 @@ def resolve_cpu_gemm(name: str, dtype: torch.dtype) -> str:
     return "native" if native else "onednn"
 
 
+@functools.cache
+def last_level_cache_bytes(base: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
+    """The largest data or unified cache one CPU sees (Linux sysfs: cpu0's deepest level), in bytes; None
+    where it cannot be read. Weights larger than it are read from memory every step whatever is done."""
+    best: int | None = None
+    try:
+        entries = os.listdir(base)
+    except OSError:
+        return None
+    for e in entries:
+        if not e.startswith("index"):
+            continue
+        try:
+            with open(f"{base}/{e}/type") as f:
+                if f.read().strip() == "Instruction":
+                    continue
+            with open(f"{base}/{e}/size") as f:
+                size = f.read().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        n = int(size[:-1]) * units[size[-1]] if size and size[-1] in units else int(size) if size.isdigit() else 0
+        best = n if best is None or n > best else best
+    return best
+
+
 def cpu_name() -> str:
     """The CPU's model name, for benchmark results (timings mean little without it)."""
     try:

@@ -43,6 +43,8 @@ from typing import TypeVar
 
 import torch
 
+from workers import hardware
+
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
@@ -428,6 +430,14 @@ class NativeLayerOps:
         return out
 
 
+def streams_past_caches(weight_bytes: int) -> bool:
+    """Whether a step's weights, read once each, exceed the last-level cache: then every step reads them from
+    memory whatever is done, and the GEMMs fetch them non-temporally (``stream``), so that they do not evict
+    what the step reads again (the KV cache, the activations). False where the cache size is unknown."""
+    llc = hardware.last_level_cache_bytes()
+    return llc is not None and weight_bytes > llc
+
+
 class NativeLinear:
     """``linear(x, w)``: ``x [M, K] @ w [N, K]^T -> [M, N]`` over the compiled kernel, fp32 or bf16 (fp32 sums,
     a bf16 result rounded to nearest even as torch rounds). A row's result is bit-identical whatever ``M``,
@@ -436,7 +446,7 @@ class NativeLinear:
     def __init__(self, dll: ctypes.CDLL) -> None:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._fn = dll.invariant_linear
-        self._fn.argtypes = [p, p, p, i64, i64, i64, i32, i32]
+        self._fn.argtypes = [p, p, p, i64, i64, i64, i32, i32, i32]
         self._fn.restype = ctypes.c_int
 
     def __call__(
@@ -444,6 +454,7 @@ class NativeLinear:
         x: torch.Tensor,  # [M, K] fp32 or bf16 (made contiguous if it is not)
         w: torch.Tensor,  # [N, K] x's dtype, contiguous
         out: torch.Tensor | None = None,  # [M, N] x's dtype, contiguous: written in place when given
+        stream: bool = False,  # w is read from memory each call (larger than the caches): fetch it non-temporally
     ) -> torch.Tensor:  # [M, N]
         # A decode step makes ~120 of these calls: every check here is one attribute read or comparison.
         xs, ws, dt = x.shape, w.shape, x.dtype
@@ -462,7 +473,8 @@ class NativeLinear:
         if K == 0:
             out.zero_()
         elif M and N:
-            self._fn(x.data_ptr(), w.data_ptr(), out.data_ptr(), M, N, K, dt is torch.bfloat16, torch.get_num_threads())
+            bf16, threads = dt is torch.bfloat16, torch.get_num_threads()
+            self._fn(x.data_ptr(), w.data_ptr(), out.data_ptr(), M, N, K, bf16, stream, threads)
         return out
 
 
@@ -587,7 +599,7 @@ class NativeLayers:
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         fn = dll.invariant_layers
         fn.argtypes = [p, p, p, p, i64, p, p, p, p, i64, p, i64, p, p, f32, p, i64]
-        fn.argtypes += [p] * 8 + [i64] * 8 + [f32, i32, i32, i32, p, i64]
+        fn.argtypes += [p] * 8 + [i64] * 8 + [f32, i32, i32, i32, p, i64, i32]
         fn.restype = ctypes.c_int
         self._fn = fn
         self._workspace_bytes = dll.layers_workspace_bytes
@@ -597,7 +609,7 @@ class NativeLayers:
         self._profile.argtypes = [p]
         self._profile.restype = None
         self._head = dll.invariant_head
-        self._head.argtypes = [p, p, p, i64, i64, p, p, p, p, i64, i64, f32, i32, i32]
+        self._head.argtypes = [p, p, p, i64, i64, p, p, p, p, i64, i64, f32, i32, i32, i32]
         self._head.restype = ctypes.c_int
 
     def profile(self, acc: torch.Tensor | None) -> None:
@@ -618,10 +630,12 @@ class NativeLayers:
         attn: NativeAttention,  # whose scratch the attention phase uses
         norm_w: torch.Tensor,  # [hidden] the final norm's weight
         lm_head: torch.Tensor,  # [V, hidden] the LM head rows a step computes
+        stream: bool | None = None,  # fetch the weights non-temporally; None: when they exceed the last-level cache
     ) -> BoundLayers:
         return BoundLayers(
-            self._fn, self._head, self._workspace_bytes, layers, caches, cos, sin, num_heads, eps, attn, norm_w, lm_head
-        )
+            self._fn, self._head, self._workspace_bytes, layers, caches, cos, sin, num_heads, eps, attn,
+            norm_w, lm_head, stream,
+        )  # fmt: skip
 
 
 @dataclass
@@ -662,6 +676,7 @@ class BoundLayers:
         attn: NativeAttention,
         norm_w: torch.Tensor,
         lm_head: torch.Tensor,
+        stream: bool | None = None,
     ) -> None:
         names = ("in_norm", "qkv", "o", "post_norm", "gate_up", "down")
         weights = [L[n] for L in layers for n in names]
@@ -687,6 +702,11 @@ class BoundLayers:
         self._v = (ctypes.c_void_p * len(caches.ptrs))(*(v for _, v in caches.ptrs))
         self._cos, self._sin, self._max_len = cos.data_ptr(), sin.data_ptr(), cos.shape[0]
         self._buffers: dict[tuple[int, int], _Buffers] = {}
+        if stream is None:
+            stream = streams_past_caches(sum(t.numel() * t.element_size() for t in (*weights, lm_head)))
+        # Whether the GEMMs fetch the weights non-temporally, keeping the caches for the KV cache and the
+        # activations (a speed hint only: the bits are the same either way).
+        self.stream = bool(stream)
 
     def buffers(self, T: int, threads: int) -> _Buffers:
         b = self._buffers.get((T, threads))
@@ -738,7 +758,7 @@ class BoundLayers:
             b.gu.data_ptr(), b.act.data_ptr(),
             T, hidden, self.num_heads, c.num_kv_heads, c.head_dim, self.intermediate, c.block_size, c.num_blocks,
             self.eps, int(self.dtype == torch.bfloat16), c.kv_bf16, threads,
-            None if b.ws is None else b.ws.data_ptr(), 0 if b.ws is None else b.ws.numel(),
+            None if b.ws is None else b.ws.data_ptr(), 0 if b.ws is None else b.ws.numel(), self.stream,
         )  # fmt: skip
         if rc != 0:
             raise ValueError(
@@ -766,7 +786,7 @@ class BoundLayers:
         rc = self._head_fn(
             h.data_ptr(), delta.data_ptr(), rows.data_ptr(), M, T, self._norm_w, self._lm_head,
             hs.data_ptr(), logits.data_ptr(), hidden, self.vocab, self.eps, int(self.dtype == torch.bfloat16),
-            torch.get_num_threads(),
+            torch.get_num_threads(), self.stream,
         )  # fmt: skip
         if rc != 0:
             raise ValueError(f"head: a row outside 0..{T - 1}")

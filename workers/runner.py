@@ -299,6 +299,11 @@ class ModelRunner:
         self._caches = (
             native_attention.BoundCaches.bind(list(zip(self._k_storage, self.v_cache))) if self.native_attn else None
         )
+        # A step reads each weight once: past the last-level cache, the native GEMMs fetch them non-temporally.
+        self.stream_weights = native_attention.streams_past_caches(
+            sum(L[n].numel() * L[n].element_size() for L in self.layers for n in ("qkv", "o", "gate_up", "down"))
+            + self.lm_head.numel() * self.lm_head.element_size()
+        )
         # With every GEMM native too, a forward's layers are one native call (the same calls, made in C).
         fused = native_attention.load_layers() if self.native_gemm is not None and self.native_ops is not None else None
         self.native_layers = (
@@ -312,6 +317,7 @@ class ModelRunner:
                 self.native_attn,
                 self.final_norm,
                 self.lm_head,
+                self.stream_weights,
             )  # fmt: skip
             if fused is not None and self._caches is not None and self.native_attn is not None
             else None
@@ -411,7 +417,7 @@ class ModelRunner:
         # x: [T, in] -> [T, out]. Batch-invariant runners use one kernel for every row count: a bf16
         # runner on a CPU without native bf16 GEMMs always multiplies through the fp32 packed copy.
         if self.native_gemm is not None:
-            return self.native_gemm(x, L[name])
+            return self.native_gemm(x, L[name], stream=self.stream_weights)
         if self.batch_invariant and self._wide_f32:
             return _packed_linear(x.float(), L[name + "_f32"]).to(self.dtype)
         if self._packed:
@@ -690,7 +696,7 @@ class ModelRunner:
     def _lm_head_kernel(self, hs: torch.Tensor) -> torch.Tensor:
         # hs: [M, hidden] -> [M, vocab] float32
         if self.native_gemm is not None:
-            return self.native_gemm(hs, self.lm_head).float()
+            return self.native_gemm(hs, self.lm_head, stream=self.stream_weights).float()
         if self.batch_invariant and self._wide_f32:
             return _packed_linear(hs.float().contiguous(), self.lm_head_f32)
         if self._packed:

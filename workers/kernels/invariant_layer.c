@@ -372,15 +372,16 @@ int64_t layers_workspace_bytes(int64_t L, int64_t T, int64_t hidden, int64_t H, 
  * residual stream, updated; on return delta holds the last layer's down projection (h + delta is the output,
  * added by the caller as torch adds). Buffers without a workspace: x [T, hidden], qkv [T, (H + 2 Hkv) D],
  * q and o32 [T, H D] fp32, o [T, H D] (the model's dtype; unused for fp32), delta [T, hidden], gu [T, 2 I],
- * act [T, I]. Returns 0, or -1 if an index lies outside the tables or the pool, a shape outside the kernels,
- * or the workspace is too small (checked before anything is written). */
+ * act [T, I]. stream: the weights are larger than the last-level cache (see linear_part). Returns 0, or -1 if
+ * an index lies outside the tables or the pool, a shape outside the kernels, or the workspace is too small
+ * (checked before anything is written). */
 int invariant_layers(void *h, const void *const *w, void *const *kt, void *const *v, int64_t L,
                      const int64_t *pos, const int64_t *kv_index, const void *cos, const void *sin, int64_t max_len,
                      const int64_t *block_table, int64_t bt_stride, const int64_t *req, const int64_t *nvis,
                      float scale, float *scratch, int64_t n_pad, void *x, void *qkv, float *q, float *o32, void *o,
                      void *delta, void *gu, void *act, int64_t T, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
                      int64_t I, int64_t BS, int64_t num_blocks, float eps, int bf16, int kv_bf16, int nthreads,
-                     void *ws, int64_t ws_bytes) {
+                     void *ws, int64_t ws_bytes, int stream) {
     if (T <= 0 || hidden <= 0 || I <= 0 || L <= 0) return -1;
     if (rope_check(pos, kv_index, T, Hkv, D, BS, num_blocks, max_len)) return -1;
     const int nmax = nthreads > 0 ? nthreads : 1;
@@ -447,7 +448,7 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
             uint16_t *const o_bf16 = bf16 ? (uint16_t *)b.o : NULL;
             ROWS(r, T, row_claim, rms_row(h_in, h_attn, d_in, wl[0], b.x, r, hidden, eps, bf16));
             PHASE(0);
-            linear_part(b.x, wl[1], b.qkv, T, nqkv, hidden, bf16, t);
+            linear_part(b.x, wl[1], b.qkv, T, nqkv, hidden, bf16, stream, t);
             PHASE(1);
             if (one_row_each) {
                 /* a decode step: an item reads only its own row's new key and value, so it ropes its own
@@ -471,18 +472,18 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
                 });
             }
             PHASE(3);
-            linear_part(b.o, wl[2], b.d_attn, T, hidden, H * D, bf16, t);
+            linear_part(b.o, wl[2], b.d_attn, T, hidden, H * D, bf16, stream, t);
             PHASE(4);
             ROWS(r, T, row_claim, rms_row(h_attn, b.h_mlp, b.d_attn, wl[3], b.x_mlp, r, hidden, eps, bf16));
             PHASE(5);
-            linear_part(b.x_mlp, wl[4], b.gu, T, 2 * I, hidden, bf16, t);
+            linear_part(b.x_mlp, wl[4], b.gu, T, 2 * I, hidden, bf16, stream, t);
             PHASE(6);
             ROWS(u, silu_units, silu_claim, {
                 const int64_t c1 = (u + 1) * silu_group < T * cpr ? (u + 1) * silu_group : T * cpr;
                 silu_span(b.gu, b.act, I, bf16, u * silu_group, c1);
             });
             PHASE(7);
-            linear_part(b.act, wl[5], b.d_mlp, T, hidden, I, bf16, t);
+            linear_part(b.act, wl[5], b.d_mlp, T, hidden, I, bf16, stream, t);
             PHASE(8);
             prev = b;
         }
@@ -502,10 +503,10 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
  * logits = hs @ W^T, in one parallel region: the same row computations as rms_norm on those rows and
  * invariant_linear, so the same bits, without a second region and the Python between them. h is not
  * changed. h, delta: [T, hidden]; rows: [M] in 0..T-1; norm_w: [hidden]; W: [V, hidden]; hs: [M, hidden];
- * logits: [M, V], all in the model's dtype. Returns 0, or -1 if a row lies outside 0..T-1. */
+ * logits: [M, V], all in the model's dtype; stream as in invariant_layers. Returns 0, or -1 if a row lies outside 0..T-1. */
 int invariant_head(const void *h, const void *delta, const int64_t *rows, int64_t M, int64_t T, const void *norm_w,
                    const void *W, void *hs, void *logits, int64_t hidden, int64_t V, float eps, int bf16,
-                   int nthreads) {
+                   int nthreads, int stream) {
     if (M < 0 || hidden <= 0 || V <= 0 || M > (int64_t)SHARE_MASK || (V + 3) / 4 > (int64_t)SHARE_MASK) return -1;
     for (int64_t m = 0; m < M; m++)
         if (rows[m] < 0 || rows[m] >= T) return -1;
@@ -525,7 +526,7 @@ int invariant_head(const void *h, const void *delta, const int64_t *rows, int64_
                     hidden, eps, bf16);
         });
         if (acc && tm.id == 0) t1 = team_clock();
-        linear_part(hs, W, logits, M, V, hidden, bf16, &tm);
+        linear_part(hs, W, logits, M, V, hidden, bf16, stream, &tm);
     }
     if (acc) { /* the phases after the layers' nine */
         const double t2 = team_clock();

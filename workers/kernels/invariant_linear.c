@@ -178,13 +178,25 @@ static inline __attribute__((always_inline)) void avx2_step(__m256 lo[2][2], __m
 }
 #endif
 
+/* A prefetch of the weights: into every cache level, or (nta) non-temporally, for weights that stream
+ * past the last-level cache each step anyway: held there, they would only evict what the step reuses
+ * (the KV cache, the activations, the other threads' lines). Constant after inlining. */
+#define PREFETCH_W(p, nta)                                                                                       \
+    do {                                                                                                         \
+        if (nta)                                                                                                 \
+            __builtin_prefetch((p), 0, 0);                                                                       \
+        else                                                                                                     \
+            __builtin_prefetch((p), 0, 3);                                                                       \
+    } while (0)
+
 /* One tile: rows x[0..mr) (row stride ldx) against weight rows w[0..NR) (row stride K), all K.
  * sums[LANE_OF(SLOT(r, c))] receives y[r, c] in fp32. Always inlined with a constant mr, so the
  * accumulators stay in registers. pf[0]: the first weight row PF_TILES tiles ahead, or pf NULL: a tile's
  * rows are contiguous, and each K step prefetches the next NR cache lines of that tile in address order
- * (one stream: faster than NR streams a row apart, docs/benchmarks.md#gemm_ab). */
+ * (one stream: faster than NR streams a row apart, docs/benchmarks.md#gemm_ab); nta: how (PREFETCH_W). */
 static inline __attribute__((always_inline)) void tile(const void *x, int64_t ldx, const void *const *w, int64_t K,
-                                                       int mr, int bf16, const void *const *pf, float *sums) {
+                                                       int mr, int bf16, const void *const *pf, int nta,
+                                                       float *sums) {
 #if defined(__AVX512F__)
     acc_t acc[16];
     for (int s = 0; s < 16; s++) acc[s] = _mm512_setzero_ps();
@@ -195,7 +207,7 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t ld
         int64_t k = 0;
         if (pf)
             for (; k + 32 <= K; k += 32) {
-                for (int c = 0; c < NR; c++) _mm_prefetch((const char *)pf[0] + 8 * k + 64 * c, _MM_HINT_T0);
+                for (int c = 0; c < NR; c++) PREFETCH_W((const char *)pf[0] + 8 * k + 64 * c, nta);
                 step_bf16(acc, xr, wr, k, mr, 1, 0);
             }
         else
@@ -208,7 +220,7 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t ld
         int64_t k = 0;
         if (pf)
             for (; k + 16 <= K; k += 16) {
-                for (int c = 0; c < NR; c++) _mm_prefetch((const char *)pf[0] + 16 * k + 64 * c, _MM_HINT_T0);
+                for (int c = 0; c < NR; c++) PREFETCH_W((const char *)pf[0] + 16 * k + 64 * c, nta);
                 step_f32(acc, xr, wr, k, mr, 1, 0);
             }
         else
@@ -232,7 +244,7 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t ld
             for (; k + 16 <= K; k += 16) {
                 if (pf && r0 == 0 && (!bf16 || (k & 31) == 0))
                     for (int j = 0; j < 2; j++)
-                        _mm_prefetch((const char *)pf[0] + (bf16 ? 8 : 16) * k + 64 * (c0 + j), _MM_HINT_T0);
+                        PREFETCH_W((const char *)pf[0] + (bf16 ? 8 : 16) * k + 64 * (c0 + j), nta);
                 avx2_step(lo, hi, xr, wr, k, rn, bf16);
             }
             if (k < K) { /* the tail, zero-padded to 16 */
@@ -256,6 +268,7 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t ld
     }
 #else
     (void)pf;
+    (void)nta;
     acc_t acc[16];
     memset(acc, 0, sizeof acc);
     for (int64_t k = 0; k < K; k += 16) {
@@ -282,7 +295,7 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t ld
  * [t0, t1), writing y. */
 static inline __attribute__((always_inline)) void row_tile(const void *x, int64_t m0, int mr, const void *W, void *y,
                                                            int64_t N, int64_t K, int64_t t0, int64_t t1, int64_t tend,
-                                                           int bf16, int prefetch) {
+                                                           int bf16, int prefetch, int nta) {
     const size_t es = bf16 ? 2 : 4;
     const char *xb = (const char *)x + (size_t)(m0 * K) * es;
     for (int64_t t = t0; t < t1; t++) {
@@ -296,7 +309,7 @@ static inline __attribute__((always_inline)) void row_tile(const void *x, int64_
             pf[c] = (const char *)W + (size_t)((n < N ? n : N - 1) * K) * es;
         }
         float sums[16];
-        tile(xb, K, w, K, mr, bf16, ahead ? pf : NULL, sums);
+        tile(xb, K, w, K, mr, bf16, ahead ? pf : NULL, nta, sums);
         const size_t nc = N - n0 < NR ? (size_t)(N - n0) : NR;
 #if defined(__AVX512F__)
         /* row r's NR sums sit in lanes NR r ..: one copy per row */
@@ -328,21 +341,43 @@ static inline __attribute__((always_inline)) void row_tile(const void *x, int64_
 }
 
 /* Weight tiles [a, z) against every row of x, in blocks of nb tiles that all of x's row tiles sweep while the
- * block sits in cache; the weights are prefetched up to tile tend. */
-static void tile_span(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int64_t a,
-                      int64_t z, int64_t nb, int64_t tend, int prefetch) {
+ * block sits in cache; the weights are prefetched up to tile tend, with PREFETCH_W(nta). */
+static inline __attribute__((always_inline)) void span(const void *x, const void *W, void *y, int64_t M, int64_t N,
+                                                       int64_t K, int bf16, int64_t a, int64_t z, int64_t nb,
+                                                       int64_t tend, int prefetch, int nta) {
     for (int64_t b0 = a; b0 < z; b0 += nb) {
         const int64_t b1 = b0 + nb < z ? b0 + nb : z;
         int64_t m0 = 0;
         /* the block's first row tile reads the weights from memory: prefetch them there */
-        for (; m0 + MR <= M; m0 += MR) row_tile(x, m0, MR, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch);
+        for (; m0 + MR <= M; m0 += MR) row_tile(x, m0, MR, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, nta);
         switch (M - m0) {
-        case 1: row_tile(x, m0, 1, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch); break;
-        case 2: row_tile(x, m0, 2, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch); break;
-        case 3: row_tile(x, m0, 3, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch); break;
+        case 1: row_tile(x, m0, 1, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, nta); break;
+        case 2: row_tile(x, m0, 2, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, nta); break;
+        case 3: row_tile(x, m0, 3, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, nta); break;
         default: break;
         }
     }
+}
+
+/* span with each prefetch hint a constant: the hot loops carry no branch on it */
+static void span_t0(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int64_t a,
+                    int64_t z, int64_t nb, int64_t tend, int prefetch) {
+    span(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch, 0);
+}
+static void span_nta(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int64_t a,
+                     int64_t z, int64_t nb, int64_t tend, int prefetch) {
+    span(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch, 1);
+}
+
+/* The first min(PF_TILES, z - a) weight tiles from tile a, which no earlier tile prefetched (a span that does
+ * not continue where the thread's last one ended), bounded by W's N rows. */
+static void prefetch_weights(const void *W, int64_t N, int64_t K, int bf16, int64_t a, int64_t z, int nta) {
+    const int64_t t1 = a + PF_TILES < z ? a + PF_TILES : z;
+    const int64_t r0 = a * NR, r1 = t1 * NR < N ? t1 * NR : N;
+    if (r1 <= r0) return;
+    const char *p = (const char *)W + (size_t)(r0 * K) * (bf16 ? 2 : 4);
+    const size_t bytes = (size_t)((r1 - r0) * K) * (bf16 ? 2 : 4);
+    for (size_t b = 0; b < bytes; b += 64) PREFETCH_W(p + b, nta);
 }
 
 uint64_t team_takeover_count;
@@ -363,8 +398,10 @@ void team_stall_at(int id, unsigned phase, double seconds) {
 #endif
 
 /* The team's phase y = x @ W^T (see team in kernels.h): units of whole weight tiles, so one thread computes
- * each output. Shapes as invariant_linear, already checked, with (N + 3) / 4 <= SHARE_MASK. */
-void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, team *t) {
+ * each output. Shapes as invariant_linear, already checked, with (N + 3) / 4 <= SHARE_MASK. stream: W is
+ * larger than the last-level cache, so its prefetches are non-temporal (PREFETCH_W). */
+void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int stream,
+                 team *t) {
     const int64_t tiles = (N + NR - 1) / NR;
     const int64_t es = bf16 ? 2 : 4;
     int64_t nb = NB_BYTES / (NR * K * es);
@@ -377,12 +414,21 @@ void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, in
     int64_t claim = tiles / (8 * t->nt);
     claim = claim < CLAIM_TILES ? CLAIM_TILES : claim > 4 * CLAIM_TILES ? 4 * CLAIM_TILES : claim;
     if (!prefetch) claim = (claim + nb - 1) / nb * nb;
-    PHASE_UNITS(t, tiles, claim, a, z,
-                tile_span(x, W, y, M, N, K, bf16, a, z, nb, t->victim == 0 ? own_end : z, prefetch));
+    int64_t next = -1; /* where this thread's last span ended: the tiles from there on are prefetched */
+    PHASE_UNITS(t, tiles, claim, a, z, {
+        const int64_t tend = t->victim == 0 ? own_end : z;
+        if (prefetch && a != next) prefetch_weights(W, N, K, bf16, a, z, stream);
+        if (stream)
+            span_nta(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch);
+        else
+            span_t0(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch);
+        next = z;
+    });
 }
 
-/* x: [M, K], W: [N, K], y: [M, N], all contiguous; fp32, or bf16 (bf16 != 0) as uint16. */
-int invariant_linear(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16,
+/* x: [M, K], W: [N, K], y: [M, N], all contiguous; fp32, or bf16 (bf16 != 0) as uint16. stream: see
+ * linear_part (a speed hint: every bit of y is the same either way). */
+int invariant_linear(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int stream,
                      int nthreads) {
     if (M < 0 || N <= 0 || K <= 0) return -1;
     if (M == 0) return 0;
@@ -395,7 +441,7 @@ int invariant_linear(const void *x, const void *W, void *y, int64_t M, int64_t N
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         team t = team_join(slots, nt, 1); /* x is only read, y only written: held tiles may be computed again */
-        linear_part(x, W, y, M, N, K, bf16, &t);
+        linear_part(x, W, y, M, N, K, bf16, stream, &t);
     }
     return 0;
 }

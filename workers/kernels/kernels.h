@@ -287,7 +287,9 @@ static inline void team_wait_stage(const team *t, uint64_t stage) {
         }                                    \
     } while (0)
 
-void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, team *t);
-int invariant_linear(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int nthreads);
+void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int stream,
+                 team *t);
+int invariant_linear(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int stream,
+                     int nthreads);
 
 #endif
