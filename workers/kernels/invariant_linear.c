@@ -47,6 +47,17 @@
 #define PF_TILES 2 /* prefetch the weight rows this many tiles ahead */
 #endif
 
+/* A prefetch of the weights: into every cache level, or (nta) non-temporally, for weights that stream
+ * past the last-level cache each step anyway: held there, they would only evict what the step reuses
+ * (the KV cache, the activations, the other threads' lines). Constant after inlining. */
+#define PREFETCH_W(p, nta)                                                                                       \
+    do {                                                                                                         \
+        if (nta)                                                                                                 \
+            __builtin_prefetch((p), 0, 0);                                                                       \
+        else                                                                                                     \
+            __builtin_prefetch((p), 0, 3);                                                                       \
+    } while (0)
+
 static inline uint16_t bf16_round(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
@@ -157,37 +168,94 @@ static inline __attribute__((always_inline)) void step_f32(__m512 *acc, const fl
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 /* 8 values at p[i ..] as fp32: fp32, or bf16 widened (exactly). */
-static inline __m256 ld8(const void *p, int64_t i, int bf16) {
+static inline __attribute__((always_inline)) __m256 ld8(const void *p, int64_t i, const int bf16) {
     if (bf16)
         return _mm256_castsi256_ps(
             _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
     return _mm256_loadu_ps((const float *)p + i);
 }
 
-/* One K step of 16 of a 2 x 2 sub-tile (rn rows: the second row repeats the first when rn is 1). */
-static inline __attribute__((always_inline)) void avx2_step(__m256 lo[2][2], __m256 hi[2][2], const void *const *xr,
-                                                            const void *const *wr, int64_t k, int rn, int bf16) {
-    __m256 xl[2], xh[2], wl[2], wh[2];
-    for (int i = 0; i < rn; i++) xl[i] = ld8(xr[i], k, bf16), xh[i] = ld8(xr[i], k + 8, bf16);
-    for (int j = 0; j < 2; j++) wl[j] = ld8(wr[j], k, bf16), wh[j] = ld8(wr[j], k + 8, bf16);
-    for (int i = 0; i < rn; i++)
-        for (int j = 0; j < 2; j++) {
-            lo[i][j] = _mm256_fmadd_ps(xl[i], wl[j], lo[i][j]);
-            hi[i][j] = _mm256_fmadd_ps(xh[i], wh[j], hi[i][j]);
+/* One K step of 16 of an rn x cn sub-tile (rows xr, weight rows wr). */
+static inline __attribute__((always_inline)) void avx2_step(__m256 lo[2][4], __m256 hi[2][4], const void *const *xr,
+                                                            const void *const *wr, int64_t k, const int rn,
+                                                            const int cn, const int bf16) {
+    __m256 xl[2], xh[2];
+    for (int i = 0; i < rn; i++) {
+        xl[i] = ld8(xr[i], k, bf16), xh[i] = ld8(xr[i], k + 8, bf16);
+        __asm__("" : "+x"(xl[i]), "+x"(xh[i])); /* one load per vector, not one folded into each FMA */
+    }
+    for (int j = 0; j < cn; j++) {
+        __m256 wl = ld8(wr[j], k, bf16), wh = ld8(wr[j], k + 8, bf16);
+        if (rn > 1) __asm__("" : "+x"(wl), "+x"(wh));
+        for (int i = 0; i < rn; i++) {
+            lo[i][j] = _mm256_fmadd_ps(xl[i], wl, lo[i][j]);
+            hi[i][j] = _mm256_fmadd_ps(xh[i], wh, hi[i][j]);
         }
+    }
+}
+
+/* A sub-tile of rn rows (xr) by cn weight rows (wr: tile rows c0 ..), all K, into sums[LANE_OF(SLOT(r0 + i,
+ * c0 + j))]. The 16 lanes are two halves of 8 (lane l: k + l of every 16 k). Its 2 rn cn accumulators stay
+ * in registers (AVX2 has 16): 1 x 4 for a single row, whose 8 independent chains keep both FMA pipes busy,
+ * else 2 x 2, where each load serves two FMAs. rn, cn, bf16 and nta are constants after inlining, and the
+ * prefetch is decided outside the K loop: a test per K step costs as much as the step. pf: the tile
+ * PF_TILES ahead, of which this sub-tile prefetches lines c0 .. c0 + cn - 1 of every NR (NULL: none). */
+static inline __attribute__((always_inline)) void avx2_sub(const void *const *xr, const void *const *wr, int64_t K,
+                                                           const int rn, const int cn, const int bf16,
+                                                           const char *pf, const int nta, int r0, int c0,
+                                                           float *sums) {
+    __m256 lo[2][4], hi[2][4];
+    for (int i = 0; i < rn; i++)
+        for (int j = 0; j < cn; j++) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
+    int64_t k = 0;
+    if (pf && bf16) /* NR lines of the tile ahead per 32 k */
+        for (; k + 32 <= K; k += 32) {
+            for (int j = 0; j < cn; j++) PREFETCH_W(pf + 8 * k + 64 * (c0 + j), nta);
+            avx2_step(lo, hi, xr, wr, k, rn, cn, bf16);
+            avx2_step(lo, hi, xr, wr, k + 16, rn, cn, bf16);
+        }
+    else if (pf) /* NR lines per 16 k */
+        for (; k + 16 <= K; k += 16) {
+            for (int j = 0; j < cn; j++) PREFETCH_W(pf + 16 * k + 64 * (c0 + j), nta);
+            avx2_step(lo, hi, xr, wr, k, rn, cn, bf16);
+        }
+    for (; k + 16 <= K; k += 16) avx2_step(lo, hi, xr, wr, k, rn, cn, bf16);
+    if (k < K) { /* the tail, zero-padded to 16 */
+        uint32_t buf[6][16];
+        memset(buf, 0, sizeof buf);
+        const size_t es = bf16 ? 2 : 4, n = (size_t)(K - k) * es;
+        const void *xt[2] = {buf[0], buf[1]}, *wt[4] = {buf[2], buf[3], buf[4], buf[5]};
+        for (int i = 0; i < rn; i++) memcpy(buf[i], (const char *)xr[i] + (size_t)k * es, n);
+        for (int j = 0; j < cn; j++) memcpy(buf[2 + j], (const char *)wr[j] + (size_t)k * es, n);
+        avx2_step(lo, hi, xt, wt, 0, rn, cn, bf16);
+    }
+    for (int i = 0; i < rn; i++)
+        for (int j = 0; j < cn; j++) {
+            const __m256 v = _mm256_add_ps(lo[i][j], hi[i][j]);                                /* l + l+8 */
+            const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); /* + l+4 */
+            const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));                               /* + l+2 */
+            const __m128 c = _mm_add_ss(b, _mm_shuffle_ps(b, b, 1));                            /* + l+1 */
+            sums[LANE_OF(SLOT(r0 + i, c0 + j))] = _mm_cvtss_f32(c);
+        }
+}
+
+/* tile() on AVX2 with bf16 a constant: rows in pairs (a last single row 1 x 4), the first pair prefetching. */
+static inline __attribute__((always_inline)) void avx2_tile(const void *x, int64_t ldx, const void *const *w,
+                                                            int64_t K, int mr, const int bf16, const void *const *pf,
+                                                            const int nta, float *sums) {
+    const size_t es = bf16 ? 2 : 4;
+    for (int r0 = 0; r0 < mr; r0 += 2) {
+        const int rn = mr - r0 < 2 ? mr - r0 : 2;
+        const void *xr[2] = {(const char *)x + (size_t)(r0 * ldx) * es, (const char *)x + (size_t)((r0 + 1) * ldx) * es};
+        const char *p = pf && r0 == 0 ? (const char *)pf[0] : NULL;
+        if (rn == 1)
+            avx2_sub(xr, w, K, 1, NR, bf16, p, nta, r0, 0, sums);
+        else
+            for (int c0 = 0; c0 < NR; c0 += 2) avx2_sub(xr, w + c0, K, 2, 2, bf16, p, nta, r0, c0, sums);
+    }
 }
 #endif
 
-/* A prefetch of the weights: into every cache level, or (nta) non-temporally, for weights that stream
- * past the last-level cache each step anyway: held there, they would only evict what the step reuses
- * (the KV cache, the activations, the other threads' lines). Constant after inlining. */
-#define PREFETCH_W(p, nta)                                                                                       \
-    do {                                                                                                         \
-        if (nta)                                                                                                 \
-            __builtin_prefetch((p), 0, 0);                                                                       \
-        else                                                                                                     \
-            __builtin_prefetch((p), 0, 3);                                                                       \
-    } while (0)
 
 /* One tile: rows x[0..mr) (row stride ldx) against weight rows w[0..NR) (row stride K), all K.
  * sums[LANE_OF(SLOT(r, c))] receives y[r, c] in fp32. Always inlined with a constant mr, so the
@@ -229,43 +297,10 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t ld
     }
     _mm512_storeu_ps(sums, reduce16(acc));
 #elif defined(__AVX2__) && defined(__FMA__)
-    /* The 16 lanes as two halves of 8 (lane l: k + l of every 16 k), in sub-tiles of 2 rows by 2 weight
-     * rows: 8 accumulator registers of the 16 there are. */
-    for (int r0 = 0; r0 < mr; r0 += 2) {
-        const int rn = mr - r0 < 2 ? mr - r0 : 2;
-        for (int c0 = 0; c0 < NR; c0 += 2) {
-            const void *xr[2] = {(const char *)x + (size_t)((r0) * ldx) * (bf16 ? 2 : 4),
-                                 (const char *)x + (size_t)((r0 + rn - 1) * ldx) * (bf16 ? 2 : 4)};
-            const void *wr[2] = {w[c0], w[c0 + 1]};
-            __m256 lo[2][2], hi[2][2];
-            for (int i = 0; i < 2; i++)
-                for (int j = 0; j < 2; j++) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
-            int64_t k = 0;
-            for (; k + 16 <= K; k += 16) {
-                if (pf && r0 == 0 && (!bf16 || (k & 31) == 0))
-                    for (int j = 0; j < 2; j++)
-                        PREFETCH_W((const char *)pf[0] + (bf16 ? 8 : 16) * k + 64 * (c0 + j), nta);
-                avx2_step(lo, hi, xr, wr, k, rn, bf16);
-            }
-            if (k < K) { /* the tail, zero-padded to 16 */
-                uint32_t buf[4][16];
-                memset(buf, 0, sizeof buf);
-                const size_t es = bf16 ? 2 : 4, n = (size_t)(K - k) * es;
-                const void *xt[2] = {buf[0], buf[1]}, *wt[2] = {buf[2], buf[3]};
-                for (int i = 0; i < 2; i++) memcpy(buf[i], (const char *)xr[i] + (size_t)k * es, n);
-                for (int j = 0; j < 2; j++) memcpy(buf[2 + j], (const char *)wr[j] + (size_t)k * es, n);
-                avx2_step(lo, hi, xt, wt, 0, rn, bf16);
-            }
-            for (int i = 0; i < rn; i++)
-                for (int j = 0; j < 2; j++) {
-                    const __m256 v = _mm256_add_ps(lo[i][j], hi[i][j]);                                /* l + l+8 */
-                    const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); /* + l+4 */
-                    const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));                               /* + l+2 */
-                    const __m128 c = _mm_add_ss(b, _mm_shuffle_ps(b, b, 1));                            /* + l+1 */
-                    sums[LANE_OF(SLOT(r0 + i, c0 + j))] = _mm_cvtss_f32(c);
-                }
-        }
-    }
+    if (bf16)
+        avx2_tile(x, ldx, w, K, mr, 1, pf, nta, sums);
+    else
+        avx2_tile(x, ldx, w, K, mr, 0, pf, nta, sums);
 #else
     (void)pf;
     (void)nta;
