@@ -239,13 +239,16 @@ static inline __attribute__((always_inline)) void avx2_sub(const void *const *xr
         }
 }
 
-/* tile() on AVX2 with bf16 a constant: rows in pairs (a last single row 1 x 4), the first pair prefetching. */
+/* tile() on AVX2 with bf16 a constant, the first row prefetching: fp32 a row at a time in 1 x 4 (the weights
+ * come from L1, the rows from L2), bf16 rows in pairs in 2 x 2, where each weight vector widened serves two
+ * rows (a last single row 1 x 4). */
 static inline __attribute__((always_inline)) void avx2_tile(const void *x, int64_t ldx, const void *const *w,
                                                             int64_t K, int mr, const int bf16, const void *const *pf,
                                                             const int nta, float *sums) {
     const size_t es = bf16 ? 2 : 4;
-    for (int r0 = 0; r0 < mr; r0 += 2) {
-        const int rn = mr - r0 < 2 ? mr - r0 : 2;
+    const int pair = bf16 ? 2 : 1;
+    for (int r0 = 0; r0 < mr; r0 += pair) {
+        const int rn = mr - r0 < pair ? mr - r0 : pair;
         const void *xr[2] = {(const char *)x + (size_t)(r0 * ldx) * es, (const char *)x + (size_t)((r0 + 1) * ldx) * es};
         const char *p = pf && r0 == 0 ? (const char *)pf[0] : NULL;
         if (rn == 1)
