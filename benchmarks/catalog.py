@@ -214,9 +214,13 @@ HELPERS = {
 RECORDS = {
     "attention_kv_dtype": "attention_bench --kv-dtype-ab: the native kernel over an fp32 vs a bf16 KV cache",
     "cpu_priority_ab": "engine-first priorities vs Ray's own (one-off A/B, script in git history)",
+    "decode_floor_avx2": "decode_floor --http --http-reps 8 on an AVX2-only CPU (fp32 served, native GEMMs)",
+    "decode_floor_avx2_before": "decode_floor --http --http-reps 6 on the same AVX2-only CPU, before its kernel fixes",
     "decode_floor_http": "decode_floor --http --rounds 3: the same cells plus c=1 TPOT over HTTP, quiet machine",
     "draft_eval_chat24": "draft_eval on 24 held-out prompts",
     "fuzz_before_fix": "fuzz before response_format text was validated (10 refused requests answered 200)",
+    "gemm_ab_avx2": "gemm_ab --rounds 3 on an AVX2-only CPU, both dtypes",
+    "gemm_ab_avx2_fp32": "gemm_ab --rounds 5 --dtypes float32 on an AVX2-only CPU, fp32 rows one at a time",
     "gemm_ab_cpu1": "gemm_ab --threads 1 --clock cpu: per-core work of each backend, contended machine",
     "guidellm_load_burner_bound": "guidellm_load, an older run whose bound burnt guidellm's whole-run CPU",
     "guidellm_load_steady_slow": "guidellm_load, the steady-state rerun on a slow hour",

@@ -237,14 +237,16 @@ def test_a_request_given_up_before_its_first_token_leaves_no_slot_in_use(cluster
     ts, busy = in_threads([lambda: stream(cluster, busy_body, stop) for _ in range(n)])
 
     def load() -> Any:
-        """True once both replicas are full and every request arrived; else the (running, waiting) seen."""
+        """True once both replicas are full and every request arrived; else the (running, waiting) seen,
+        and what the clients that already returned got (an early 4xx/5xx or exception shows here)."""
         rs = replicas(cluster)
         full = (
             len(rs) == 2
             and all(v["running"] == per_replica for v in rs.values())
             and sum(v["running"] + v["waiting"] for v in rs.values()) == n
         )
-        return full or {r: (v["running"], v["waiting"]) for r, v in rs.items()}
+        returned = {i: r if isinstance(r, BaseException) else str(r)[:200] for i, r in list(busy.items())}
+        return full or {"replicas": {r: (v["running"], v["waiting"]) for r, v in rs.items()}, "returned": returned}
 
     try:
         wait_for(load, 60, "every slot busy and the rest queued", interval_s=0.1)
