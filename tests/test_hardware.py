@@ -39,7 +39,8 @@ def test_explicit_dtypes_are_taken_as_they_are(monkeypatch):
         ({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, torch.bfloat16, "onednn"),  # AMX wins prefill
         ({"avx512f", "amx_tile"}, torch.float32, "onednn"),  # unmeasured there: the library's
         ({"avx2", "fma"}, torch.float32, "native"),  # close to the bandwidth at a few rows, even at 16 and 32
-        ({"avx2", "fma"}, torch.bfloat16, "onednn"),  # widening every weight per pair of rows loses from 32 on
+        ({"avx2", "fma"}, torch.bfloat16, "native"),  # each weight block widened once for all rows
+        ({"avx2"}, torch.bfloat16, "onednn"),
         ({"avx2"}, torch.float32, "onednn"),  # no FMA: the portable C path
         (set(), torch.float32, "onednn"),
     ],

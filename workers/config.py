@@ -93,8 +93,8 @@ class EngineConfig(BaseModel):
     cpu_gemm: Literal["auto", "onednn", "mkl", "native"] = Field(
         "auto",
         description="CPU matmul backend. 'auto': 'native' on a CPU with AVX-512 and no AMX (a bf16 model also needs "
-        "AVX512-BF16), where its fused forward decoded faster at every batch size measured, and for an fp32 model "
-        "on a CPU with AVX2 and FMA, else 'onednn' (docs/benchmarks.md#gemm_ab). 'onednn' "
+        "AVX512-BF16), where its fused forward decoded faster at every batch size measured, and on a CPU with AVX2 "
+        "and FMA, else 'onednn' (docs/benchmarks.md#gemm_ab). 'onednn' "
         "prepacks every weight once, which makes steps faster at every "
         "batch size (docs/benchmarks.md); 'mkl' is F.linear, the call HF's own forward makes, so "
         "fp32 logits are bit-identical to HF. oneDNN sums in another order: logits differ from HF's by up to "

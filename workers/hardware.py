@@ -33,11 +33,11 @@ def cpu_has_native_bf16() -> bool:
 def resolve_cpu_gemm(name: str, dtype: torch.dtype) -> str:
     """``"auto"``: the native linear kernel where it measured fastest (docs/benchmarks.md, ``gemm_ab``), oneDNN
     elsewhere. Native: a CPU with AVX-512 and no AMX (with AVX512-BF16 for a bf16 model), where its fused forward
-    decodes faster at every batch size measured, and an fp32 model on a CPU with AVX2 and FMA, where it reads
-    the weights at close to the memory's bandwidth for a few rows and keeps up with oneDNN at 16 and 32.
-    oneDNN: with AMX, whose kernels win prefill and large batches, and for bf16 without AVX512-BF16, where
-    the native kernel widens every weight for every pair of rows and loses from 32 rows and in prefill. Any
-    other name is kept."""
+    decodes faster at every batch size measured, and a CPU with AVX2 and FMA, where it reads the weights at
+    close to the memory's bandwidth for a few rows and keeps up with oneDNN at 16 and 32 rows and in prefill
+    (bf16 there widens each block of weights to fp32 once for all rows). oneDNN: with AMX, whose kernels win
+    prefill and large batches, and for bf16 on AVX-512 without AVX512-BF16 (not measured). Any other name is
+    kept."""
     if name != "auto":
         return name
     flags = cpu_flags()
@@ -46,7 +46,7 @@ def resolve_cpu_gemm(name: str, dtype: torch.dtype) -> str:
     if "avx512f" in flags:
         native = dtype == torch.float32 or (dtype == torch.bfloat16 and "avx512_bf16" in flags)
     else:
-        native = dtype == torch.float32 and "avx2" in flags and "fma" in flags
+        native = "avx2" in flags and "fma" in flags
     return "native" if native else "onednn"
 
 

@@ -25,6 +25,12 @@
  * (16 lanes as two registers of 8, in 2 x 2 sub-tiles: AVX2 has 16 registers), else portable C with
  * fmaf. fp32 results are the same bits in every build (each lane one fused multiply-add per k, the same
  * tree); bf16 with AVX512-BF16 pairs k differently. Built with -ffp-contract=off.
+ *
+ * bf16 without AVX512-BF16 (the AVX2 build): a call of a few rows widens each weight vector as it loads it
+ * (the weights are read once anyway); a call of more than WIDEN_ROWS rows widens each L1-sized block of
+ * weight tiles once into an fp32 buffer and runs every row over that (span_widened), where widening per
+ * load would widen every weight again for every pair of rows. Widening is exact and the products and their
+ * order are those of the per-load path: a row's bits do not depend on which path its call took.
  */
 
 #include <math.h>
@@ -175,17 +181,17 @@ static inline __attribute__((always_inline)) __m256 ld8(const void *p, int64_t i
     return _mm256_loadu_ps((const float *)p + i);
 }
 
-/* One K step of 16 of an rn x cn sub-tile (rows xr, weight rows wr). */
+/* One K step of 16 of an rn x cn sub-tile (rows xr, weight rows wr; xb, wb: bf16, else fp32). */
 static inline __attribute__((always_inline)) void avx2_step(__m256 lo[2][4], __m256 hi[2][4], const void *const *xr,
                                                             const void *const *wr, int64_t k, const int rn,
-                                                            const int cn, const int bf16) {
+                                                            const int cn, const int xb, const int wb) {
     __m256 xl[2], xh[2];
     for (int i = 0; i < rn; i++) {
-        xl[i] = ld8(xr[i], k, bf16), xh[i] = ld8(xr[i], k + 8, bf16);
+        xl[i] = ld8(xr[i], k, xb), xh[i] = ld8(xr[i], k + 8, xb);
         __asm__("" : "+x"(xl[i]), "+x"(xh[i])); /* one load per vector, not one folded into each FMA */
     }
     for (int j = 0; j < cn; j++) {
-        __m256 wl = ld8(wr[j], k, bf16), wh = ld8(wr[j], k + 8, bf16);
+        __m256 wl = ld8(wr[j], k, wb), wh = ld8(wr[j], k + 8, wb);
         if (rn > 1) __asm__("" : "+x"(wl), "+x"(wh));
         for (int i = 0; i < rn; i++) {
             lo[i][j] = _mm256_fmadd_ps(xl[i], wl, lo[i][j]);
@@ -201,33 +207,33 @@ static inline __attribute__((always_inline)) void avx2_step(__m256 lo[2][4], __m
  * prefetch is decided outside the K loop: a test per K step costs as much as the step. pf: the tile
  * PF_TILES ahead, of which this sub-tile prefetches lines c0 .. c0 + cn - 1 of every NR (NULL: none). */
 static inline __attribute__((always_inline)) void avx2_sub(const void *const *xr, const void *const *wr, int64_t K,
-                                                           const int rn, const int cn, const int bf16,
+                                                           const int rn, const int cn, const int xb, const int wb,
                                                            const char *pf, const int nta, int r0, int c0,
                                                            float *sums) {
     __m256 lo[2][4], hi[2][4];
     for (int i = 0; i < rn; i++)
         for (int j = 0; j < cn; j++) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
     int64_t k = 0;
-    if (pf && bf16) /* NR lines of the tile ahead per 32 k */
+    if (pf && wb) /* NR lines of the tile ahead per 32 k */
         for (; k + 32 <= K; k += 32) {
             for (int j = 0; j < cn; j++) PREFETCH_W(pf + 8 * k + 64 * (c0 + j), nta);
-            avx2_step(lo, hi, xr, wr, k, rn, cn, bf16);
-            avx2_step(lo, hi, xr, wr, k + 16, rn, cn, bf16);
+            avx2_step(lo, hi, xr, wr, k, rn, cn, xb, wb);
+            avx2_step(lo, hi, xr, wr, k + 16, rn, cn, xb, wb);
         }
     else if (pf) /* NR lines per 16 k */
         for (; k + 16 <= K; k += 16) {
             for (int j = 0; j < cn; j++) PREFETCH_W(pf + 16 * k + 64 * (c0 + j), nta);
-            avx2_step(lo, hi, xr, wr, k, rn, cn, bf16);
+            avx2_step(lo, hi, xr, wr, k, rn, cn, xb, wb);
         }
-    for (; k + 16 <= K; k += 16) avx2_step(lo, hi, xr, wr, k, rn, cn, bf16);
+    for (; k + 16 <= K; k += 16) avx2_step(lo, hi, xr, wr, k, rn, cn, xb, wb);
     if (k < K) { /* the tail, zero-padded to 16 */
         uint32_t buf[6][16];
         memset(buf, 0, sizeof buf);
-        const size_t es = bf16 ? 2 : 4, n = (size_t)(K - k) * es;
+        const size_t xs = xb ? 2 : 4, ws = wb ? 2 : 4;
         const void *xt[2] = {buf[0], buf[1]}, *wt[4] = {buf[2], buf[3], buf[4], buf[5]};
-        for (int i = 0; i < rn; i++) memcpy(buf[i], (const char *)xr[i] + (size_t)k * es, n);
-        for (int j = 0; j < cn; j++) memcpy(buf[2 + j], (const char *)wr[j] + (size_t)k * es, n);
-        avx2_step(lo, hi, xt, wt, 0, rn, cn, bf16);
+        for (int i = 0; i < rn; i++) memcpy(buf[i], (const char *)xr[i] + (size_t)k * xs, (size_t)(K - k) * xs);
+        for (int j = 0; j < cn; j++) memcpy(buf[2 + j], (const char *)wr[j] + (size_t)k * ws, (size_t)(K - k) * ws);
+        avx2_step(lo, hi, xt, wt, 0, rn, cn, xb, wb);
     }
     for (int i = 0; i < rn; i++)
         for (int j = 0; j < cn; j++) {
@@ -243,18 +249,18 @@ static inline __attribute__((always_inline)) void avx2_sub(const void *const *xr
  * come from L1, the rows from L2), bf16 rows in pairs in 2 x 2, where each weight vector widened serves two
  * rows (a last single row 1 x 4). */
 static inline __attribute__((always_inline)) void avx2_tile(const void *x, int64_t ldx, const void *const *w,
-                                                            int64_t K, int mr, const int bf16, const void *const *pf,
-                                                            const int nta, float *sums) {
-    const size_t es = bf16 ? 2 : 4;
-    const int pair = bf16 ? 2 : 1;
+                                                            int64_t K, int mr, const int xb, const int wb,
+                                                            const void *const *pf, const int nta, float *sums) {
+    const size_t es = xb ? 2 : 4;
+    const int pair = wb ? 2 : 1;
     for (int r0 = 0; r0 < mr; r0 += pair) {
         const int rn = mr - r0 < pair ? mr - r0 : pair;
         const void *xr[2] = {(const char *)x + (size_t)(r0 * ldx) * es, (const char *)x + (size_t)((r0 + 1) * ldx) * es};
         const char *p = pf && r0 == 0 ? (const char *)pf[0] : NULL;
         if (rn == 1)
-            avx2_sub(xr, w, K, 1, NR, bf16, p, nta, r0, 0, sums);
+            avx2_sub(xr, w, K, 1, NR, xb, wb, p, nta, r0, 0, sums);
         else
-            for (int c0 = 0; c0 < NR; c0 += 2) avx2_sub(xr, w + c0, K, 2, 2, bf16, p, nta, r0, c0, sums);
+            for (int c0 = 0; c0 < NR; c0 += 2) avx2_sub(xr, w + c0, K, 2, 2, xb, wb, p, nta, r0, c0, sums);
     }
 }
 #endif
@@ -266,9 +272,10 @@ static inline __attribute__((always_inline)) void avx2_tile(const void *x, int64
  * rows are contiguous, and each K step prefetches the next NR cache lines of that tile in address order
  * (one stream: faster than NR streams a row apart, docs/benchmarks.md#gemm_ab); nta: how (PREFETCH_W). */
 static inline __attribute__((always_inline)) void tile(const void *x, int64_t ldx, const void *const *w, int64_t K,
-                                                       int mr, int bf16, const void *const *pf, int nta,
+                                                       int mr, int bf16, int wb, const void *const *pf, int nta,
                                                        float *sums) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) /* wb is bf16 in every call outside the AVX2 build (span_widened) */
+    (void)wb;
     acc_t acc[16];
     for (int s = 0; s < 16; s++) acc[s] = _mm512_setzero_ps();
     if (bf16) {
@@ -300,13 +307,16 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t ld
     }
     _mm512_storeu_ps(sums, reduce16(acc));
 #elif defined(__AVX2__) && defined(__FMA__)
-    if (bf16)
-        avx2_tile(x, ldx, w, K, mr, 1, pf, nta, sums);
+    if (bf16 && wb)
+        avx2_tile(x, ldx, w, K, mr, 1, 1, pf, nta, sums);
+    else if (bf16)
+        avx2_tile(x, ldx, w, K, mr, 1, 0, pf, nta, sums);
     else
-        avx2_tile(x, ldx, w, K, mr, 0, pf, nta, sums);
+        avx2_tile(x, ldx, w, K, mr, 0, 0, pf, nta, sums);
 #else
     (void)pf;
     (void)nta;
+    (void)wb;
     acc_t acc[16];
     memset(acc, 0, sizeof acc);
     for (int64_t k = 0; k < K; k += 16) {
@@ -330,24 +340,24 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t ld
 }
 
 /* One row tile of mr rows (a compile-time constant after inlining) against the weight tiles
- * [t0, t1), writing y. */
+ * [t0, t1), writing y. W holds weight rows from row w0 on, bf16 if wb (x and y: bf16 if bf16). */
 static inline __attribute__((always_inline)) void row_tile(const void *x, int64_t m0, int mr, const void *W, void *y,
                                                            int64_t N, int64_t K, int64_t t0, int64_t t1, int64_t tend,
-                                                           int bf16, int prefetch, int nta) {
-    const size_t es = bf16 ? 2 : 4;
+                                                           int bf16, int prefetch, int nta, int wb, int64_t w0) {
+    const size_t es = bf16 ? 2 : 4, wes = wb ? 2 : 4;
     const char *xb = (const char *)x + (size_t)(m0 * K) * es;
     for (int64_t t = t0; t < t1; t++) {
         const int64_t n0 = t * NR;
         const void *w[NR], *pf[NR];
         for (int c = 0; c < NR; c++) /* past N: repeat the last row (its sums are not stored) */
-            w[c] = (const char *)W + (size_t)((n0 + c < N ? n0 + c : N - 1) * K) * es;
+            w[c] = (const char *)W + (size_t)(((n0 + c < N ? n0 + c : N - 1) - w0) * K) * wes;
         const int ahead = PF_TILES > 0 && prefetch && t + PF_TILES < tend;
         for (int c = 0; c < NR; c++) {
             const int64_t n = n0 + PF_TILES * NR + c;
-            pf[c] = (const char *)W + (size_t)((n < N ? n : N - 1) * K) * es;
+            pf[c] = (const char *)W + (size_t)(((n < N ? n : N - 1) - w0) * K) * wes;
         }
         float sums[16];
-        tile(xb, K, w, K, mr, bf16, ahead ? pf : NULL, nta, sums);
+        tile(xb, K, w, K, mr, bf16, wb, ahead ? pf : NULL, nta, sums);
         const size_t nc = N - n0 < NR ? (size_t)(N - n0) : NR;
 #if defined(__AVX512F__)
         /* row r's NR sums sit in lanes NR r ..: one copy per row */
@@ -387,11 +397,11 @@ static inline __attribute__((always_inline)) void span(const void *x, const void
         const int64_t b1 = b0 + nb < z ? b0 + nb : z;
         int64_t m0 = 0;
         /* the block's first row tile reads the weights from memory: prefetch them there */
-        for (; m0 + MR <= M; m0 += MR) row_tile(x, m0, MR, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, nta);
+        for (; m0 + MR <= M; m0 += MR) row_tile(x, m0, MR, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, nta, bf16, 0);
         switch (M - m0) {
-        case 1: row_tile(x, m0, 1, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, nta); break;
-        case 2: row_tile(x, m0, 2, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, nta); break;
-        case 3: row_tile(x, m0, 3, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, nta); break;
+        case 1: row_tile(x, m0, 1, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, nta, bf16, 0); break;
+        case 2: row_tile(x, m0, 2, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, nta, bf16, 0); break;
+        case 3: row_tile(x, m0, 3, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, nta, bf16, 0); break;
         default: break;
         }
     }
@@ -417,6 +427,46 @@ static void prefetch_weights(const void *W, int64_t N, int64_t K, int bf16, int6
     const size_t bytes = (size_t)((r1 - r0) * K) * (bf16 ? 2 : 4);
     for (size_t b = 0; b < bytes; b += 64) PREFETCH_W(p + b, nta);
 }
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#ifndef WIDEN_ROWS
+#define WIDEN_ROWS 8 /* bf16 calls of more rows widen each weight block once (span_widened) */
+#endif
+
+/* A bf16 call of more than WIDEN_ROWS rows on AVX2, weight tiles [a, z): each block of tiles is widened once
+ * into fp32 (exactly), then every row runs over it, where otherwise every pair of rows widens every weight
+ * again. The same products, summed in the same order: the same bits. 0 (nothing done) where a block of one
+ * tile would not fit the stack buffer. */
+static int span_widened(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int64_t a,
+                        int64_t z, int nta) {
+    int64_t nb = NB_BYTES / (NR * K * (int64_t)sizeof(float));
+    if (nb < 1) nb = 1;
+    const size_t cap = (size_t)(nb * NR * K) * sizeof(float);
+    if (cap > (256u << 10)) return 0;
+    float *wf = __builtin_alloca(cap);
+    const uint16_t *const end = (const uint16_t *)W + N * K;
+    for (int64_t b0 = a; b0 < z; b0 += nb) {
+        const int64_t b1 = b0 + nb < z ? b0 + nb : z, r0 = b0 * NR, r1 = b1 * NR < N ? b1 * NR : N;
+        const uint16_t *src = (const uint16_t *)W + r0 * K;
+        const int64_t n = (r1 - r0) * K, ahead = PF_TILES * NR * K; /* prefetch PF_TILES tiles ahead */
+        int64_t i = 0;
+        for (; i + 32 <= n; i += 32) {
+            if (src + i + ahead < end) PREFETCH_W(src + i + ahead, nta);
+            for (int h = 0; h < 32; h += 8) _mm256_storeu_ps(wf + i + h, ld8(src, i + h, 1));
+        }
+        for (; i < n; i++) wf[i] = bf16_widen(src[i]);
+        int64_t m0 = 0;
+        for (; m0 + MR <= M; m0 += MR) row_tile(x, m0, MR, wf, y, N, K, b0, b1, b1, 1, 0, nta, 0, r0);
+        switch (M - m0) {
+        case 1: row_tile(x, m0, 1, wf, y, N, K, b0, b1, b1, 1, 0, nta, 0, r0); break;
+        case 2: row_tile(x, m0, 2, wf, y, N, K, b0, b1, b1, 1, 0, nta, 0, r0); break;
+        case 3: row_tile(x, m0, 3, wf, y, N, K, b0, b1, b1, 1, 0, nta, 0, r0); break;
+        default: break;
+        }
+    }
+    return 1;
+}
+#endif
 
 uint64_t team_takeover_count;
 struct team_stall_spec team_stall;
@@ -454,12 +504,18 @@ void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, in
     if (!prefetch) claim = (claim + nb - 1) / nb * nb;
     int64_t next = -1; /* where this thread's last span ended: the tiles from there on are prefetched */
     PHASE_UNITS(t, tiles, claim, a, z, {
-        const int64_t tend = t->victim == 0 ? own_end : z;
-        if (prefetch && a != next) prefetch_weights(W, N, K, bf16, a, z, stream);
-        if (stream)
-            span_nta(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch);
-        else
-            span_t0(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch);
+        int done = 0;
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+        done = bf16 && M > WIDEN_ROWS && span_widened(x, W, y, M, N, K, a, z, stream);
+#endif
+        if (!done) {
+            const int64_t tend = t->victim == 0 ? own_end : z;
+            if (prefetch && a != next) prefetch_weights(W, N, K, bf16, a, z, stream);
+            if (stream)
+                span_nta(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch);
+            else
+                span_t0(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch);
+        }
         next = z;
     });
 }
