@@ -22,6 +22,9 @@ In one run, with the thread count the engine uses:
    native bf16), its ratio to the floor (the run's and each rep's own window), and the replica path: TPOT
    less the in-process step, each rep paired with a step and a bandwidth read taken just before it.
 
+``--march x86-64-v3`` builds the native kernels for an older instruction set than the host's: an AVX2-only
+CPU's code path, measured against this host's memory (a proxy, not that CPU).
+
 Writes benchmarks/results/decode_floor.{json,png}.
 """
 
@@ -39,6 +42,7 @@ from benchmarks.common import RESULTS_DIR, bar_panel, env_info, figure, format_t
 from benchmarks.engine.step_split import StepSplit, weight_bytes
 from benchmarks.fidelity.invariance_bench import PROMPT, decode_step_s
 from cluster.config import DraftConfig
+from workers import native_attention
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.hardware import resolve_dtype
@@ -166,9 +170,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--http", action="store_true", help="also c=1 TPOT over HTTP (starts a local cluster)")
     ap.add_argument("--http-reps", type=int, default=5)
     ap.add_argument("--out", default="decode_floor", help="result name under benchmarks/results")
+    ap.add_argument(
+        "--march",
+        help="build the native kernels for this -march instead of the host's (x86-64-v3: an AVX2-only CPU's code "
+        "path, run on this host's memory); in process only",
+    )
     args = ap.parse_args(argv)
+    if args.march:
+        if args.http:
+            ap.error("--march applies in process only: a cluster's replicas build their own kernels")
+        native_attention.FLAGS = tuple(
+            f"-march={args.march}" if f == "-march=native" else f for f in native_attention.FLAGS
+        )
     torch.set_num_threads(args.threads)
     env = env_info()
+    env["native_march"] = args.march or "native"
 
     loaded = load_model("smollm2")
     draft_loaded = load_model(DRAFT)
@@ -341,7 +357,12 @@ def main(argv: list[str] | None = None) -> int:
         fmt="{:.2f}",
     )
     _split_panel(axes[1], splits)
-    save_result(RESULTS_DIR / args.out, result, fig, title=f"Decode at the memory floor ({env['cpu']}, contended)")
+    save_result(
+        RESULTS_DIR / args.out,
+        result,
+        fig,
+        title=f"Decode at the memory floor ({env['cpu']}, kernels -march={env['native_march']}, contended)",
+    )
     return 0
 
 

@@ -107,8 +107,7 @@ static inline __attribute__((always_inline)) void attend_tile_g(
             vlanes mv = load_lanes(sg);
             for (jm = LANES; jm + LANES <= ni; jm += LANES) {
                 const vlanes x = load_lanes(sg + jm);
-                const vlanes_i gt = x > mv;
-                mv = (vlanes)(((vlanes_i)x & gt) | ((vlanes_i)mv & ~gt));
+                mv = select_lanes(lanes_gt(x, mv), x, mv);
             }
             for (int l = 0; l < LANES; l++) m = mv[l] > m ? mv[l] : m;
         }

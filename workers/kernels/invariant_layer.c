@@ -28,7 +28,7 @@
 #include "vec_math.h"
 
 /* The value x would hold once stored in the model's dtype. */
-static inline vlanes round_to(vlanes x, int bf16) { return bf16 ? from_bf16(to_bf16(x)) : x; }
+static inline vlanes round_to(vlanes x, int bf16) { return bf16 ? round_to_bf16(x) : x; }
 
 /* LANES values from p[i ..], or the first n of them (the rest 0) at a row's end (copy_bytes: a whole chunk is
  * one vector move). */
@@ -54,7 +54,7 @@ static inline void store(void *p, int64_t i, vlanes x, int n, int bf16) {
 
 /* exp(x) for x <= 0, flushed to 0 below -87 (where fp32 would go subnormal). */
 static inline vlanes exp_nonpos_flushed(vlanes x) {
-    return (vlanes)((vlanes_i)exp_nonpos(x) & ~(x < -87.0f));
+    return (vlanes)((vlanes_i)exp_nonpos(x) & ~lanes_lt(x, (vlanes){0} - 87.0f));
 }
 
 #define CHUNK(n, j) ((n) - (j) < LANES ? (int)((n) - (j)) : LANES)
@@ -127,9 +127,8 @@ void argmax_rows(const float *x, int64_t R, int64_t V, int64_t *out) {
         for (int64_t j = 0; j < vend; j += BLK)
             for (int c = 0; c < 4; c++) {
                 const vlanes v = load_lanes(row + j + c * LANES);
-                const vlanes_i gt = v > m[c];
-                nan |= v != v;
-                m[c] = (vlanes)(((vlanes_i)v & gt) | ((vlanes_i)m[c] & ~gt));
+                nan |= lanes_ne(v, v);
+                m[c] = select_lanes(lanes_gt(v, m[c]), v, m[c]);
             }
         float best = row[0];
         for (int c = 0; c < 4; c++)
@@ -146,8 +145,9 @@ void argmax_rows(const float *x, int64_t R, int64_t V, int64_t *out) {
         } else {
             const vlanes b = (vlanes){0} + best;
             for (; j < vend; j += BLK) {
-                const vlanes_i eq = (load_lanes(row + j) == b) | (load_lanes(row + j + LANES) == b) |
-                                    (load_lanes(row + j + 2 * LANES) == b) | (load_lanes(row + j + 3 * LANES) == b);
+                const vlanes_i eq = lanes_eq(load_lanes(row + j), b) | lanes_eq(load_lanes(row + j + LANES), b) |
+                                    lanes_eq(load_lanes(row + j + 2 * LANES), b) |
+                                    lanes_eq(load_lanes(row + j + 3 * LANES), b);
                 if (any_lane(eq)) break;
             }
             for (; j < V && at < 0; j++)
@@ -267,8 +267,7 @@ static void silu_span(const void *gu, void *out, int64_t I, int bf16, int64_t c0
         const vlanes g = load(gu, t * 2 * I + j, n, bf16);
         const vlanes u = load(gu, t * 2 * I + I + j, n, bf16);
         const vlanes e = exp_nonpos_flushed((vlanes)((vlanes_u)g | 0x80000000u));  /* exp(-|g|) */
-        const vlanes_i pos = g >= 0.0f;
-        const vlanes num = (vlanes)((pos & (vlanes_i)g) | (~pos & (vlanes_i)(g * e)));
+        const vlanes num = select_lanes(lanes_ge(g, (vlanes){0}), g, g * e);
         const vlanes sg = round_to(num / (1.0f + e), bf16);
         store(out, t * I + j, sg * u, n, bf16);
     }
