@@ -244,17 +244,6 @@ def test_every_instruction_set_sums_fp32_in_the_same_order(linear, tmp_path):
         pytest.skip("no other x86-64 level builds or runs here")
 
 
-def _build_library(tmp_path, march: str) -> ctypes.CDLL | None:
-    """Every kernel (the library the runner loads), built for ``march`` (None where the compiler refuses)."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        return None
-    out = tmp_path / f"kernels-{march}.so"
-    flags = [f for f in native_attention.FLAGS if f != "-march=native"]
-    cmd = [cc, *flags, f"-march={march}", *map(str, native_attention.SOURCES), "-o", str(out), "-lm"]
-    return ctypes.CDLL(str(out)) if subprocess.run(cmd, capture_output=True).returncode == 0 else None
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The stored bits, every NaN made one NaN: a NaN's sign and payload follow the operand order each
     instruction happens to take, which no value depends on."""
@@ -273,30 +262,9 @@ def test_the_avx2_build_of_every_kernel_gives_the_native_builds_bits(tiny_loaded
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     if not all(f" {n} " in flags for n in ("avx2", "fma")):
         pytest.skip("this CPU cannot run an AVX2 build")
-    dll, ops = _build_library(tmp_path, "x86-64-v3"), native_attention.load_layer_ops()
-    if dll is None or ops is None:
+    ops = native_attention.load_layer_ops()
+    if ops is None:
         pytest.skip("no C compiler")
-    v3 = native_attention.NativeLayerOps(dll)
-    gen = torch.Generator().manual_seed(11)
-    special = torch.tensor([-200.0, 200.0, 0.0, -0.0, float("nan"), float("inf"), float("-inf"), 1e-40, -1e-40])
-    for dtype in DTYPES:
-        gu = (4 * torch.randn(9, 2 * 1536, generator=gen)).to(dtype)
-        gu[0, : len(special)], gu[1, 1536 : 1536 + len(special)] = special, special  # gates, then ups
-        assert torch.equal(_bits(ops.silu_mul(gu)), _bits(v3.silu_mul(gu))), dtype
-        h, delta = torch.randn(2, 9, 576, generator=gen).to(dtype)
-        h[3, :5] = special[4:].to(dtype)  # a row of NaN and infinities, and values that round to subnormals
-        w = (1 + 0.1 * torch.randn(576, generator=gen)).to(dtype)
-        outs = []
-        for o in (ops, v3):
-            hh, out = h.clone(), torch.empty_like(h)
-            o.add_rms_norm(hh, delta, w, out, 1e-5)
-            outs.append((_bits(hh), _bits(out)))
-        assert all(torch.equal(a, b) for a, b in zip(*outs)), dtype
-    x = torch.randn(5, 49155, generator=gen)
-    x[1] = torch.randint(-3, 3, (49155,), generator=gen).float()  # ties
-    x[2, 7], x[3, 40000], x[4, -1] = float("nan"), float("inf"), 1e9
-    assert torch.equal(v3.argmax(x), ops.argmax(x)) and torch.equal(v3.argmax(x), x.argmax(dim=-1))
-
     prompts, decode = [list(range(5, 40)), list(range(7, 29))], [[9], [11]]
 
     def forwards(dtype: torch.dtype, cpu_gemm: str) -> list[torch.Tensor]:
@@ -314,6 +282,27 @@ def test_the_avx2_build_of_every_kernel_gives_the_native_builds_bits(tiny_loaded
     )
     native_attention.clear_cache()
     try:
+        v3 = native_attention.load_layer_ops()
+        assert v3 is not None
+        gen = torch.Generator().manual_seed(11)
+        special = torch.tensor([-200.0, 200.0, 0.0, -0.0, float("nan"), float("inf"), float("-inf"), 1e-40, -1e-40])
+        for dtype in DTYPES:
+            gu = (4 * torch.randn(9, 2 * 1536, generator=gen)).to(dtype)
+            gu[0, : len(special)], gu[1, 1536 : 1536 + len(special)] = special, special  # gates, then ups
+            assert torch.equal(_bits(ops.silu_mul(gu)), _bits(v3.silu_mul(gu))), dtype
+            h, delta = torch.randn(2, 9, 576, generator=gen).to(dtype)
+            h[3, :5] = special[4:].to(dtype)  # a row of NaN and infinities, and values that round to subnormals
+            w = (1 + 0.1 * torch.randn(576, generator=gen)).to(dtype)
+            outs = []
+            for o in (ops, v3):
+                hh, out = h.clone(), torch.empty_like(h)
+                o.add_rms_norm(hh, delta, w, out, 1e-5)
+                outs.append((_bits(hh), _bits(out)))
+            assert all(torch.equal(a, b) for a, b in zip(*outs)), dtype
+        x = torch.randn(5, 49155, generator=gen)
+        x[1] = torch.randint(-3, 3, (49155,), generator=gen).float()  # ties
+        x[2, 7], x[3, 40000], x[4, -1] = float("nan"), float("inf"), 1e9
+        assert torch.equal(v3.argmax(x), ops.argmax(x)) and torch.equal(v3.argmax(x), x.argmax(dim=-1))
         for cell in cells:
             assert all(torch.equal(a, b) for a, b in zip(forwards(*cell), want[cell])), cell
         both = forwards(torch.bfloat16, "native")  # both requests in each step (the prompts widened once per block)
