@@ -37,7 +37,7 @@ def linear():
 def test_rows_are_invariant_and_match_torch(linear, dtype, n, k):
     """Every row of an M-row call equals that row alone, for M across 1..130 (full and tail tiles of rows
     and weight rows, odd K), at 1, 2 and 3 threads (131 x 1000 is large enough to run threaded), whether the
-    weights are fetched non-temporally or not (``stream``, alternating)."""
+    weights are prefetched into L2 or L1 (``stream``, alternating)."""
     gen = torch.Generator().manual_seed(n + k)
     x = torch.randn(130, k, generator=gen).to(dtype)
     w = torch.randn(n, k, generator=gen).to(dtype)
@@ -92,7 +92,7 @@ def test_the_layers_in_one_native_call_equal_the_calls_one_by_one(tiny_loaded, l
     ]
     assert runners[0].native_layers is not None
     runners[1].fused_layers = False
-    # the fused call fetches the weights non-temporally, the one-by-one calls into every cache level
+    # the fused call prefetches the weights into L2, the one-by-one calls into L1
     assert runners[0].native_layers is not None
     runners[0].native_layers.stream, runners[1].stream_weights = True, False
     blocks = random.Random(3).sample(range(40), 24)  # each request its own blocks, scattered over the pool
@@ -118,7 +118,7 @@ def test_the_layers_in_one_native_call_equal_the_calls_one_by_one(tiny_loaded, l
 
 
 def test_weights_larger_than_the_last_level_cache_are_streamed(tiny_loaded, linear, monkeypatch):
-    """A runner whose weights exceed the last-level cache fetches them non-temporally in every native GEMM
+    """A runner whose weights exceed the last-level cache prefetches them into L2 in every native GEMM
     (they are read from memory each step anyway); one whose weights fit keeps them cached; an unknown
     cache size keeps them cached. The logits are the same bits either way."""
     from workers import hardware

@@ -432,8 +432,8 @@ class NativeLayerOps:
 
 def streams_past_caches(weight_bytes: int) -> bool:
     """Whether a step's weights, read once each, exceed the last-level cache: then every step reads them from
-    memory whatever is done, and the GEMMs fetch them non-temporally (``stream``), so that they do not evict
-    what the step reads again (the KV cache, the activations). False where the cache size is unknown."""
+    memory whatever is done, and the GEMMs prefetch them into L2 (``stream``), where a core can have more misses
+    in flight than into L1. False where the cache size is unknown."""
     llc = hardware.last_level_cache_bytes()
     return llc is not None and weight_bytes > llc
 
@@ -454,7 +454,7 @@ class NativeLinear:
         x: torch.Tensor,  # [M, K] fp32 or bf16 (made contiguous if it is not)
         w: torch.Tensor,  # [N, K] x's dtype, contiguous
         out: torch.Tensor | None = None,  # [M, N] x's dtype, contiguous: written in place when given
-        stream: bool = False,  # w is read from memory each call (larger than the caches): fetch it non-temporally
+        stream: bool = False,  # w is read from memory each call (larger than the caches): prefetch it into L2
     ) -> torch.Tensor:  # [M, N]
         # A decode step makes ~120 of these calls: every check here is one attribute read or comparison.
         xs, ws, dt = x.shape, w.shape, x.dtype
@@ -630,7 +630,7 @@ class NativeLayers:
         attn: NativeAttention,  # whose scratch the attention phase uses
         norm_w: torch.Tensor,  # [hidden] the final norm's weight
         lm_head: torch.Tensor,  # [V, hidden] the LM head rows a step computes
-        stream: bool | None = None,  # fetch the weights non-temporally; None: when they exceed the last-level cache
+        stream: bool | None = None,  # prefetch the weights into L2; None: when they exceed the last-level cache
     ) -> BoundLayers:
         return BoundLayers(
             self._fn, self._head, self._workspace_bytes, layers, caches, cos, sin, num_heads, eps, attn,
@@ -704,8 +704,8 @@ class BoundLayers:
         self._buffers: dict[tuple[int, int], _Buffers] = {}
         if stream is None:
             stream = streams_past_caches(sum(t.numel() * t.element_size() for t in (*weights, lm_head)))
-        # Whether the GEMMs fetch the weights non-temporally, keeping the caches for the KV cache and the
-        # activations (a speed hint only: the bits are the same either way).
+        # Whether the GEMMs prefetch the weights into L2 rather than L1 (a speed hint only: the bits are the
+        # same either way).
         self.stream = bool(stream)
 
     def buffers(self, T: int, threads: int) -> _Buffers:

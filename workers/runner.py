@@ -299,7 +299,7 @@ class ModelRunner:
         self._caches = (
             native_attention.BoundCaches.bind(list(zip(self._k_storage, self.v_cache))) if self.native_attn else None
         )
-        # A step reads each weight once: past the last-level cache, the native GEMMs fetch them non-temporally.
+        # A step reads each weight once: past the last-level cache, the native GEMMs prefetch them into L2.
         self.stream_weights = native_attention.streams_past_caches(
             sum(L[n].numel() * L[n].element_size() for L in self.layers for n in ("qkv", "o", "gate_up", "down"))
             + self.lm_head.numel() * self.lm_head.element_size()

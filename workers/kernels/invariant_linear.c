@@ -53,13 +53,15 @@
 #define PF_TILES 2 /* prefetch the weight rows this many tiles ahead */
 #endif
 
-/* A prefetch of the weights: into every cache level, or (nta) non-temporally, for weights that stream
- * past the last-level cache each step anyway: held there, they would only evict what the step reuses
- * (the KV cache, the activations, the other threads' lines). Constant after inlining. */
-#define PREFETCH_W(p, nta)                                                                                       \
+/* A prefetch of the weights: into L1, or (l2) into L2, for weights that stream past the last-level cache each
+ * step: a core can have more misses to memory in flight into L2 than into L1, and a line taken into L1 would
+ * only be used once anyway (on a Zen 4 host, a step's GEMMs read 12-15% faster than with prefetcht0 or
+ * prefetchnta; docs/benchmarks.md#decode_floor). Weights that fit the caches are wanted in L1 (faster there).
+ * Constant after inlining. */
+#define PREFETCH_W(p, l2)                                                                                        \
     do {                                                                                                         \
-        if (nta)                                                                                                 \
-            __builtin_prefetch((p), 0, 0);                                                                       \
+        if (l2)                                                                                                  \
+            __builtin_prefetch((p), 0, 2);                                                                       \
         else                                                                                                     \
             __builtin_prefetch((p), 0, 3);                                                                       \
     } while (0)
@@ -203,12 +205,12 @@ static inline __attribute__((always_inline)) void avx2_step(__m256 lo[2][4], __m
 /* A sub-tile of rn rows (xr) by cn weight rows (wr: tile rows c0 ..), all K, into sums[LANE_OF(SLOT(r0 + i,
  * c0 + j))]. The 16 lanes are two halves of 8 (lane l: k + l of every 16 k). Its 2 rn cn accumulators stay
  * in registers (AVX2 has 16): 1 x 4 for a single row, whose 8 independent chains keep both FMA pipes busy,
- * else 2 x 2, where each load serves two FMAs. rn, cn, bf16 and nta are constants after inlining, and the
+ * else 2 x 2, where each load serves two FMAs. rn, cn, bf16 and l2 are constants after inlining, and the
  * prefetch is decided outside the K loop: a test per K step costs as much as the step. pf: the tile
  * PF_TILES ahead, of which this sub-tile prefetches lines c0 .. c0 + cn - 1 of every NR (NULL: none). */
 static inline __attribute__((always_inline)) void avx2_sub(const void *const *xr, const void *const *wr, int64_t K,
                                                            const int rn, const int cn, const int xb, const int wb,
-                                                           const char *pf, const int nta, int r0, int c0,
+                                                           const char *pf, const int l2, int r0, int c0,
                                                            float *sums) {
     __m256 lo[2][4], hi[2][4];
     for (int i = 0; i < rn; i++)
@@ -216,13 +218,13 @@ static inline __attribute__((always_inline)) void avx2_sub(const void *const *xr
     int64_t k = 0;
     if (pf && wb) /* NR lines of the tile ahead per 32 k */
         for (; k + 32 <= K; k += 32) {
-            for (int j = 0; j < cn; j++) PREFETCH_W(pf + 8 * k + 64 * (c0 + j), nta);
+            for (int j = 0; j < cn; j++) PREFETCH_W(pf + 8 * k + 64 * (c0 + j), l2);
             avx2_step(lo, hi, xr, wr, k, rn, cn, xb, wb);
             avx2_step(lo, hi, xr, wr, k + 16, rn, cn, xb, wb);
         }
     else if (pf) /* NR lines per 16 k */
         for (; k + 16 <= K; k += 16) {
-            for (int j = 0; j < cn; j++) PREFETCH_W(pf + 16 * k + 64 * (c0 + j), nta);
+            for (int j = 0; j < cn; j++) PREFETCH_W(pf + 16 * k + 64 * (c0 + j), l2);
             avx2_step(lo, hi, xr, wr, k, rn, cn, xb, wb);
         }
     for (; k + 16 <= K; k += 16) avx2_step(lo, hi, xr, wr, k, rn, cn, xb, wb);
@@ -250,7 +252,7 @@ static inline __attribute__((always_inline)) void avx2_sub(const void *const *xr
  * rows (a last single row 1 x 4). */
 static inline __attribute__((always_inline)) void avx2_tile(const void *x, int64_t ldx, const void *const *w,
                                                             int64_t K, int mr, const int xb, const int wb,
-                                                            const void *const *pf, const int nta, float *sums) {
+                                                            const void *const *pf, const int l2, float *sums) {
     const size_t es = xb ? 2 : 4;
     const int pair = wb ? 2 : 1;
     for (int r0 = 0; r0 < mr; r0 += pair) {
@@ -258,9 +260,9 @@ static inline __attribute__((always_inline)) void avx2_tile(const void *x, int64
         const void *xr[2] = {(const char *)x + (size_t)(r0 * ldx) * es, (const char *)x + (size_t)((r0 + 1) * ldx) * es};
         const char *p = pf && r0 == 0 ? (const char *)pf[0] : NULL;
         if (rn == 1)
-            avx2_sub(xr, w, K, 1, NR, xb, wb, p, nta, r0, 0, sums);
+            avx2_sub(xr, w, K, 1, NR, xb, wb, p, l2, r0, 0, sums);
         else
-            for (int c0 = 0; c0 < NR; c0 += 2) avx2_sub(xr, w + c0, K, 2, 2, xb, wb, p, nta, r0, c0, sums);
+            for (int c0 = 0; c0 < NR; c0 += 2) avx2_sub(xr, w + c0, K, 2, 2, xb, wb, p, l2, r0, c0, sums);
     }
 }
 #endif
@@ -270,9 +272,9 @@ static inline __attribute__((always_inline)) void avx2_tile(const void *x, int64
  * sums[LANE_OF(SLOT(r, c))] receives y[r, c] in fp32. Always inlined with a constant mr, so the
  * accumulators stay in registers. pf[0]: the first weight row PF_TILES tiles ahead, or pf NULL: a tile's
  * rows are contiguous, and each K step prefetches the next NR cache lines of that tile in address order
- * (one stream: faster than NR streams a row apart, docs/benchmarks.md#gemm_ab); nta: how (PREFETCH_W). */
+ * (one stream: faster than NR streams a row apart, docs/benchmarks.md#gemm_ab); l2: how (PREFETCH_W). */
 static inline __attribute__((always_inline)) void tile(const void *x, int64_t ldx, const void *const *w, int64_t K,
-                                                       int mr, int bf16, int wb, const void *const *pf, int nta,
+                                                       int mr, int bf16, int wb, const void *const *pf, int l2,
                                                        float *sums) {
 #if defined(__AVX512F__) /* wb is bf16 in every call outside the AVX2 build (span_widened) */
     (void)wb;
@@ -285,7 +287,7 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t ld
         int64_t k = 0;
         if (pf)
             for (; k + 32 <= K; k += 32) {
-                for (int c = 0; c < NR; c++) PREFETCH_W((const char *)pf[0] + 8 * k + 64 * c, nta);
+                for (int c = 0; c < NR; c++) PREFETCH_W((const char *)pf[0] + 8 * k + 64 * c, l2);
                 step_bf16(acc, xr, wr, k, mr, 1, 0);
             }
         else
@@ -298,7 +300,7 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t ld
         int64_t k = 0;
         if (pf)
             for (; k + 16 <= K; k += 16) {
-                for (int c = 0; c < NR; c++) PREFETCH_W((const char *)pf[0] + 16 * k + 64 * c, nta);
+                for (int c = 0; c < NR; c++) PREFETCH_W((const char *)pf[0] + 16 * k + 64 * c, l2);
                 step_f32(acc, xr, wr, k, mr, 1, 0);
             }
         else
@@ -308,14 +310,14 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t ld
     _mm512_storeu_ps(sums, reduce16(acc));
 #elif defined(__AVX2__) && defined(__FMA__)
     if (bf16 && wb)
-        avx2_tile(x, ldx, w, K, mr, 1, 1, pf, nta, sums);
+        avx2_tile(x, ldx, w, K, mr, 1, 1, pf, l2, sums);
     else if (bf16)
-        avx2_tile(x, ldx, w, K, mr, 1, 0, pf, nta, sums);
+        avx2_tile(x, ldx, w, K, mr, 1, 0, pf, l2, sums);
     else
-        avx2_tile(x, ldx, w, K, mr, 0, 0, pf, nta, sums);
+        avx2_tile(x, ldx, w, K, mr, 0, 0, pf, l2, sums);
 #else
     (void)pf;
-    (void)nta;
+    (void)l2;
     (void)wb;
     acc_t acc[16];
     memset(acc, 0, sizeof acc);
@@ -343,7 +345,7 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t ld
  * [t0, t1), writing y. W holds weight rows from row w0 on, bf16 if wb (x and y: bf16 if bf16). */
 static inline __attribute__((always_inline)) void row_tile(const void *x, int64_t m0, int mr, const void *W, void *y,
                                                            int64_t N, int64_t K, int64_t t0, int64_t t1, int64_t tend,
-                                                           int bf16, int prefetch, int nta, int wb, int64_t w0) {
+                                                           int bf16, int prefetch, int l2, int wb, int64_t w0) {
     const size_t es = bf16 ? 2 : 4, wes = wb ? 2 : 4;
     const char *xb = (const char *)x + (size_t)(m0 * K) * es;
     for (int64_t t = t0; t < t1; t++) {
@@ -357,7 +359,7 @@ static inline __attribute__((always_inline)) void row_tile(const void *x, int64_
             pf[c] = (const char *)W + (size_t)(((n < N ? n : N - 1) - w0) * K) * wes;
         }
         float sums[16];
-        tile(xb, K, w, K, mr, bf16, wb, ahead ? pf : NULL, nta, sums);
+        tile(xb, K, w, K, mr, bf16, wb, ahead ? pf : NULL, l2, sums);
         const size_t nc = N - n0 < NR ? (size_t)(N - n0) : NR;
 #if defined(__AVX512F__)
         /* row r's NR sums sit in lanes NR r ..: one copy per row */
@@ -389,19 +391,19 @@ static inline __attribute__((always_inline)) void row_tile(const void *x, int64_
 }
 
 /* Weight tiles [a, z) against every row of x, in blocks of nb tiles that all of x's row tiles sweep while the
- * block sits in cache; the weights are prefetched up to tile tend, with PREFETCH_W(nta). */
+ * block sits in cache; the weights are prefetched up to tile tend, with PREFETCH_W(l2). */
 static inline __attribute__((always_inline)) void span(const void *x, const void *W, void *y, int64_t M, int64_t N,
                                                        int64_t K, int bf16, int64_t a, int64_t z, int64_t nb,
-                                                       int64_t tend, int prefetch, int nta) {
+                                                       int64_t tend, int prefetch, int l2) {
     for (int64_t b0 = a; b0 < z; b0 += nb) {
         const int64_t b1 = b0 + nb < z ? b0 + nb : z;
         int64_t m0 = 0;
         /* the block's first row tile reads the weights from memory: prefetch them there */
-        for (; m0 + MR <= M; m0 += MR) row_tile(x, m0, MR, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, nta, bf16, 0);
+        for (; m0 + MR <= M; m0 += MR) row_tile(x, m0, MR, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, l2, bf16, 0);
         switch (M - m0) {
-        case 1: row_tile(x, m0, 1, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, nta, bf16, 0); break;
-        case 2: row_tile(x, m0, 2, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, nta, bf16, 0); break;
-        case 3: row_tile(x, m0, 3, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, nta, bf16, 0); break;
+        case 1: row_tile(x, m0, 1, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, l2, bf16, 0); break;
+        case 2: row_tile(x, m0, 2, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, l2, bf16, 0); break;
+        case 3: row_tile(x, m0, 3, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, l2, bf16, 0); break;
         default: break;
         }
     }
@@ -412,20 +414,20 @@ static void span_t0(const void *x, const void *W, void *y, int64_t M, int64_t N,
                     int64_t z, int64_t nb, int64_t tend, int prefetch) {
     span(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch, 0);
 }
-static void span_nta(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int64_t a,
+static void span_l2(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int64_t a,
                      int64_t z, int64_t nb, int64_t tend, int prefetch) {
     span(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch, 1);
 }
 
 /* The first min(PF_TILES, z - a) weight tiles from tile a, which no earlier tile prefetched (a span that does
  * not continue where the thread's last one ended), bounded by W's N rows. */
-static void prefetch_weights(const void *W, int64_t N, int64_t K, int bf16, int64_t a, int64_t z, int nta) {
+static void prefetch_weights(const void *W, int64_t N, int64_t K, int bf16, int64_t a, int64_t z, int l2) {
     const int64_t t1 = a + PF_TILES < z ? a + PF_TILES : z;
     const int64_t r0 = a * NR, r1 = t1 * NR < N ? t1 * NR : N;
     if (r1 <= r0) return;
     const char *p = (const char *)W + (size_t)(r0 * K) * (bf16 ? 2 : 4);
     const size_t bytes = (size_t)((r1 - r0) * K) * (bf16 ? 2 : 4);
-    for (size_t b = 0; b < bytes; b += 64) PREFETCH_W(p + b, nta);
+    for (size_t b = 0; b < bytes; b += 64) PREFETCH_W(p + b, l2);
 }
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
@@ -438,7 +440,7 @@ static void prefetch_weights(const void *W, int64_t N, int64_t K, int bf16, int6
  * again. The same products, summed in the same order: the same bits. 0 (nothing done) where a block of one
  * tile would not fit the stack buffer. */
 static int span_widened(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int64_t a,
-                        int64_t z, int nta) {
+                        int64_t z, int l2) {
     int64_t nb = NB_BYTES / (NR * K * (int64_t)sizeof(float));
     if (nb < 1) nb = 1;
     const size_t cap = (size_t)(nb * NR * K) * sizeof(float);
@@ -451,16 +453,16 @@ static int span_widened(const void *x, const void *W, void *y, int64_t M, int64_
         const int64_t n = (r1 - r0) * K, ahead = PF_TILES * NR * K; /* prefetch PF_TILES tiles ahead */
         int64_t i = 0;
         for (; i + 32 <= n; i += 32) {
-            if (src + i + ahead < end) PREFETCH_W(src + i + ahead, nta);
+            if (src + i + ahead < end) PREFETCH_W(src + i + ahead, l2);
             for (int h = 0; h < 32; h += 8) _mm256_storeu_ps(wf + i + h, ld8(src, i + h, 1));
         }
         for (; i < n; i++) wf[i] = bf16_widen(src[i]);
         int64_t m0 = 0;
-        for (; m0 + MR <= M; m0 += MR) row_tile(x, m0, MR, wf, y, N, K, b0, b1, b1, 1, 0, nta, 0, r0);
+        for (; m0 + MR <= M; m0 += MR) row_tile(x, m0, MR, wf, y, N, K, b0, b1, b1, 1, 0, l2, 0, r0);
         switch (M - m0) {
-        case 1: row_tile(x, m0, 1, wf, y, N, K, b0, b1, b1, 1, 0, nta, 0, r0); break;
-        case 2: row_tile(x, m0, 2, wf, y, N, K, b0, b1, b1, 1, 0, nta, 0, r0); break;
-        case 3: row_tile(x, m0, 3, wf, y, N, K, b0, b1, b1, 1, 0, nta, 0, r0); break;
+        case 1: row_tile(x, m0, 1, wf, y, N, K, b0, b1, b1, 1, 0, l2, 0, r0); break;
+        case 2: row_tile(x, m0, 2, wf, y, N, K, b0, b1, b1, 1, 0, l2, 0, r0); break;
+        case 3: row_tile(x, m0, 3, wf, y, N, K, b0, b1, b1, 1, 0, l2, 0, r0); break;
         default: break;
         }
     }
@@ -487,7 +489,7 @@ void team_stall_at(int id, unsigned phase, double seconds) {
 
 /* The team's phase y = x @ W^T (see team in kernels.h): units of whole weight tiles, so one thread computes
  * each output. Shapes as invariant_linear, already checked, with (N + 3) / 4 <= SHARE_MASK. stream: W is
- * larger than the last-level cache, so its prefetches are non-temporal (PREFETCH_W). */
+ * larger than the last-level cache, so its prefetches go to L2 (PREFETCH_W). */
 void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int stream,
                  team *t) {
     const int64_t tiles = (N + NR - 1) / NR;
@@ -512,7 +514,7 @@ void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, in
             const int64_t tend = t->victim == 0 ? own_end : z;
             if (prefetch && a != next) prefetch_weights(W, N, K, bf16, a, z, stream);
             if (stream)
-                span_nta(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch);
+                span_l2(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch);
             else
                 span_t0(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch);
         }
