@@ -110,7 +110,7 @@ def kv_budget_problems(args: dict[str, Any]) -> list[str]:
     if dims is not None:
         import torch
 
-        dtype = resolve_dtype(e.dtype, torch.device("cpu")) if e.kv_cache_dtype == "auto" else None
+        dtype = resolve_dtype(e.dtype, torch.device("cpu"), e.cpu_gemm) if e.kv_cache_dtype == "auto" else None
         elt = dtype.itemsize if dtype is not None else (4 if e.kv_cache_dtype == "float32" else 2)
         max_len = min(e.max_model_len, dims.get("max_position_embeddings") or e.max_model_len)
         per_token = _kv_per_token(dims, dims["num_hidden_layers"], elt)

@@ -12,7 +12,9 @@ from workers import hardware
 @pytest.mark.parametrize(
     "flags,expected",
     [
-        ({"avx2", "fma"}, torch.float32),  # AVX2 only: bf16 GEMMs are emulated
+        ({"avx2", "fma"}, torch.bfloat16),  # the native kernel widens bf16 weights exactly: half the bytes read
+        ({"avx2"}, torch.float32),  # no FMA: oneDNN, which would multiply bf16 through fp32 copies
+        ({"avx512f"}, torch.float32),  # AVX-512 without its bf16 instructions: oneDNN, as above
         ({"avx512f", "avx512_bf16"}, torch.bfloat16),
         ({"avx512f", "amx_tile", "amx_bf16"}, torch.bfloat16),
         (set(), torch.float32),  # flags unreadable
@@ -21,6 +23,9 @@ from workers import hardware
 def test_auto_dtype_follows_the_cpu_flags(monkeypatch, flags, expected):
     monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset(flags))
     assert hardware.resolve_dtype("auto", torch.device("cpu")) == expected
+    # GEMMs through oneDNN (chosen, or no C compiler for the native kernel): bf16 only with bf16 instructions
+    onednn = torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & flags else torch.float32
+    assert hardware.resolve_dtype("auto", torch.device("cpu"), "onednn") == onednn
 
 
 def test_explicit_dtypes_are_taken_as_they_are(monkeypatch):

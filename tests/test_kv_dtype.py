@@ -122,7 +122,7 @@ def test_bf16_kv_under_an_fp32_model_is_refused_naming_the_key(tiny_loaded, monk
     with pytest.raises(ValidationError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="float16")
     # dtype auto resolved to fp32 on this hardware: refused when the engine starts, naming the key
-    monkeypatch.setattr("workers.engine.resolve_dtype", lambda name, device: torch.float32)
+    monkeypatch.setattr("workers.engine.resolve_dtype", lambda name, device, cpu_gemm="auto": torch.float32)
     with pytest.raises(ValueError, match="engine.kv_cache_dtype"):
         LLMEngine(EngineConfig(kv_cache_dtype="bfloat16", proposers=[]), tiny_loaded)
     with pytest.raises(ValueError, match="kv_dtype"):

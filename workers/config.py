@@ -70,9 +70,10 @@ class EngineConfig(BaseModel):
     served_model_name: str = Field("SmolLM2-135M-Instruct", description="Name reported by /v1/models.")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
-        description="Weights and activations. 'auto': bfloat16 where the hardware multiplies it natively (CUDA; a "
-        "CPU with AMX or AVX512-BF16), float32 elsewhere (without native bf16 a multi-row bf16 GEMM is emulated and "
-        "slower than fp32). With batch_invariant on, output is a pure function of the request in either dtype.",
+        description="Weights and activations. 'auto': bfloat16 where its GEMMs are at least as fast as fp32's (CUDA; a "
+        "CPU with AMX or AVX512-BF16; a CPU with AVX2 and FMA whose cpu_gemm is the native kernel, which reads half "
+        "the bytes), float32 elsewhere (bf16 through oneDNN without bf16 instructions multiplies fp32 copies). With "
+        "batch_invariant on, output is a pure function of the request in either dtype.",
     )
     batch_invariant: bool = Field(
         True,

@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 from pydantic import ValidationError
 
+from workers import native_attention
 from workers.config import EngineConfig
 from workers.cost_model import StepCostModel
 from workers.decision import DecideFn, SpecCandidate, Speculation, fixed_k
@@ -79,7 +80,10 @@ class LLMEngine:
         self.vocab_size = hf_cfg.vocab_size
         self.max_model_len = min(config.max_model_len, getattr(hf_cfg, "max_position_embeddings", 1 << 30))
         device = pick_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, device)
+        gemm = config.cpu_gemm
+        if device.type == "cpu" and config.dtype == "auto" and native_attention.load_linear() is None:
+            gemm = "onednn"  # no native kernels here: the GEMMs fall back to oneDNN, and the dtype follows
+        self.dtype = resolve_dtype(config.dtype, device, gemm)
         self.kv_dtype = self._kv_dtype()
         num_blocks = self._num_kv_blocks(hf_cfg)
         self.runner = ModelRunner(

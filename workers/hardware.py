@@ -88,13 +88,17 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``"auto"``: bf16 where matmuls run natively in it (CUDA with bf16 support, a CPU with AMX or
-    AVX512-BF16), else fp32. Explicit names are taken as they are."""
+def resolve_dtype(name: str, device: torch.device, cpu_gemm: str = "auto") -> torch.dtype:
+    """``"auto"``: bf16 where its GEMMs run at least as fast as fp32's: CUDA with bf16 support; a CPU with AMX or
+    AVX512-BF16; a CPU whose GEMMs run on the native kernel in bf16 (``cpu_gemm``, see :func:`resolve_cpu_gemm`:
+    AVX2 + FMA), which reads half fp32's bytes and widens them exactly, faster than fp32 up to 16 rows and even
+    at 32 (docs/benchmarks.md#decode_floor). Else fp32: bf16 through oneDNN without bf16 instructions multiplies
+    fp32 copies. Explicit names are taken as they are."""
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        fast = cpu_has_native_bf16() or resolve_cpu_gemm(cpu_gemm, torch.bfloat16) == "native"
+        return torch.bfloat16 if fast else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
