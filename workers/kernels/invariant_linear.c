@@ -27,10 +27,11 @@
  * tree); bf16 with AVX512-BF16 pairs k differently. Built with -ffp-contract=off.
  *
  * bf16 without AVX512-BF16 (the AVX2 build): a call of a few rows widens each weight vector as it loads it
- * (the weights are read once anyway); a call of more than WIDEN_ROWS rows widens each L1-sized block of
- * weight tiles once into an fp32 buffer and runs every row over that (span_widened), where widening per
- * load would widen every weight again for every pair of rows. Widening is exact and the products and their
- * order are those of the per-load path: a row's bits do not depend on which path its call took.
+ * (the weights are read once anyway), and its rows (from two on) once per call into fp32; a call of more than
+ * WIDEN_ROWS rows widens each L1-sized block of weight tiles once into an fp32 buffer and runs every row over
+ * that (span_widened), where widening per load would widen every weight again for every pair of rows.
+ * Widening is exact and the products and their order are those of the per-load path: a row's bits do not
+ * depend on which path its call took.
  */
 
 #include <math.h>
@@ -313,6 +314,8 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t ld
         avx2_tile(x, ldx, w, K, mr, 1, 1, pf, l2, sums);
     else if (bf16)
         avx2_tile(x, ldx, w, K, mr, 1, 0, pf, l2, sums);
+    else if (wb) /* x widened to fp32 once per call (linear_part) */
+        avx2_tile(x, ldx, w, K, mr, 0, 1, pf, l2, sums);
     else
         avx2_tile(x, ldx, w, K, mr, 0, 0, pf, l2, sums);
 #else
@@ -342,11 +345,12 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t ld
 }
 
 /* One row tile of mr rows (a compile-time constant after inlining) against the weight tiles
- * [t0, t1), writing y. W holds weight rows from row w0 on, bf16 if wb (x and y: bf16 if bf16). */
+ * [t0, t1), writing y. W holds weight rows from row w0 on, bf16 if wb (x and y: bf16 if bf16, but x fp32 if xw:
+ * the AVX2 build's bf16 rows, widened once per call). */
 static inline __attribute__((always_inline)) void row_tile(const void *x, int64_t m0, int mr, const void *W, void *y,
                                                            int64_t N, int64_t K, int64_t t0, int64_t t1, int64_t tend,
-                                                           int bf16, int prefetch, int l2, int wb, int64_t w0) {
-    const size_t es = bf16 ? 2 : 4, wes = wb ? 2 : 4;
+                                                           int bf16, int prefetch, int l2, int wb, int64_t w0, int xw) {
+    const size_t es = bf16 && !xw ? 2 : 4, wes = wb ? 2 : 4;
     const char *xb = (const char *)x + (size_t)(m0 * K) * es;
     for (int64_t t = t0; t < t1; t++) {
         const int64_t n0 = t * NR;
@@ -359,7 +363,7 @@ static inline __attribute__((always_inline)) void row_tile(const void *x, int64_
             pf[c] = (const char *)W + (size_t)(((n < N ? n : N - 1) - w0) * K) * wes;
         }
         float sums[16];
-        tile(xb, K, w, K, mr, bf16, wb, ahead ? pf : NULL, l2, sums);
+        tile(xb, K, w, K, mr, bf16 && !xw, wb, ahead ? pf : NULL, l2, sums);
         const size_t nc = N - n0 < NR ? (size_t)(N - n0) : NR;
 #if defined(__AVX512F__)
         /* row r's NR sums sit in lanes NR r ..: one copy per row */
@@ -394,16 +398,16 @@ static inline __attribute__((always_inline)) void row_tile(const void *x, int64_
  * block sits in cache; the weights are prefetched up to tile tend, with PREFETCH_W(l2). */
 static inline __attribute__((always_inline)) void span(const void *x, const void *W, void *y, int64_t M, int64_t N,
                                                        int64_t K, int bf16, int64_t a, int64_t z, int64_t nb,
-                                                       int64_t tend, int prefetch, int l2) {
+                                                       int64_t tend, int prefetch, int l2, int xw) {
     for (int64_t b0 = a; b0 < z; b0 += nb) {
         const int64_t b1 = b0 + nb < z ? b0 + nb : z;
         int64_t m0 = 0;
         /* the block's first row tile reads the weights from memory: prefetch them there */
-        for (; m0 + MR <= M; m0 += MR) row_tile(x, m0, MR, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, l2, bf16, 0);
+        for (; m0 + MR <= M; m0 += MR) row_tile(x, m0, MR, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, l2, bf16, 0, xw);
         switch (M - m0) {
-        case 1: row_tile(x, m0, 1, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, l2, bf16, 0); break;
-        case 2: row_tile(x, m0, 2, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, l2, bf16, 0); break;
-        case 3: row_tile(x, m0, 3, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, l2, bf16, 0); break;
+        case 1: row_tile(x, m0, 1, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, l2, bf16, 0, xw); break;
+        case 2: row_tile(x, m0, 2, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, l2, bf16, 0, xw); break;
+        case 3: row_tile(x, m0, 3, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, l2, bf16, 0, xw); break;
         default: break;
         }
     }
@@ -411,12 +415,12 @@ static inline __attribute__((always_inline)) void span(const void *x, const void
 
 /* span with each prefetch hint a constant: the hot loops carry no branch on it */
 static void span_t0(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int64_t a,
-                    int64_t z, int64_t nb, int64_t tend, int prefetch) {
-    span(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch, 0);
+                    int64_t z, int64_t nb, int64_t tend, int prefetch, int xw) {
+    span(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch, 0, xw);
 }
 static void span_l2(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int64_t a,
-                     int64_t z, int64_t nb, int64_t tend, int prefetch) {
-    span(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch, 1);
+                     int64_t z, int64_t nb, int64_t tend, int prefetch, int xw) {
+    span(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch, 1, xw);
 }
 
 /* The first min(PF_TILES, z - a) weight tiles from tile a, which no earlier tile prefetched (a span that does
@@ -440,7 +444,7 @@ static void prefetch_weights(const void *W, int64_t N, int64_t K, int bf16, int6
  * again. The same products, summed in the same order: the same bits. 0 (nothing done) where a block of one
  * tile would not fit the stack buffer. */
 static int span_widened(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int64_t a,
-                        int64_t z, int l2) {
+                        int64_t z, int l2, int xw) {
     int64_t nb = NB_BYTES / (NR * K * (int64_t)sizeof(float));
     if (nb < 1) nb = 1;
     const size_t cap = (size_t)(nb * NR * K) * sizeof(float);
@@ -458,11 +462,11 @@ static int span_widened(const void *x, const void *W, void *y, int64_t M, int64_
         }
         for (; i < n; i++) wf[i] = bf16_widen(src[i]);
         int64_t m0 = 0;
-        for (; m0 + MR <= M; m0 += MR) row_tile(x, m0, MR, wf, y, N, K, b0, b1, b1, 1, 0, l2, 0, r0);
+        for (; m0 + MR <= M; m0 += MR) row_tile(x, m0, MR, wf, y, N, K, b0, b1, b1, 1, 0, l2, 0, r0, xw);
         switch (M - m0) {
-        case 1: row_tile(x, m0, 1, wf, y, N, K, b0, b1, b1, 1, 0, l2, 0, r0); break;
-        case 2: row_tile(x, m0, 2, wf, y, N, K, b0, b1, b1, 1, 0, l2, 0, r0); break;
-        case 3: row_tile(x, m0, 3, wf, y, N, K, b0, b1, b1, 1, 0, l2, 0, r0); break;
+        case 1: row_tile(x, m0, 1, wf, y, N, K, b0, b1, b1, 1, 0, l2, 0, r0, xw); break;
+        case 2: row_tile(x, m0, 2, wf, y, N, K, b0, b1, b1, 1, 0, l2, 0, r0, xw); break;
+        case 3: row_tile(x, m0, 3, wf, y, N, K, b0, b1, b1, 1, 0, l2, 0, r0, xw); break;
         default: break;
         }
     }
@@ -505,18 +509,29 @@ void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, in
     claim = claim < CLAIM_TILES ? CLAIM_TILES : claim > 4 * CLAIM_TILES ? 4 * CLAIM_TILES : claim;
     if (!prefetch) claim = (claim + nb - 1) / nb * nb;
     int64_t next = -1; /* where this thread's last span ended: the tiles from there on are prefetched */
+    int xw = 0;        /* x widened to fp32 here, once, for every tile (AVX2's bf16) */
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+    if (bf16 && M > 1 && (size_t)(M * K) * sizeof(float) <= (64u << 10)) { /* one row: no gain measured */
+        float *xf = __builtin_alloca((size_t)(M * K) * sizeof(float));
+        const int64_t n = M * K;
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(xf + i, ld8(x, i, 1));
+        for (; i < n; i++) xf[i] = bf16_widen(((const uint16_t *)x)[i]);
+        x = xf, xw = 1;
+    }
+#endif
     PHASE_UNITS(t, tiles, claim, a, z, {
         int done = 0;
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-        done = bf16 && M > WIDEN_ROWS && span_widened(x, W, y, M, N, K, a, z, stream);
+        done = bf16 && M > WIDEN_ROWS && span_widened(x, W, y, M, N, K, a, z, stream, xw);
 #endif
         if (!done) {
             const int64_t tend = t->victim == 0 ? own_end : z;
             if (prefetch && a != next) prefetch_weights(W, N, K, bf16, a, z, stream);
             if (stream)
-                span_l2(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch);
+                span_l2(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch, xw);
             else
-                span_t0(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch);
+                span_t0(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch, xw);
         }
         next = z;
     });
