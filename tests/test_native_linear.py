@@ -313,3 +313,22 @@ def test_the_avx2_build_of_every_kernel_gives_the_native_builds_bits(tiny_loaded
     finally:
         monkeypatch.undo()
         native_attention.clear_cache()
+
+
+def test_dtype_auto_is_bf16_on_avx2_only_where_the_native_kernels_build(tiny_loaded, monkeypatch):
+    """On a CPU with AVX2 + FMA and no bf16 instructions, ``dtype: auto`` is bf16 because the GEMMs run on the
+    native kernel; where it cannot be built they fall back to oneDNN, which would multiply bf16 through fp32
+    copies, and the dtype stays fp32."""
+    from workers import hardware
+    from workers.engine import LLMEngine
+
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    config = EngineConfig(max_num_seqs=1, max_model_len=64, proposers=[])
+    assert LLMEngine(config, tiny_loaded).dtype == torch.bfloat16
+    monkeypatch.setenv(native_attention.ENV_DISABLE, "0")
+    native_attention.clear_cache()
+    try:
+        assert LLMEngine(config, tiny_loaded).dtype == torch.float32
+    finally:
+        monkeypatch.undo()
+        native_attention.clear_cache()

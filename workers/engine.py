@@ -31,7 +31,7 @@ from workers.decision import DecideFn, SpecCandidate, Speculation, fixed_k
 from workers.detokenizer import IncrementalDetokenizer
 from workers.errors import InvalidRequestError
 from workers.grammar import Grammar, GrammarRuntime
-from workers.hardware import resolve_dtype
+from workers.hardware import resolve_cpu_gemm, resolve_dtype
 from workers.kv_blocks import KVCacheManager, kv_bytes_per_token, pool_blocks
 from workers.logprobs import token_logprobs
 from workers.model_loader import LoadedModel
@@ -81,8 +81,15 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len, getattr(hf_cfg, "max_position_embeddings", 1 << 30))
         device = pick_device(config.device)
         gemm = config.cpu_gemm
-        if device.type == "cpu" and config.dtype == "auto" and native_attention.load_linear() is None:
-            gemm = "onednn"  # no native kernels here: the GEMMs fall back to oneDNN, and the dtype follows
+        # bf16 GEMMs on the native kernel pick bf16; where it cannot be built, the runner falls back to oneDNN,
+        # and so does the dtype. Asked only where the answer can change the dtype (building it takes seconds).
+        if (
+            device.type == "cpu"
+            and config.dtype == "auto"
+            and resolve_cpu_gemm(gemm, torch.bfloat16) == "native"
+            and native_attention.load_linear() is None
+        ):
+            gemm = "onednn"
         self.dtype = resolve_dtype(config.dtype, device, gemm)
         self.kv_dtype = self._kv_dtype()
         num_blocks = self._num_kv_blocks(hf_cfg)
