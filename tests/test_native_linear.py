@@ -59,6 +59,46 @@ def test_rows_are_invariant_and_match_torch(linear, dtype, n, k):
     torch.testing.assert_close(alone.double(), ref, atol=tol * k**0.5, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tiled_weights_give_the_plain_weights_bits(linear, dtype):
+    """A weight in the tiled layout (``NativeLinear.tile``: a tile's four rows interleaved 64 bytes at a time)
+    gives every row the bits the plain [N, K] weight gives, for M across 1..40 (one-row tiles, widened blocks on
+    AVX2), at 1 and 2 threads, streamed or not; the layout is the documented one."""
+    gen = torch.Generator().manual_seed(9)
+    ck = 64 // torch.empty(0, dtype=dtype).element_size()
+    n, k = 132, 3 * ck * 4  # 33 tiles of rows, 12 chunks
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    x = torch.randn(40, k, generator=gen).to(dtype)
+    tiled = linear.tile(w)
+    assert tiled.shape == (n // 4, k // ck, 4, ck)
+    assert torch.equal(tiled, w.view(n // 4, 4, k // ck, ck).permute(0, 2, 1, 3))
+    assert native_attention.linear_shape(tiled) == (n, k) == native_attention.linear_shape(w)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for m in (1, 2, 3, 4, 5, 8, 9, 17, 40):
+                for stream in (False, True):
+                    assert torch.equal(linear(x[:m], tiled, stream=stream), linear(x[:m], w, stream=stream)), (
+                        m,
+                        threads,
+                    )
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_only_whole_tiles_and_chunks_are_tiled(linear):
+    """A weight whose rows are not whole tiles of 4, or not whole 64-byte chunks, stays plain; a 4-d weight
+    that is not a tiled one is refused."""
+    assert linear.can_tile(torch.zeros(8, 32, dtype=torch.bfloat16)) and linear.can_tile(torch.zeros(8, 16))
+    assert not linear.can_tile(torch.zeros(6, 32, dtype=torch.bfloat16))
+    assert not linear.can_tile(torch.zeros(8, 16, dtype=torch.bfloat16)) and not linear.can_tile(torch.zeros(8, 24))
+    with pytest.raises(ValueError, match="tile"):
+        linear.tile(torch.zeros(6, 32))
+    with pytest.raises(ValueError, match="tiled"):
+        linear(torch.zeros(1, 32), torch.zeros(2, 2, 4, 8))
+
+
 def test_bad_operands_are_refused(linear):
     with pytest.raises(ValueError, match="do not multiply"):
         linear(torch.zeros(2, 8), torch.zeros(4, 9))
@@ -67,6 +107,24 @@ def test_bad_operands_are_refused(linear):
     with pytest.raises(ValueError, match="out must be"):
         linear(torch.zeros(2, 8), torch.zeros(4, 8), out=torch.zeros(2, 5))
     assert torch.equal(linear(torch.ones(3, 0), torch.ones(4, 0)), torch.zeros(3, 4))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_runner_with_tiled_weights_writes_the_plain_runners_bits(tiny_loaded, linear, dtype, monkeypatch):
+    """The runner tiles its GEMM weights where every shape allows it; its logits are those of a runner that
+    keeps them plain, for a prefill step and a decode step of two requests and a lone decode step."""
+    tiled = ModelRunner(tiny_loaded.model, 2, 128, dtype=dtype, cpu_gemm="native", batch_invariant=True)
+    monkeypatch.setenv(native_attention.ENV_TILED, "0")
+    plain = ModelRunner(tiny_loaded.model, 2, 128, dtype=dtype, cpu_gemm="native", batch_invariant=True)
+    assert tiled.lm_head.dim() == 4 and all(tiled.layers[0][n].dim() == 4 for n in ("qkv", "o", "gate_up", "down"))
+    assert plain.lm_head.dim() == 2 and tiled.native_layers is not None and tiled.native_layers.tiled
+    steps = [
+        StepBatch([0, 1], [0, 0], [list(range(5, 40)), list(range(7, 29))], [[34], [21]]),
+        StepBatch([0, 1], [35, 22], [[9], [11]], [[0], [0]]),
+        StepBatch([1], [23], [[4]], [[0]]),
+    ]
+    for b in steps:
+        assert torch.equal(tiled.forward(b).logits, plain.forward(b).logits)
 
 
 def test_runner_logits_match_the_library_gemm(tiny_loaded, linear):
@@ -239,6 +297,10 @@ def test_every_instruction_set_sums_fp32_in_the_same_order(linear, tmp_path):
         whole = other(xb, wb)  # 19 rows: on AVX2 each weight block widened once for all rows
         assert torch.equal(whole[3:9], other(xb[3:9], wb)), march  # 6 rows: widened per load
         assert torch.equal(whole[7:8], other(xb[7:8], wb)), march
+        xt, wt = torch.randn(19, 320, generator=gen).bfloat16(), torch.randn(68, 320, generator=gen).bfloat16()
+        want_t = linear(xt, wt)  # tiled: the unpacking of a widened block, the chunk addressing of one-row tiles
+        assert torch.equal(other(xt, other.tile(wt)), want_t) and torch.equal(other(xt, wt), want_t), march
+        assert torch.equal(other(xt[5:6], other.tile(wt)), want_t[5:6]), march
         tried += 1
     if not tried:
         pytest.skip("no other x86-64 level builds or runs here")

@@ -18,10 +18,10 @@ The same library holds the residual add + RMSNorm, RoPE + cache write and SiLU *
 (:class:`NativeLayerOps`): as torch ops they are ~35 dispatches per layer, which at one row cost
 about as much as the layer's GEMMs. Every output row is a function of its input row alone.
 
-And a linear layer, ``x @ W^T`` on the plain ``[out, in]`` weight (:class:`NativeLinear`,
+And a linear layer, ``x @ W^T`` on the ``[out, in]`` weight, plain or tiled (:class:`NativeLinear`,
 workers/kernels/invariant_linear.c): every output is one fixed-order sum over ``in`` whatever the
 row count, so it needs none of the row-count probing and padding a GEMM library needs
-(workers/batch_invariant.py), and at a few rows it streams the weights like a plain read.
+(workers/batch_invariant.py), and at a few rows it streams tiled weights like a plain read.
 """
 
 from __future__ import annotations
@@ -438,26 +438,76 @@ def streams_past_caches(weight_bytes: int) -> bool:
     return llc is not None and weight_bytes > llc
 
 
+TILE_ROWS = 4  # NR in invariant_linear.c: the weight rows of one tile
+CHUNK_BYTES = 64  # the bytes of one row a tiled weight keeps together (one cache line)
+ENV_TILED = "SPECSERVE_TILED_WEIGHTS"  # "0": runners keep their weights plain (for paired measurements)
+
+
+def linear_shape(w: torch.Tensor) -> tuple[int, int]:
+    """``(N, K)`` of a linear weight, plain ``[N, K]`` or tiled ``[N / 4, K / ck, 4, ck]`` (NativeLinear.tile)."""
+    if w.dim() == 4:
+        return w.shape[0] * w.shape[2], w.shape[1] * w.shape[3]
+    return w.shape[0], w.shape[1]
+
+
 class NativeLinear:
     """``linear(x, w)``: ``x [M, K] @ w [N, K]^T -> [M, N]`` over the compiled kernel, fp32 or bf16 (fp32 sums,
     a bf16 result rounded to nearest even as torch rounds). A row's result is bit-identical whatever ``M``,
-    the rows beside it and the thread count (workers/kernels/invariant_linear.c)."""
+    the rows beside it, the thread count and ``w``'s layout, plain or tiled (workers/kernels/invariant_linear.c)."""
 
     def __init__(self, dll: ctypes.CDLL) -> None:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._fn = dll.invariant_linear
-        self._fn.argtypes = [p, p, p, i64, i64, i64, i32, i32, i32]
+        self._fn.argtypes = [p, p, p, i64, i64, i64, i32, i32, i32, i32]
         self._fn.restype = ctypes.c_int
+        self._tile = dll.tile_weights
+        self._tile.argtypes = [p, p, i64, i64, i32]
+        self._tile.restype = ctypes.c_int
+
+    @staticmethod
+    def can_tile(w: torch.Tensor) -> bool:
+        """Whether a plain ``[N, K]`` weight has a tiled layout: whole tiles of rows and whole 64-byte chunks
+        (and tiling is not switched off with ``SPECSERVE_TILED_WEIGHTS=0``)."""
+        if os.environ.get(ENV_TILED, "1") == "0":
+            return False
+        ck = CHUNK_BYTES // w.element_size()
+        return w.dim() == 2 and w.shape[0] % TILE_ROWS == 0 and w.shape[1] % ck == 0
+
+    def tile(self, w: torch.Tensor) -> torch.Tensor:
+        """``w`` ([N, K] fp32 or bf16, :meth:`can_tile`) in the layout a GEMM reads in address order:
+        ``[N / 4, K / ck, 4, ck]``, ck = 64 bytes of elements, tile t's four rows interleaved chunk by chunk.
+
+        Why: a one-row GEMM reads the four rows of a tile side by side; in the plain layout those are four
+        streams a row apart, which the hardware prefetchers follow poorly, and the kernel had to prefetch
+        them itself. Tiled, the same loads are one stream in address order. The products and their order
+        are unchanged: the same bits (docs/benchmarks.md#decode_floor)."""
+        if not (self.can_tile(w) and w.is_contiguous() and w.dtype in (torch.float32, torch.bfloat16)):
+            raise ValueError(
+                f"tile: a contiguous fp32 or bf16 [N, K] weight, N a multiple of 4, rows of whole 64-byte chunks; "
+                f"got {tuple(w.shape)}"
+            )
+        N, K = w.shape
+        ck = CHUNK_BYTES // w.element_size()
+        out = torch.empty(N // TILE_ROWS, K // ck, TILE_ROWS, ck, dtype=w.dtype)
+        if self._tile(w.data_ptr(), out.data_ptr(), N, K, int(w.dtype == torch.bfloat16)) != 0:
+            raise ValueError("tile: shape refused")
+        return out
 
     def __call__(
         self,
         x: torch.Tensor,  # [M, K] fp32 or bf16 (made contiguous if it is not)
-        w: torch.Tensor,  # [N, K] x's dtype, contiguous
+        w: torch.Tensor,  # [N, K] x's dtype, contiguous, or tiled (:meth:`tile`)
         out: torch.Tensor | None = None,  # [M, N] x's dtype, contiguous: written in place when given
         stream: bool = False,  # w is read from memory each call (larger than the caches): prefetch it into L2
     ) -> torch.Tensor:  # [M, N]
         # A decode step makes ~120 of these calls: every check here is one attribute read or comparison.
-        xs, ws, dt = x.shape, w.shape, x.dtype
+        xs, dt = x.shape, x.dtype
+        ws: tuple[int, ...] = tuple(w.shape)
+        tiled = len(ws) == 4
+        if tiled:
+            if ws[2] != TILE_ROWS or ws[3] * w.element_size() != CHUNK_BYTES:
+                raise ValueError(f"linear: a 4-d weight must be tiled [N / 4, K / ck, 4, ck], got {ws}")
+            ws = (ws[0] * ws[2], ws[1] * ws[3])
         if len(xs) != 2 or len(ws) != 2 or xs[1] != ws[1]:
             raise ValueError(f"linear: x {tuple(xs)} and weight {tuple(ws)} do not multiply")
         if dt is not w.dtype or (dt is not torch.bfloat16 and dt is not torch.float32) or not w.is_contiguous():
@@ -474,7 +524,7 @@ class NativeLinear:
             out.zero_()
         elif M and N:
             bf16, threads = dt is torch.bfloat16, torch.get_num_threads()
-            self._fn(x.data_ptr(), w.data_ptr(), out.data_ptr(), M, N, K, bf16, stream, threads)
+            self._fn(x.data_ptr(), w.data_ptr(), out.data_ptr(), M, N, K, bf16, stream, tiled, threads)
         return out
 
 
@@ -599,7 +649,7 @@ class NativeLayers:
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         fn = dll.invariant_layers
         fn.argtypes = [p, p, p, p, i64, p, p, p, p, i64, p, i64, p, p, f32, p, i64]
-        fn.argtypes += [p] * 8 + [i64] * 8 + [f32, i32, i32, i32, p, i64, i32]
+        fn.argtypes += [p] * 8 + [i64] * 8 + [f32, i32, i32, i32, p, i64, i32, i32]
         fn.restype = ctypes.c_int
         self._fn = fn
         self._workspace_bytes = dll.layers_workspace_bytes
@@ -609,7 +659,7 @@ class NativeLayers:
         self._profile.argtypes = [p]
         self._profile.restype = None
         self._head = dll.invariant_head
-        self._head.argtypes = [p, p, p, i64, i64, p, p, p, p, i64, i64, f32, i32, i32, i32]
+        self._head.argtypes = [p, p, p, i64, i64, p, p, p, p, i64, i64, f32, i32, i32, i32, i32]
         self._head.restype = ctypes.c_int
 
     def profile(self, acc: torch.Tensor | None) -> None:
@@ -688,15 +738,20 @@ class BoundLayers:
         _check_rope_tables(cos, sin, dtype, caches.head_dim)
         if norm_w.dtype != dtype or lm_head.dtype != dtype or not (norm_w.is_contiguous() and lm_head.is_contiguous()):
             raise ValueError("the final norm and the LM head must be contiguous in the model's dtype")
-        if norm_w.shape != layers[0]["in_norm"].shape or lm_head.shape[1] != norm_w.shape[0]:
+        gemms = [L[n] for L in layers for n in ("qkv", "o", "gate_up", "down")] + [lm_head]
+        tiled = {t.dim() == 4 for t in gemms}
+        if len(tiled) != 1:
+            raise ValueError("the GEMM weights must be all plain or all tiled")
+        self.tiled = tiled.pop()
+        if norm_w.shape != layers[0]["in_norm"].shape or linear_shape(lm_head)[1] != norm_w.shape[0]:
             raise ValueError("the final norm and the LM head disagree with the layers' hidden size")
         self._fn, self._head_fn, self._attn, self._caches = fn, head_fn, attn, caches
         self._workspace_bytes = workspace_bytes
         self.dtype, self.num_heads, self.eps = dtype, num_heads, eps
         self.hidden = layers[0]["in_norm"].shape[0]
-        self.intermediate = layers[0]["down"].shape[1]
+        self.intermediate = linear_shape(layers[0]["down"])[1]
         self._keep = (weights, cos, sin, norm_w, lm_head)
-        self._norm_w, self._lm_head, self.vocab = norm_w.data_ptr(), lm_head.data_ptr(), lm_head.shape[0]
+        self._norm_w, self._lm_head, self.vocab = norm_w.data_ptr(), lm_head.data_ptr(), linear_shape(lm_head)[0]
         self._w = (ctypes.c_void_p * len(weights))(*(t.data_ptr() for t in weights))
         self._kt = (ctypes.c_void_p * len(caches.ptrs))(*(kt for kt, _ in caches.ptrs))
         self._v = (ctypes.c_void_p * len(caches.ptrs))(*(v for _, v in caches.ptrs))
@@ -758,7 +813,7 @@ class BoundLayers:
             b.gu.data_ptr(), b.act.data_ptr(),
             T, hidden, self.num_heads, c.num_kv_heads, c.head_dim, self.intermediate, c.block_size, c.num_blocks,
             self.eps, int(self.dtype == torch.bfloat16), c.kv_bf16, threads,
-            None if b.ws is None else b.ws.data_ptr(), 0 if b.ws is None else b.ws.numel(), self.stream,
+            None if b.ws is None else b.ws.data_ptr(), 0 if b.ws is None else b.ws.numel(), self.stream, self.tiled,
         )  # fmt: skip
         if rc != 0:
             raise ValueError(
@@ -786,7 +841,7 @@ class BoundLayers:
         rc = self._head_fn(
             h.data_ptr(), delta.data_ptr(), rows.data_ptr(), M, T, self._norm_w, self._lm_head,
             hs.data_ptr(), logits.data_ptr(), hidden, self.vocab, self.eps, int(self.dtype == torch.bfloat16),
-            torch.get_num_threads(), self.stream,
+            torch.get_num_threads(), self.stream, self.tiled,
         )  # fmt: skip
         if rc != 0:
             raise ValueError(f"head: a row outside 0..{T - 1}")

@@ -226,8 +226,9 @@ class ModelRunner:
         # HF's forward calls, so its fp32 logits are bit-identical to HF's; oneDNN sums in another
         # order (max |logit diff| ~1.1e-4 on SmolLM2, see EngineConfig).
         # cpu_gemm="native": every weight linear and the LM head run through the invariant linear kernel
-        # (workers/kernels/invariant_linear.c) on the plain [out, in] weights: invariant at every row
-        # count by construction, so nothing is probed, padded or blocked. Where the library does not
+        # (workers/kernels/invariant_linear.c) on the weights tiled for it (or plain [out, in] where a shape
+        # cannot be tiled): invariant at every row count by construction, so nothing is probed, padded or
+        # blocked. Where the library does not
         # build, oneDNN's path runs instead.
         on_cpu_native = cpu_gemm == "native" and self.device.type == "cpu"
         self.native_gemm = native_attention.load_linear() if on_cpu_native else None
@@ -236,7 +237,14 @@ class ModelRunner:
             cpu_gemm = "onednn"
         self.cpu_gemm = "native" if self.native_gemm is not None else cpu_gemm
         if self.native_gemm is not None:
-            # The plain weights, as a step streams them, in one run of huge pages (workers/hugepages.py).
+            # The GEMM weights tiled (NativeLinear.tile: a one-row GEMM reads them in address order) where
+            # every shape allows it, and all the weights, as a step streams them, in one run of huge pages
+            # (workers/hugepages.py).
+            lin, gemms = self.native_gemm, ("qkv", "o", "gate_up", "down")
+            if all(lin.can_tile(L[n]) for L in self.layers for n in gemms) and lin.can_tile(self.lm_head):
+                for L in self.layers:
+                    L.update((n, lin.tile(L[n].contiguous())) for n in gemms)
+                self.lm_head = lin.tile(self.lm_head.contiguous())
             names = ("in_norm", "qkv", "o", "post_norm", "gate_up", "down")
             placed = hugepages.arena([L[n] for L in self.layers for n in names] + [self.final_norm, self.lm_head])
             for i, L in enumerate(self.layers):

@@ -1,10 +1,12 @@
 """Paired A/B of the CPU weight GEMMs: ``cpu_gemm="onednn"`` (prepacked, row-blocked) against ``"native"``
-(workers/kernels/invariant_linear.c on the plain weights), on the SmolLM2 engine, in one process.
+(workers/kernels/invariant_linear.c on the tiled weights), on the SmolLM2 engine, in one process; or
+(``--backends native-plain,native``) the native GEMMs on plain ``[N, K]`` weights against tiled ones.
 
     python -m benchmarks.engine.gemm_ab [--rounds 5] [--steps 16] [--threads 2] [--dtypes bfloat16,float32]
+        [--backends onednn,native]
 
 Cells, per dtype, each run on both backends back to back, in alternating order round by round (each
-round gives its own native/onednn ratio; the table has the median and min..max):
+round gives its own B/A ratio; the table has the median and min..max):
 - decode step with c = 1, 16, 32 requests decoding (the engine's plain step, batch-invariant, as served);
 - verify-shaped step: one request feeding 5 rows (K = 4 drafts + 1) at the end of its prompt (runner forward);
 - prefill: a 512-token prompt in chunks of ``max_num_batched_tokens`` (256), its last row's logits: the
@@ -19,6 +21,7 @@ Writes benchmarks/results/<--out>.{json,png}.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -42,12 +45,14 @@ from benchmarks.engine.decode_floor import read_bandwidth_gbs
 from benchmarks.engine.step_ab import step_times
 from benchmarks.engine.step_split import GEMMS, StepSplit, weight_bytes
 from benchmarks.fidelity.invariance_bench import PROMPT
+from workers import native_attention
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.model_loader import load_model
 from workers.runner import StepBatch
 
-BACKENDS = ("onednn", "native")
+# native-plain: the native GEMMs on the plain weights (SPECSERVE_TILED_WEIGHTS=0 while the engine is built)
+BACKENDS = ("onednn", "native", "native-plain")
 PREFILL_TOKENS = 512
 VERIFY_ROWS = 5
 
@@ -87,6 +92,33 @@ def gemm_times(eng: LLMEngine, steps: int, clock: Callable[[], float]) -> dict[s
     return {g: sp.totals.get(g, 0.0) for g in (*GEMMS, "step")}
 
 
+def build_engine(dtype: str, backend: str, max_seqs: int, loaded: Any) -> LLMEngine:
+    """The engine of one arm: ``backend`` is a ``cpu_gemm``, or ``native-plain`` (native GEMMs on plain weights)."""
+    plain = backend == "native-plain"
+    before = os.environ.get(native_attention.ENV_TILED)
+    if plain:
+        os.environ[native_attention.ENV_TILED] = "0"
+    try:
+        return LLMEngine(
+            EngineConfig(
+                dtype=dtype,
+                cpu_gemm="native" if plain else backend,
+                batch_invariant=True,
+                max_num_seqs=max_seqs,
+                max_model_len=1024,
+                kv_cache_memory_gb=0.5,
+                enable_prefix_caching=False,
+                proposers=[],
+            ),
+            loaded,
+        )
+    finally:
+        if plain:
+            os.environ.pop(native_attention.ENV_TILED, None)
+            if before is not None:
+                os.environ[native_attention.ENV_TILED] = before
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -100,45 +132,33 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--concurrency", default="1,16,32")
     ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--backends", default="onednn,native", help=f"two of {', '.join(BACKENDS)}: A, then B")
     ap.add_argument("--out", default="gemm_ab")
     args = ap.parse_args(argv)
+    backends = tuple(args.backends.split(","))
+    if len(backends) != 2 or not set(backends) <= set(BACKENDS):
+        ap.error(f"--backends: two of {', '.join(BACKENDS)}")
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     env = env_info()
     bw_start = read_bandwidth_gbs(256)
     loaded = load_model("smollm2")
     dtypes, cs = args.dtypes.split(","), [int(c) for c in args.concurrency.split(",")]
-    engines = {
-        (dt, be): LLMEngine(
-            EngineConfig(
-                dtype=dt,
-                cpu_gemm=be,
-                batch_invariant=True,
-                max_num_seqs=max(cs),
-                max_model_len=1024,
-                kv_cache_memory_gb=0.5,
-                enable_prefix_caching=False,
-                proposers=[],
-            ),
-            loaded,
-        )
-        for dt in dtypes
-        for be in BACKENDS
-    }
-    assert all(e.runner.cpu_gemm == be for (_, be), e in engines.items()), "the native library did not build"
-    eng0 = engines[(dtypes[0], BACKENDS[0])]
+    engines = {(dt, be): build_engine(dt, be, max(cs), loaded) for dt in dtypes for be in backends}
+    assert all(e.runner.cpu_gemm == be.split("-")[0] for (_, be), e in engines.items()), "no native library"
+    eng0 = engines[(dtypes[0], backends[0])]
     prompt = eng0.tokenize_chat([{"role": "user", "content": PROMPT}])
     long_ids = [random.Random(0).randrange(3, eng0.vocab_size) for _ in range(PREFILL_TOKENS)]
     chunk = eng0.config.max_num_batched_tokens
     outs = {k: e.generate([prompt], {"max_tokens": 24}) for k, e in engines.items()}  # warm-up
-    same = {dt: outs[(dt, "onednn")] == outs[(dt, "native")] for dt in dtypes}
+    same = {dt: outs[(dt, backends[0])] == outs[(dt, backends[1])] for dt in dtypes}
     cells: list[tuple[str, Any]] = [(f"decode c={c}", c) for c in cs]
     cells += [("verify M=5", "verify"), ("prefill 512", "pf")]
     times: dict[tuple[str, str, str], list[float]] = {}
     for rnd in progress(range(args.rounds), desc="rounds"):
         for dt in dtypes:
             for i, (name, what) in enumerate(cells):
-                for be in BACKENDS if (rnd + i) % 2 == 0 else BACKENDS[::-1]:
+                for be in backends if (rnd + i) % 2 == 0 else backends[::-1]:
                     eng = engines[(dt, be)]
                     if what == "verify":
                         t = verify_step_s(eng, prompt, args.steps, clock)
@@ -148,30 +168,30 @@ def main(argv: list[str] | None = None) -> int:
                         t = step_times(eng, prompt, what, args.steps, clock)
                     times.setdefault((dt, name, be), []).append(t)
     rows = []
+    a_, b_ = backends
     for dt in dtypes:
         for name, _ in cells:
-            a, b = times[(dt, name, "onednn")], times[(dt, name, "native")]
-            p = paired(a, b)
-            rows.append({"dtype": dt, "cell": name, "onednn_ms": p.pop("a_ms"), "native_ms": p.pop("b_ms"), **p})
+            p = paired(times[(dt, name, backends[0])], times[(dt, name, backends[1])])
+            rows.append({"dtype": dt, "cell": name, f"{a_}_ms": p.pop("a_ms"), f"{b_}_ms": p.pop("b_ms"), **p})
     print(
         format_table(
             rows,
             [
                 ("dtype", "dtype", "s"),
                 ("cell", "cell", "s"),
-                ("onednn_ms", "onednn ms", ".2f"),
-                ("native_ms", "native ms", ".2f"),
-                ("ratio", "native/onednn", ".3f"),
+                (f"{a_}_ms", f"{a_} ms", ".2f"),
+                (f"{b_}_ms", f"{b_} ms", ".2f"),
+                ("ratio", f"{b_}/{a_}", ".3f"),
                 ("ratio_min", "min", ".3f"),
                 ("ratio_max", "max", ".3f"),
             ],
-            title=f"{args.clock} clock, {args.threads} threads, {args.rounds} paired rounds (< 1: native faster)",
+            title=f"{args.clock} clock, {args.threads} threads, {args.rounds} paired rounds (< 1: {b_} faster)",
         )
     )
     # per-GEMM time and GB/s at M=1: one request decoding, both backends, the split summed over the steps
     split_rows = []
     for dt in dtypes:
-        for be in BACKENDS:
+        for be in backends:
             eng = engines[(dt, be)]
             eng.add_request(f"split-{be}", prompt, {"max_tokens": args.steps + 4, "ignore_eos": True})
             while any(r.in_prefill for r in eng.running) or eng.waiting:
@@ -206,8 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     bar_panel(
         axes[0],
         [f"{r['dtype'][:4]}/{r['cell']}" for r in rows],
-        {"native / onednn": [r["ratio"] for r in rows]},
-        title="step time, native / onednn (< 1 = native faster)",
+        {f"{b_} / {a_}": [r["ratio"] for r in rows]},
+        title=f"step time, {b_} / {a_} (< 1 = {b_} faster)",
         ylabel="ratio",
         fmt="{:.2f}",
     )
@@ -217,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     bar_panel(
         axes[1],
         labels,
-        {be: [by.get((lab, be)) or 0.0 for lab in labels] for be in BACKENDS},
+        {be: [by.get((lab, be)) or 0.0 for lab in labels] for be in backends},
         title="weight GEMMs at M=1: GB/s read",
         ylabel="GB/s",
         fmt="{:.0f}",
@@ -235,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             "raw_s": {f"{dt}/{name}/{be}": v for (dt, name, be), v in times.items()},
         },
         fig,
-        title="cpu_gemm onednn vs native (SmolLM2)",
+        title=f"cpu_gemm {a_} vs {b_} (SmolLM2)",
     )
     return 0
 

@@ -45,7 +45,7 @@ def weight_bytes(runner: ModelRunner) -> dict[str, int]:
     )
     per_layer = {"qkv": (h + 2 * hkv) * d * hd, "o": hd * h * d, "gate_up": 2 * inter * hd, "down": hd * inter}
     out = {k: v * runner.num_layers * esize for k, v in per_layer.items()}
-    out["lm_head"] = runner.lm_head.shape[0] * hd * esize
+    out["lm_head"] = native_attention.linear_shape(runner.lm_head)[0] * hd * esize
     return out
 
 

@@ -371,7 +371,8 @@ int64_t layers_workspace_bytes(int64_t L, int64_t T, int64_t hidden, int64_t H, 
  * residual stream, updated; on return delta holds the last layer's down projection (h + delta is the output,
  * added by the caller as torch adds). Buffers without a workspace: x [T, hidden], qkv [T, (H + 2 Hkv) D],
  * q and o32 [T, H D] fp32, o [T, H D] (the model's dtype; unused for fp32), delta [T, hidden], gu [T, 2 I],
- * act [T, I]. stream: the weights are larger than the last-level cache (see linear_part). Returns 0, or -1 if
+ * act [T, I]. stream: the weights are larger than the last-level cache (see linear_part); tiled: the four GEMM
+ * weights of every layer are in tile_weights' layout (invariant_linear.c). Returns 0, or -1 if
  * an index lies outside the tables or the pool, a shape outside the kernels, or the workspace is too small
  * (checked before anything is written). */
 int invariant_layers(void *h, const void *const *w, void *const *kt, void *const *v, int64_t L,
@@ -380,7 +381,7 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
                      float scale, float *scratch, int64_t n_pad, void *x, void *qkv, float *q, float *o32, void *o,
                      void *delta, void *gu, void *act, int64_t T, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
                      int64_t I, int64_t BS, int64_t num_blocks, float eps, int bf16, int kv_bf16, int nthreads,
-                     void *ws, int64_t ws_bytes, int stream) {
+                     void *ws, int64_t ws_bytes, int stream, int tiled) {
     if (T <= 0 || hidden <= 0 || I <= 0 || L <= 0) return -1;
     if (rope_check(pos, kv_index, T, Hkv, D, BS, num_blocks, max_len)) return -1;
     const int nmax = nthreads > 0 ? nthreads : 1;
@@ -396,7 +397,9 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
     const int64_t silu_units = (T * cpr + silu_group - 1) / silu_group;
     if ((uint64_t)(9 * L) >= TEAM_MAX_PHASES || T > (int64_t)SHARE_MASK ||
         plan.tiles * Hkv > (int64_t)SHARE_MASK || (2 * I + 3) / 4 > (int64_t)SHARE_MASK ||
-        (nqkv + 3) / 4 > (int64_t)SHARE_MASK)
+        (nqkv + 3) / 4 > (int64_t)SHARE_MASK ||
+        (tiled && !(tiled_shape_ok(nqkv, hidden, bf16) && tiled_shape_ok(hidden, H * D, bf16) &&
+                    tiled_shape_ok(2 * I, hidden, bf16) && tiled_shape_ok(hidden, I, bf16))))
         return -1;
     int one_row_each = 1; /* each request has one row (rows of a request are consecutive, requests in order) */
     for (int64_t t = 1; t < T; t++) one_row_each &= req[t] > req[t - 1];
@@ -447,7 +450,7 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
             uint16_t *const o_bf16 = bf16 ? (uint16_t *)b.o : NULL;
             ROWS(r, T, row_claim, rms_row(h_in, h_attn, d_in, wl[0], b.x, r, hidden, eps, bf16));
             PHASE(0);
-            linear_part(b.x, wl[1], b.qkv, T, nqkv, hidden, bf16, stream, t);
+            linear_part(b.x, wl[1], b.qkv, T, nqkv, hidden, bf16, stream, tiled, t);
             PHASE(1);
             if (one_row_each) {
                 /* a decode step: an item reads only its own row's new key and value, so it ropes its own
@@ -471,18 +474,18 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
                 });
             }
             PHASE(3);
-            linear_part(b.o, wl[2], b.d_attn, T, hidden, H * D, bf16, stream, t);
+            linear_part(b.o, wl[2], b.d_attn, T, hidden, H * D, bf16, stream, tiled, t);
             PHASE(4);
             ROWS(r, T, row_claim, rms_row(h_attn, b.h_mlp, b.d_attn, wl[3], b.x_mlp, r, hidden, eps, bf16));
             PHASE(5);
-            linear_part(b.x_mlp, wl[4], b.gu, T, 2 * I, hidden, bf16, stream, t);
+            linear_part(b.x_mlp, wl[4], b.gu, T, 2 * I, hidden, bf16, stream, tiled, t);
             PHASE(6);
             ROWS(u, silu_units, silu_claim, {
                 const int64_t c1 = (u + 1) * silu_group < T * cpr ? (u + 1) * silu_group : T * cpr;
                 silu_span(b.gu, b.act, I, bf16, u * silu_group, c1);
             });
             PHASE(7);
-            linear_part(b.act, wl[5], b.d_mlp, T, hidden, I, bf16, stream, t);
+            linear_part(b.act, wl[5], b.d_mlp, T, hidden, I, bf16, stream, tiled, t);
             PHASE(8);
             prev = b;
         }
@@ -502,11 +505,14 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
  * logits = hs @ W^T, in one parallel region: the same row computations as rms_norm on those rows and
  * invariant_linear, so the same bits, without a second region and the Python between them. h is not
  * changed. h, delta: [T, hidden]; rows: [M] in 0..T-1; norm_w: [hidden]; W: [V, hidden]; hs: [M, hidden];
- * logits: [M, V], all in the model's dtype; stream as in invariant_layers. Returns 0, or -1 if a row lies outside 0..T-1. */
+ * logits: [M, V], all in the model's dtype; stream and tiled (W's layout) as in invariant_layers. Returns 0, or -1 if a
+ * row lies outside 0..T-1 or W's shape cannot be tiled. */
 int invariant_head(const void *h, const void *delta, const int64_t *rows, int64_t M, int64_t T, const void *norm_w,
                    const void *W, void *hs, void *logits, int64_t hidden, int64_t V, float eps, int bf16,
-                   int nthreads, int stream) {
-    if (M < 0 || hidden <= 0 || V <= 0 || M > (int64_t)SHARE_MASK || (V + 3) / 4 > (int64_t)SHARE_MASK) return -1;
+                   int nthreads, int stream, int tiled) {
+    if (M < 0 || hidden <= 0 || V <= 0 || M > (int64_t)SHARE_MASK || (V + 3) / 4 > (int64_t)SHARE_MASK ||
+        (tiled && !tiled_shape_ok(V, hidden, bf16)))
+        return -1;
     for (int64_t m = 0; m < M; m++)
         if (rows[m] < 0 || rows[m] >= T) return -1;
     if (M == 0) return 0;
@@ -525,7 +531,7 @@ int invariant_head(const void *h, const void *delta, const int64_t *rows, int64_
                     hidden, eps, bf16);
         });
         if (acc && tm.id == 0) t1 = team_clock();
-        linear_part(hs, W, logits, M, V, hidden, bf16, stream, &tm);
+        linear_part(hs, W, logits, M, V, hidden, bf16, stream, tiled, &tm);
     }
     if (acc) { /* the phases after the layers' nine */
         const double t2 = team_clock();

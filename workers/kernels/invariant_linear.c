@@ -18,6 +18,11 @@
  *
  * Tiles of up to 4 rows of x by 4 rows of W share loads (each weight vector is used by every row of
  * the tile, each x vector by every weight row); a tile of fewer rows runs the same per-element code.
+ * W is plain [N, K] or tiled (tile_weights): each tile's 4 rows interleaved 64 bytes at a time, so that the
+ * tile's loads, chunk by chunk across its rows, run through memory in address order. The hardware prefetchers
+ * follow that one stream; 4 streams a row apart they follow poorly, and plain weights need the kernel's own
+ * prefetches (PREFETCH_W), which cost load slots and still read below the bandwidth at one row. The layout
+ * changes where a weight is read, not which products are summed in which order: the same bits.
  * N is split across OpenMP threads in whole tiles, claimed a few at a time, so that a thread done with its
  * own share takes over the rest of a preempted one's (team in kernels.h); one thread computes each output
  * entirely.
@@ -79,6 +84,12 @@ static inline float bf16_widen(uint16_t h) {
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
+}
+
+/* Where element k of a weight row lies, from the row's first chunk: wm = 1 for plain rows ([N, K]); wm = NR
+ * for tiled weights, whose rows' chunks of ck elements (64 bytes) are interleaved by tile (tile_weights). */
+static inline __attribute__((always_inline)) int64_t woff(int64_t k, const int wm, const int ck) {
+    return wm == 1 ? k : (k & ~(int64_t)(ck - 1)) * wm + (k & (ck - 1));
 }
 
 /* The fixed tree over one accumulator's 16 lanes (the portable form of reduce16 below). */
@@ -148,14 +159,14 @@ typedef struct {
 /* One K step of a tile: 32 bf16 (or 16 fp32) of each row; `full` (a constant after inlining) loads
  * without a mask, else the lanes of m only (the rest read as 0). */
 static inline __attribute__((always_inline)) void step_bf16(__m512 *acc, const uint16_t *const *xr,
-                                                            const uint16_t *const *wr, int64_t k, int mr, int full,
-                                                            __mmask32 m) {
+                                                            const uint16_t *const *wr, int64_t k, int64_t kw, int mr,
+                                                            int full, __mmask32 m) {
 #if defined(__AVX512BF16__)
     __m512bh xv[MR], wv[NR];
     for (int r = 0; r < mr; r++)
         xv[r] = (__m512bh)(full ? _mm512_loadu_si512(xr[r] + k) : _mm512_maskz_loadu_epi16(m, xr[r] + k));
     for (int c = 0; c < NR; c++)
-        wv[c] = (__m512bh)(full ? _mm512_loadu_si512(wr[c] + k) : _mm512_maskz_loadu_epi16(m, wr[c] + k));
+        wv[c] = (__m512bh)(full ? _mm512_loadu_si512(wr[c] + kw) : _mm512_maskz_loadu_epi16(m, wr[c] + kw));
     for (int c = 0; c < NR; c++)
         for (int r = 0; r < mr; r++) acc[SLOT(r, c)] = _mm512_dpbf16_ps(acc[SLOT(r, c)], xv[r], wv[c]);
 #else
@@ -168,7 +179,7 @@ static inline __attribute__((always_inline)) void step_bf16(__m512 *acc, const u
                 _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mh, xr[r] + k + 16 * h)), 16));
         for (int c = 0; c < NR; c++)
             wv[c] = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mh, wr[c] + k + 16 * h)), 16));
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mh, wr[c] + kw + 16 * h)), 16));
         for (int c = 0; c < NR; c++)
             for (int r = 0; r < mr; r++) acc[SLOT(r, c)] = _mm512_fmadd_ps(xv[r], wv[c], acc[SLOT(r, c)]);
     }
@@ -176,12 +187,12 @@ static inline __attribute__((always_inline)) void step_bf16(__m512 *acc, const u
 }
 
 static inline __attribute__((always_inline)) void step_f32(__m512 *acc, const float *const *xr,
-                                                           const float *const *wr, int64_t k, int mr, int full,
-                                                           __mmask16 m) {
+                                                           const float *const *wr, int64_t k, int64_t kw, int mr,
+                                                           int full, __mmask16 m) {
     __m512 xv[MR], wv[NR];
     for (int r = 0; r < mr; r++) xv[r] = full ? _mm512_loadu_ps(xr[r] + k) : _mm512_maskz_loadu_ps(m, xr[r] + k);
     for (int c = 0; c < NR; c++) {
-        wv[c] = full ? _mm512_loadu_ps(wr[c] + k) : _mm512_maskz_loadu_ps(m, wr[c] + k);
+        wv[c] = full ? _mm512_loadu_ps(wr[c] + kw) : _mm512_maskz_loadu_ps(m, wr[c] + kw);
         __asm__("" : "+v"(wv[c])); /* one load per weight vector, not one folded into each row's FMA */
     }
     for (int r = 0; r < mr; r++) __asm__("" : "+v"(xv[r]));
@@ -202,14 +213,14 @@ static inline __attribute__((always_inline)) __m256 ld8(const void *p, int64_t i
 /* One K step of 16 of an rn x cn sub-tile (rows xr, weight rows wr; xb, wb: bf16, else fp32). */
 static inline __attribute__((always_inline)) void avx2_step(__m256 lo[2][4], __m256 hi[2][4], const void *const *xr,
                                                             const void *const *wr, int64_t k, const int rn,
-                                                            const int cn, const int xb, const int wb) {
+                                                            const int cn, const int xb, const int wb, const int wm) {
     __m256 xl[2], xh[2];
     for (int i = 0; i < rn; i++) {
         xl[i] = ld8(xr[i], k, xb), xh[i] = ld8(xr[i], k + 8, xb);
         __asm__("" : "+x"(xl[i]), "+x"(xh[i])); /* one load per vector, not one folded into each FMA */
     }
     for (int j = 0; j < cn; j++) {
-        __m256 wl = ld8(wr[j], k, wb), wh = ld8(wr[j], k + 8, wb);
+        __m256 wl = ld8(wr[j], woff(k, wm, wb ? 32 : 16), wb), wh = ld8(wr[j], woff(k + 8, wm, wb ? 32 : 16), wb);
         if (rn > 1) __asm__("" : "+x"(wl), "+x"(wh));
         for (int i = 0; i < rn; i++) {
             lo[i][j] = _mm256_fmadd_ps(xl[i], wl, lo[i][j]);
@@ -226,7 +237,7 @@ static inline __attribute__((always_inline)) void avx2_step(__m256 lo[2][4], __m
  * PF_TILES ahead, of which this sub-tile prefetches lines c0 .. c0 + cn - 1 of every NR (NULL: none). */
 static inline __attribute__((always_inline)) void avx2_sub(const void *const *xr, const void *const *wr, int64_t K,
                                                            const int rn, const int cn, const int xb, const int wb,
-                                                           const char *pf, const int l2, int r0, int c0,
+                                                           const int wm, const char *pf, const int l2, int r0, int c0,
                                                            float *sums) {
     __m256 lo[2][4], hi[2][4];
     for (int i = 0; i < rn; i++)
@@ -235,23 +246,23 @@ static inline __attribute__((always_inline)) void avx2_sub(const void *const *xr
     if (pf && wb) /* NR lines of the tile ahead per 32 k */
         for (; k + 32 <= K; k += 32) {
             for (int j = 0; j < cn; j++) PREFETCH_W(pf + 8 * k + 64 * (c0 + j), l2);
-            avx2_step(lo, hi, xr, wr, k, rn, cn, xb, wb);
-            avx2_step(lo, hi, xr, wr, k + 16, rn, cn, xb, wb);
+            avx2_step(lo, hi, xr, wr, k, rn, cn, xb, wb, wm);
+            avx2_step(lo, hi, xr, wr, k + 16, rn, cn, xb, wb, wm);
         }
     else if (pf) /* NR lines per 16 k */
         for (; k + 16 <= K; k += 16) {
             for (int j = 0; j < cn; j++) PREFETCH_W(pf + 16 * k + 64 * (c0 + j), l2);
-            avx2_step(lo, hi, xr, wr, k, rn, cn, xb, wb);
+            avx2_step(lo, hi, xr, wr, k, rn, cn, xb, wb, wm);
         }
-    for (; k + 16 <= K; k += 16) avx2_step(lo, hi, xr, wr, k, rn, cn, xb, wb);
-    if (k < K) { /* the tail, zero-padded to 16 */
+    for (; k + 16 <= K; k += 16) avx2_step(lo, hi, xr, wr, k, rn, cn, xb, wb, wm);
+    if (k < K) { /* the tail, zero-padded to 16 (tiled weights have none) */
         uint32_t buf[6][16];
         memset(buf, 0, sizeof buf);
         const size_t xs = xb ? 2 : 4, ws = wb ? 2 : 4;
         const void *xt[2] = {buf[0], buf[1]}, *wt[4] = {buf[2], buf[3], buf[4], buf[5]};
         for (int i = 0; i < rn; i++) memcpy(buf[i], (const char *)xr[i] + (size_t)k * xs, (size_t)(K - k) * xs);
         for (int j = 0; j < cn; j++) memcpy(buf[2 + j], (const char *)wr[j] + (size_t)k * ws, (size_t)(K - k) * ws);
-        avx2_step(lo, hi, xt, wt, 0, rn, cn, xb, wb);
+        avx2_step(lo, hi, xt, wt, 0, rn, cn, xb, wb, 1);
     }
     for (int i = 0; i < rn; i++)
         for (int j = 0; j < cn; j++) {
@@ -267,7 +278,7 @@ static inline __attribute__((always_inline)) void avx2_sub(const void *const *xr
  * come from L1, the rows from L2), bf16 rows in pairs in 2 x 2, where each weight vector widened serves two
  * rows (a last single row 1 x 4). */
 static inline __attribute__((always_inline)) void avx2_tile(const void *x, int64_t ldx, const void *const *w,
-                                                            int64_t K, int mr, const int xb, const int wb,
+                                                            int64_t K, int mr, const int xb, const int wb, const int wm,
                                                             const void *const *pf, const int l2, float *sums) {
     const size_t es = xb ? 2 : 4;
     const int pair = wb ? 2 : 1;
@@ -276,9 +287,9 @@ static inline __attribute__((always_inline)) void avx2_tile(const void *x, int64
         const void *xr[2] = {(const char *)x + (size_t)(r0 * ldx) * es, (const char *)x + (size_t)((r0 + 1) * ldx) * es};
         const char *p = pf && r0 == 0 ? (const char *)pf[0] : NULL;
         if (rn == 1)
-            avx2_sub(xr, w, K, 1, NR, xb, wb, p, l2, r0, 0, sums);
+            avx2_sub(xr, w, K, 1, NR, xb, wb, wm, p, l2, r0, 0, sums);
         else
-            for (int c0 = 0; c0 < NR; c0 += 2) avx2_sub(xr, w + c0, K, 2, 2, xb, wb, p, l2, r0, c0, sums);
+            for (int c0 = 0; c0 < NR; c0 += 2) avx2_sub(xr, w + c0, K, 2, 2, xb, wb, wm, p, l2, r0, c0, sums);
     }
 }
 #endif
@@ -290,8 +301,8 @@ static inline __attribute__((always_inline)) void avx2_tile(const void *x, int64
  * rows are contiguous, and each K step prefetches the next NR cache lines of that tile in address order
  * (one stream: faster than NR streams a row apart, docs/benchmarks.md#gemm_ab); l2: how (PREFETCH_W). */
 static inline __attribute__((always_inline)) void tile(const void *x, int64_t ldx, const void *const *w, int64_t K,
-                                                       int mr, int bf16, int wb, const void *const *pf, int l2,
-                                                       float *sums) {
+                                                       int mr, int bf16, int wb, int wm, const void *const *pf,
+                                                       int l2, float *sums) {
 #if defined(__AVX512F__) /* wb is bf16 in every call outside the AVX2 build (span_widened) */
     (void)wb;
     acc_t acc[16];
@@ -304,11 +315,11 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t ld
         if (pf)
             for (; k + 32 <= K; k += 32) {
                 for (int c = 0; c < NR; c++) PREFETCH_W((const char *)pf[0] + 8 * k + 64 * c, l2);
-                step_bf16(acc, xr, wr, k, mr, 1, 0);
+                step_bf16(acc, xr, wr, k, k * wm, mr, 1, 0);
             }
         else
-            for (; k + 32 <= K; k += 32) step_bf16(acc, xr, wr, k, mr, 1, 0);
-        if (k < K) step_bf16(acc, xr, wr, k, mr, 0, (__mmask32)((1u << (K - k)) - 1u));
+            for (; k + 32 <= K; k += 32) step_bf16(acc, xr, wr, k, k * wm, mr, 1, 0);
+        if (k < K) step_bf16(acc, xr, wr, k, k * wm, mr, 0, (__mmask32)((1u << (K - k)) - 1u));
     } else {
         const float *xr[MR], *wr[NR];
         for (int r = 0; r < mr; r++) xr[r] = (const float *)x + r * ldx;
@@ -317,26 +328,27 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t ld
         if (pf)
             for (; k + 16 <= K; k += 16) {
                 for (int c = 0; c < NR; c++) PREFETCH_W((const char *)pf[0] + 16 * k + 64 * c, l2);
-                step_f32(acc, xr, wr, k, mr, 1, 0);
+                step_f32(acc, xr, wr, k, k * wm, mr, 1, 0);
             }
         else
-            for (; k + 16 <= K; k += 16) step_f32(acc, xr, wr, k, mr, 1, 0);
-        if (k < K) step_f32(acc, xr, wr, k, mr, 0, (__mmask16)((1u << (K - k)) - 1u));
+            for (; k + 16 <= K; k += 16) step_f32(acc, xr, wr, k, k * wm, mr, 1, 0);
+        if (k < K) step_f32(acc, xr, wr, k, k * wm, mr, 0, (__mmask16)((1u << (K - k)) - 1u));
     }
     _mm512_storeu_ps(sums, mr == 1 ? reduce4_row0(acc) : reduce16(acc));
 #elif defined(__AVX2__) && defined(__FMA__)
     if (bf16 && wb)
-        avx2_tile(x, ldx, w, K, mr, 1, 1, pf, l2, sums);
+        avx2_tile(x, ldx, w, K, mr, 1, 1, wm, pf, l2, sums);
     else if (bf16)
-        avx2_tile(x, ldx, w, K, mr, 1, 0, pf, l2, sums);
+        avx2_tile(x, ldx, w, K, mr, 1, 0, wm, pf, l2, sums);
     else if (wb) /* x widened to fp32 once per call (linear_part) */
-        avx2_tile(x, ldx, w, K, mr, 0, 1, pf, l2, sums);
+        avx2_tile(x, ldx, w, K, mr, 0, 1, wm, pf, l2, sums);
     else
-        avx2_tile(x, ldx, w, K, mr, 0, 0, pf, l2, sums);
+        avx2_tile(x, ldx, w, K, mr, 0, 0, wm, pf, l2, sums);
 #else
     (void)pf;
     (void)l2;
     (void)wb;
+    const int ck = bf16 ? 32 : 16;
     acc_t acc[16];
     memset(acc, 0, sizeof acc);
     for (int64_t k = 0; k < K; k += 16) {
@@ -349,7 +361,9 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t ld
                                      : ((const float *)x)[r * ldx + k + l];
         for (int c = 0; c < NR; c++)
             for (int l = 0; l < 16; l++)
-                wv[c][l] = l >= n ? 0.0f : bf16 ? bf16_widen(((const uint16_t *)w[c])[k + l]) : ((const float *)w[c])[k + l];
+                wv[c][l] = l >= n  ? 0.0f
+                           : bf16 ? bf16_widen(((const uint16_t *)w[c])[woff(k + l, wm, ck)])
+                                  : ((const float *)w[c])[woff(k + l, wm, ck)];
         for (int c = 0; c < NR; c++)
             for (int r = 0; r < mr; r++)
                 for (int l = 0; l < 16; l++)
@@ -364,21 +378,23 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t ld
  * the AVX2 build's bf16 rows, widened once per call). */
 static inline __attribute__((always_inline)) void row_tile(const void *x, int64_t m0, int mr, const void *W, void *y,
                                                            int64_t N, int64_t K, int64_t t0, int64_t t1, int64_t tend,
-                                                           int bf16, int prefetch, int l2, int wb, int64_t w0, int xw) {
+                                                           int bf16, int prefetch, int l2, int wb, int64_t w0, int xw,
+                                                           int wm) {
     const size_t es = bf16 && !xw ? 2 : 4, wes = wb ? 2 : 4;
     const char *xb = (const char *)x + (size_t)(m0 * K) * es;
     for (int64_t t = t0; t < t1; t++) {
         const int64_t n0 = t * NR;
         const void *w[NR], *pf[NR];
-        for (int c = 0; c < NR; c++) /* past N: repeat the last row (its sums are not stored) */
-            w[c] = (const char *)W + (size_t)(((n0 + c < N ? n0 + c : N - 1) - w0) * K) * wes;
+        for (int c = 0; c < NR; c++) /* past N: repeat the last row (its sums are not stored); tiled: N % NR == 0 */
+            w[c] = wm == 1 ? (const char *)W + (size_t)(((n0 + c < N ? n0 + c : N - 1) - w0) * K) * wes
+                           : (const char *)W + (size_t)((n0 - w0) * K) * wes + (size_t)c * 64;
         const int ahead = PF_TILES > 0 && prefetch && t + PF_TILES < tend;
         for (int c = 0; c < NR; c++) {
             const int64_t n = n0 + PF_TILES * NR + c;
             pf[c] = (const char *)W + (size_t)(((n < N ? n : N - 1) - w0) * K) * wes;
         }
         float sums[16];
-        tile(xb, K, w, K, mr, bf16 && !xw, wb, ahead ? pf : NULL, l2, sums);
+        tile(xb, K, w, K, mr, bf16 && !xw, wb, wm, ahead ? pf : NULL, l2, sums);
         const size_t nc = N - n0 < NR ? (size_t)(N - n0) : NR;
 #if defined(__AVX512F__)
         /* row r's NR sums sit in lanes NR r ..: one copy per row */
@@ -413,30 +429,36 @@ static inline __attribute__((always_inline)) void row_tile(const void *x, int64_
  * block sits in cache; the weights are prefetched up to tile tend, with PREFETCH_W(l2). */
 static inline __attribute__((always_inline)) void span(const void *x, const void *W, void *y, int64_t M, int64_t N,
                                                        int64_t K, int bf16, int64_t a, int64_t z, int64_t nb,
-                                                       int64_t tend, int prefetch, int l2, int xw) {
+                                                       int64_t tend, int prefetch, int l2, int xw, int wm) {
+    /* Tiled weights streamed by a call of a few rows are read in address order at the pace of the memory, which
+     * the hardware prefetchers follow on their own (prefetches would only take load slots); a call of more
+     * rows computes longer per weight, and its first row tile prefetches ahead as for plain weights. */
+    const int pf_first = wm == 1 || M > 2 * MR;
     for (int64_t b0 = a; b0 < z; b0 += nb) {
         const int64_t b1 = b0 + nb < z ? b0 + nb : z;
         int64_t m0 = 0;
         /* the block's first row tile reads the weights from memory: prefetch them there */
-        for (; m0 + MR <= M; m0 += MR) row_tile(x, m0, MR, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, l2, bf16, 0, xw);
+        for (; m0 + MR <= M; m0 += MR) row_tile(x, m0, MR, W, y, N, K, b0, b1, tend, bf16, (m0 == 0 && pf_first) || prefetch, l2, bf16, 0, xw, wm);
         switch (M - m0) {
-        case 1: row_tile(x, m0, 1, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, l2, bf16, 0, xw); break;
-        case 2: row_tile(x, m0, 2, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, l2, bf16, 0, xw); break;
-        case 3: row_tile(x, m0, 3, W, y, N, K, b0, b1, tend, bf16, m0 == 0 || prefetch, l2, bf16, 0, xw); break;
+        case 1: row_tile(x, m0, 1, W, y, N, K, b0, b1, tend, bf16, (m0 == 0 && pf_first) || prefetch, l2, bf16, 0, xw, wm); break;
+        case 2: row_tile(x, m0, 2, W, y, N, K, b0, b1, tend, bf16, (m0 == 0 && pf_first) || prefetch, l2, bf16, 0, xw, wm); break;
+        case 3: row_tile(x, m0, 3, W, y, N, K, b0, b1, tend, bf16, (m0 == 0 && pf_first) || prefetch, l2, bf16, 0, xw, wm); break;
         default: break;
         }
     }
 }
 
-/* span with each prefetch hint a constant: the hot loops carry no branch on it */
-static void span_t0(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int64_t a,
-                    int64_t z, int64_t nb, int64_t tend, int prefetch, int xw) {
-    span(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch, 0, xw);
-}
-static void span_l2(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int64_t a,
-                     int64_t z, int64_t nb, int64_t tend, int prefetch, int xw) {
-    span(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch, 1, xw);
-}
+/* span with the prefetch hint and the weights' layout constants: the hot loops carry no branch on them */
+#define SPAN_FN(name, l2, wm)                                                                                    \
+    static void name(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int64_t a, \
+                     int64_t z, int64_t nb, int64_t tend, int prefetch, int xw) {                                \
+        span(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch, l2, xw, wm);                                      \
+    }
+SPAN_FN(span_t0, 0, 1)
+SPAN_FN(span_l2, 1, 1)
+SPAN_FN(span_tiled_t0, 0, NR)
+SPAN_FN(span_tiled_l2, 1, NR)
+#undef SPAN_FN
 
 /* The first min(PF_TILES, z - a) weight tiles from tile a, which no earlier tile prefetched (a span that does
  * not continue where the thread's last one ended), bounded by W's N rows. */
@@ -459,7 +481,7 @@ static void prefetch_weights(const void *W, int64_t N, int64_t K, int bf16, int6
  * again. The same products, summed in the same order: the same bits. 0 (nothing done) where a block of one
  * tile would not fit the stack buffer. */
 static int span_widened(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int64_t a,
-                        int64_t z, int l2, int xw) {
+                        int64_t z, int l2, int xw, int tiled) {
     int64_t nb = NB_BYTES / (NR * K * (int64_t)sizeof(float));
     if (nb < 1) nb = 1;
     const size_t cap = (size_t)(nb * NR * K) * sizeof(float);
@@ -471,17 +493,22 @@ static int span_widened(const void *x, const void *W, void *y, int64_t M, int64_
         const uint16_t *src = (const uint16_t *)W + r0 * K;
         const int64_t n = (r1 - r0) * K, ahead = PF_TILES * NR * K; /* prefetch PF_TILES tiles ahead */
         int64_t i = 0;
+        if (tiled) /* the block's chunks back into rows: chunk i / 32 is row c of tile t, elements 32 j .. */
+            for (; i < n; i += 32) {
+                const int64_t t = i / (NR * K), j = i / (NR * 32) % (K / 32), c = i / 32 % NR;
+                for (int h = 0; h < 32; h += 8) _mm256_storeu_ps(wf + (t * NR + c) * K + 32 * j + h, ld8(src, i + h, 1));
+            }
         for (; i + 32 <= n; i += 32) {
             if (src + i + ahead < end) PREFETCH_W(src + i + ahead, l2);
             for (int h = 0; h < 32; h += 8) _mm256_storeu_ps(wf + i + h, ld8(src, i + h, 1));
         }
         for (; i < n; i++) wf[i] = bf16_widen(src[i]);
         int64_t m0 = 0;
-        for (; m0 + MR <= M; m0 += MR) row_tile(x, m0, MR, wf, y, N, K, b0, b1, b1, 1, 0, l2, 0, r0, xw);
+        for (; m0 + MR <= M; m0 += MR) row_tile(x, m0, MR, wf, y, N, K, b0, b1, b1, 1, 0, l2, 0, r0, xw, 1);
         switch (M - m0) {
-        case 1: row_tile(x, m0, 1, wf, y, N, K, b0, b1, b1, 1, 0, l2, 0, r0, xw); break;
-        case 2: row_tile(x, m0, 2, wf, y, N, K, b0, b1, b1, 1, 0, l2, 0, r0, xw); break;
-        case 3: row_tile(x, m0, 3, wf, y, N, K, b0, b1, b1, 1, 0, l2, 0, r0, xw); break;
+        case 1: row_tile(x, m0, 1, wf, y, N, K, b0, b1, b1, 1, 0, l2, 0, r0, xw, 1); break;
+        case 2: row_tile(x, m0, 2, wf, y, N, K, b0, b1, b1, 1, 0, l2, 0, r0, xw, 1); break;
+        case 3: row_tile(x, m0, 3, wf, y, N, K, b0, b1, b1, 1, 0, l2, 0, r0, xw, 1); break;
         default: break;
         }
     }
@@ -510,7 +537,7 @@ void team_stall_at(int id, unsigned phase, double seconds) {
  * each output. Shapes as invariant_linear, already checked, with (N + 3) / 4 <= SHARE_MASK. stream: W is
  * larger than the last-level cache, so its prefetches go to L2 (PREFETCH_W). */
 void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int stream,
-                 team *t) {
+                 int tiled, team *t) {
     const int64_t tiles = (N + NR - 1) / NR;
     const int64_t es = bf16 ? 2 : 4;
     int64_t nb = NB_BYTES / (NR * K * es);
@@ -538,25 +565,45 @@ void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, in
     PHASE_UNITS(t, tiles, claim, a, z, {
         int done = 0;
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-        done = bf16 && M > WIDEN_ROWS && span_widened(x, W, y, M, N, K, a, z, stream, xw);
+        done = bf16 && M > WIDEN_ROWS && span_widened(x, W, y, M, N, K, a, z, stream, xw, tiled);
 #endif
         if (!done) {
             const int64_t tend = t->victim == 0 ? own_end : z;
-            if (prefetch && a != next) prefetch_weights(W, N, K, bf16, a, z, stream);
-            if (stream)
-                span_l2(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch, xw);
-            else
-                span_t0(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch, xw);
+            if (tiled) /* a few rows: read in address order, without prefetches (span) */
+                (stream ? span_tiled_l2 : span_tiled_t0)(x, W, y, M, N, K, bf16, a, z, nb, tend, 0, xw);
+            else {
+                if (prefetch && a != next) prefetch_weights(W, N, K, bf16, a, z, stream);
+                (stream ? span_l2 : span_t0)(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch, xw);
+            }
         }
         next = z;
     });
 }
 
-/* x: [M, K], W: [N, K], y: [M, N], all contiguous; fp32, or bf16 (bf16 != 0) as uint16. stream: see
- * linear_part (a speed hint: every bit of y is the same either way). */
+int tiled_shape_ok(int64_t N, int64_t K, int bf16) { return N % NR == 0 && K % (bf16 ? 32 : 16) == 0; }
+
+/* Weights [N, K] (fp32, or bf16 as uint16) into the tiled layout the GEMMs read in address order: tile t (rows
+ * NR t .. NR t + NR - 1) is one contiguous run of K / ck chunks of NR rows' ck elements (64 bytes each), chunk
+ * j holding elements ck j .. ck j + ck - 1 of each row in turn: element (n, k) lies at
+ * ((n / NR * (K / ck) + k / ck) * NR + n % NR) * ck + k % ck, ck = 64 bytes / element. A one-row GEMM reads
+ * the rows of a tile side by side, chunk by chunk; tiled, that is one stream in address order, which the
+ * hardware prefetchers follow, where NR rows a row apart are NR streams. Needs tiled_shape_ok. */
+int tile_weights(const void *W, void *out, int64_t N, int64_t K, int bf16) {
+    if (N <= 0 || K <= 0 || !tiled_shape_ok(N, K, bf16)) return -1;
+    const size_t es = bf16 ? 2 : 4, ck = 64 / es;
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t j = 0; j < K / (int64_t)ck; j++)
+            memcpy((char *)out + ((size_t)((n / NR * (K / (int64_t)ck) + j) * NR + n % NR) * ck) * es,
+                   (const char *)W + (size_t)(n * K + j * (int64_t)ck) * es, 64);
+    return 0;
+}
+
+/* x: [M, K], W: [N, K] (or tiled: tile_weights' layout), y: [M, N], all contiguous; fp32, or bf16 (bf16 != 0)
+ * as uint16. stream: see linear_part (a speed hint: every bit of y is the same either way); tiled: the layout
+ * (the same bits either way). */
 int invariant_linear(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int stream,
-                     int nthreads) {
-    if (M < 0 || N <= 0 || K <= 0) return -1;
+                     int tiled, int nthreads) {
+    if (M < 0 || N <= 0 || K <= 0 || (tiled && !tiled_shape_ok(N, K, bf16))) return -1;
     if (M == 0) return 0;
     const int64_t tiles = (N + NR - 1) / NR;
     int nt = nthreads < 1 ? 1 : nthreads;
@@ -567,7 +614,7 @@ int invariant_linear(const void *x, const void *W, void *y, int64_t M, int64_t N
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         team t = team_join(slots, nt, 1); /* x is only read, y only written: held tiles may be computed again */
-        linear_part(x, W, y, M, N, K, bf16, stream, &t);
+        linear_part(x, W, y, M, N, K, bf16, stream, tiled, &t);
     }
     return 0;
 }

@@ -288,8 +288,9 @@ static inline void team_wait_stage(const team *t, uint64_t stage) {
     } while (0)
 
 void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int stream,
-                 team *t);
+                 int tiled, team *t);
+int tiled_shape_ok(int64_t N, int64_t K, int bf16);
 int invariant_linear(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int stream,
-                     int nthreads);
+                     int tiled, int nthreads);
 
 #endif
