@@ -57,8 +57,15 @@ BENCHMARKS = [
     Benchmark(
         "engine",
         "benchmarks.engine.gemm_ab",
-        "Do the native invariant linears beat oneDNN's prepacked GEMMs: decode, verify, prefill, GB/s at M=1?",
+        "Do the native invariant linears beat oneDNN's prepacked GEMMs (or tiled weights plain ones): decode, "
+        "verify, prefill, GB/s at M=1?",
         "gemm_ab.json",
+    ),
+    Benchmark(
+        "engine",
+        "benchmarks.engine.read_patterns",
+        "How fast does a core read weights in a one-row GEMM's order, plain vs tiled, against a plain read?",
+        "read_patterns.json",
     ),
     Benchmark(
         "engine",
@@ -220,12 +227,15 @@ RECORDS = {
     "decode_floor_v3_proxy_before": "decode_floor --march x86-64-v3, the same host, before the AVX2 kernel fixes",
     "decode_floor_zen4": "decode_floor --http --http-reps 6 on a Zen 4 (AVX512-BF16), after the L2 prefetch",
     "decode_floor_zen4_before": "decode_floor --http --http-reps 6 on the same Zen 4, before the L2 prefetch",
+    "decode_floor_zen4_tiled": "decode_floor --http --http-reps 6 on the same Zen 4, the GEMM weights tiled",
+    "decode_floor_v3_proxy_tiled": "decode_floor --march x86-64-v3 on the Zen 4, the GEMM weights tiled",
     "decode_floor_http": "decode_floor --http --rounds 3: the same cells plus c=1 TPOT over HTTP, quiet machine",
     "draft_eval_chat24": "draft_eval on 24 held-out prompts",
     "fuzz_before_fix": "fuzz before response_format text was validated (10 refused requests answered 200)",
     "gemm_ab_avx2": "gemm_ab --rounds 3 on an AVX2-only CPU, both dtypes",
     "gemm_ab_avx2_fp32": "gemm_ab --rounds 5 --dtypes float32 on an AVX2-only CPU, fp32 rows one at a time",
     "gemm_ab_cpu1": "gemm_ab --threads 1 --clock cpu: per-core work of each backend, contended machine",
+    "gemm_ab_tiled": "gemm_ab --backends native-plain,native: the native GEMMs on plain vs tiled weights, Zen 4",
     "guidellm_load_burner_bound": "guidellm_load, an older run whose bound burnt guidellm's whole-run CPU",
     "guidellm_load_steady_slow": "guidellm_load, the steady-state rerun on a slow hour",
     "guidellm_paired": "guidellm_paired with max_ttft_ms 700",

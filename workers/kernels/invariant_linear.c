@@ -55,6 +55,16 @@
 #ifndef NB_BYTES
 #define NB_BYTES 24576 /* weight bytes of the tiles a thread sweeps all of x's row tiles over (stay in L1) */
 #endif
+/* Calls of at most this many rows read tiled weights without software prefetches: one row tile on AVX-512
+ * (a second row tile in the same call, or AVX2's pairs of rows, which read half a tile's lines per pass, fall
+ * behind without them; docs/benchmarks.md#decode_floor). */
+#ifndef TILED_BARE_ROWS
+#if defined(__AVX512F__)
+#define TILED_BARE_ROWS MR
+#else
+#define TILED_BARE_ROWS 1
+#endif
+#endif
 #ifndef PF_TILES
 #define PF_TILES 2 /* prefetch the weight rows this many tiles ahead */
 #endif
@@ -430,10 +440,10 @@ static inline __attribute__((always_inline)) void row_tile(const void *x, int64_
 static inline __attribute__((always_inline)) void span(const void *x, const void *W, void *y, int64_t M, int64_t N,
                                                        int64_t K, int bf16, int64_t a, int64_t z, int64_t nb,
                                                        int64_t tend, int prefetch, int l2, int xw, int wm) {
-    /* Tiled weights streamed by a call of a few rows are read in address order at the pace of the memory, which
-     * the hardware prefetchers follow on their own (prefetches would only take load slots); a call of more
-     * rows computes longer per weight, and its first row tile prefetches ahead as for plain weights. */
-    const int pf_first = wm == 1 || M > 2 * MR;
+    /* Tiled weights read by a call of at most TILED_BARE_ROWS rows go through memory in address order at its
+     * pace, which the hardware prefetchers follow on their own (prefetches would only take load slots); a call
+     * of more rows computes longer per weight, and its first row tile prefetches ahead as for plain weights. */
+    const int pf_first = wm == 1 || M > TILED_BARE_ROWS;
     for (int64_t b0 = a; b0 < z; b0 += nb) {
         const int64_t b1 = b0 + nb < z ? b0 + nb : z;
         int64_t m0 = 0;
@@ -569,8 +579,11 @@ void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, in
 #endif
         if (!done) {
             const int64_t tend = t->victim == 0 ? own_end : z;
-            if (tiled) /* a few rows: read in address order, without prefetches (span) */
-                (stream ? span_tiled_l2 : span_tiled_t0)(x, W, y, M, N, K, bf16, a, z, nb, tend, 0, xw);
+            if (tiled) { /* a few rows: read in address order, without prefetches (span) */
+                const int pf = prefetch && M > TILED_BARE_ROWS;
+                if (pf && a != next) prefetch_weights(W, N, K, bf16, a, z, stream);
+                (stream ? span_tiled_l2 : span_tiled_t0)(x, W, y, M, N, K, bf16, a, z, nb, tend, pf, xw);
+            }
             else {
                 if (prefetch && a != next) prefetch_weights(W, N, K, bf16, a, z, stream);
                 (stream ? span_l2 : span_t0)(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch, xw);
