@@ -87,9 +87,10 @@ def test_tiled_weights_give_the_plain_weights_bits(linear, dtype):
         torch.set_num_threads(before)
 
 
-def test_only_whole_tiles_and_chunks_are_tiled(linear):
+def test_only_whole_tiles_and_chunks_are_tiled(linear, monkeypatch):
     """A weight whose rows are not whole tiles of 4, or not whole 64-byte chunks, stays plain; a 4-d weight
-    that is not a tiled one is refused."""
+    that is not a tiled one is refused. A runner tiles a weight only where the build reads its dtype faster
+    tiled, and not with SPECSERVE_TILED_WEIGHTS=0."""
     assert linear.can_tile(torch.zeros(8, 32, dtype=torch.bfloat16)) and linear.can_tile(torch.zeros(8, 16))
     assert not linear.can_tile(torch.zeros(6, 32, dtype=torch.bfloat16))
     assert not linear.can_tile(torch.zeros(8, 16, dtype=torch.bfloat16)) and not linear.can_tile(torch.zeros(8, 24))
@@ -97,6 +98,12 @@ def test_only_whole_tiles_and_chunks_are_tiled(linear):
         linear.tile(torch.zeros(6, 32))
     with pytest.raises(ValueError, match="tiled"):
         linear(torch.zeros(1, 32), torch.zeros(2, 2, 4, 8))
+    w = torch.zeros(8, 32)
+    for wins in (True, False):
+        monkeypatch.setitem(linear._tiled_wins, torch.float32, wins)
+        assert linear.tiles(w) is wins
+    monkeypatch.setenv(native_attention.ENV_TILED, "0")
+    assert not linear.tiles(w)
 
 
 def test_bad_operands_are_refused(linear):
@@ -111,8 +118,10 @@ def test_bad_operands_are_refused(linear):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_runner_with_tiled_weights_writes_the_plain_runners_bits(tiny_loaded, linear, dtype, monkeypatch):
-    """The runner tiles its GEMM weights where every shape allows it; its logits are those of a runner that
-    keeps them plain, for a prefill step and a decode step of two requests and a lone decode step."""
+    """The runner tiles its GEMM weights where every shape allows it (and the build reads them faster so: made
+    so here for both dtypes); its logits are those of a runner that keeps them plain, for a prefill step and a
+    decode step of two requests and a lone decode step."""
+    monkeypatch.setitem(linear._tiled_wins, dtype, True)
     tiled = ModelRunner(tiny_loaded.model, 2, 128, dtype=dtype, cpu_gemm="native", batch_invariant=True)
     monkeypatch.setenv(native_attention.ENV_TILED, "0")
     plain = ModelRunner(tiny_loaded.model, 2, 128, dtype=dtype, cpu_gemm="native", batch_invariant=True)

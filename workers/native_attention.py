@@ -463,15 +463,20 @@ class NativeLinear:
         self._tile = dll.tile_weights
         self._tile.argtypes = [p, p, i64, i64, i32]
         self._tile.restype = ctypes.c_int
+        wins = dll.tiled_layout_wins
+        wins.argtypes, wins.restype = [i32], ctypes.c_int
+        self._tiled_wins = {dt: bool(wins(int(dt == torch.bfloat16))) for dt in (torch.float32, torch.bfloat16)}
 
     @staticmethod
     def can_tile(w: torch.Tensor) -> bool:
-        """Whether a plain ``[N, K]`` weight has a tiled layout: whole tiles of rows and whole 64-byte chunks
-        (and tiling is not switched off with ``SPECSERVE_TILED_WEIGHTS=0``)."""
-        if os.environ.get(ENV_TILED, "1") == "0":
-            return False
+        """Whether a plain ``[N, K]`` weight has a tiled layout: whole tiles of rows and whole 64-byte chunks."""
         ck = CHUNK_BYTES // w.element_size()
         return w.dim() == 2 and w.shape[0] % TILE_ROWS == 0 and w.shape[1] % ck == 0
+
+    def tiles(self, w: torch.Tensor) -> bool:
+        """Whether a runner should store ``w`` tiled: it can be, this build's GEMMs read its dtype faster tiled
+        (``tiled_layout_wins`` in invariant_linear.c), and ``SPECSERVE_TILED_WEIGHTS=0`` does not keep it plain."""
+        return os.environ.get(ENV_TILED, "1") != "0" and self._tiled_wins.get(w.dtype, False) and self.can_tile(w)
 
     def tile(self, w: torch.Tensor) -> torch.Tensor:
         """``w`` ([N, K] fp32 or bf16, :meth:`can_tile`) in the layout a GEMM reads in address order:

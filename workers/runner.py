@@ -238,10 +238,10 @@ class ModelRunner:
         self.cpu_gemm = "native" if self.native_gemm is not None else cpu_gemm
         if self.native_gemm is not None:
             # The GEMM weights tiled (NativeLinear.tile: a one-row GEMM reads them in address order) where
-            # every shape allows it, and all the weights, as a step streams them, in one run of huge pages
-            # (workers/hugepages.py).
+            # every shape allows it and the build reads them faster so, and all the weights, as a step streams
+            # them, in one run of huge pages (workers/hugepages.py).
             lin, gemms = self.native_gemm, ("qkv", "o", "gate_up", "down")
-            if all(lin.can_tile(L[n]) for L in self.layers for n in gemms) and lin.can_tile(self.lm_head):
+            if all(lin.tiles(L[n]) for L in self.layers for n in gemms) and lin.tiles(self.lm_head):
                 for L in self.layers:
                     L.update((n, lin.tile(L[n].contiguous())) for n in gemms)
                 self.lm_head = lin.tile(self.lm_head.contiguous())

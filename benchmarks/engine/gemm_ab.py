@@ -3,7 +3,7 @@
 (``--backends native-plain,native``) the native GEMMs on plain ``[N, K]`` weights against tiled ones.
 
     python -m benchmarks.engine.gemm_ab [--rounds 5] [--steps 16] [--threads 2] [--dtypes bfloat16,float32]
-        [--backends onednn,native]
+        [--backends onednn,native] [--concurrency 1,16,32] [--march x86-64-v3]
 
 Cells, per dtype, each run on both backends back to back, in alternating order round by round (each
 round gives its own B/A ratio; the table has the median and min..max):
@@ -134,13 +134,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--backends", default="onednn,native", help=f"two of {', '.join(BACKENDS)}: A, then B")
     ap.add_argument("--out", default="gemm_ab")
+    ap.add_argument(
+        "--march",
+        help="build the native kernels for this -march instead of the host's (x86-64-v3: an AVX2-only CPU's code "
+        "path, run on this host's memory)",
+    )
     args = ap.parse_args(argv)
+    if args.march:
+        native_attention.FLAGS = tuple(
+            f"-march={args.march}" if f == "-march=native" else f for f in native_attention.FLAGS
+        )
     backends = tuple(args.backends.split(","))
     if len(backends) != 2 or not set(backends) <= set(BACKENDS):
         ap.error(f"--backends: two of {', '.join(BACKENDS)}")
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     env = env_info()
+    env["native_march"] = args.march or "native"
     bw_start = read_bandwidth_gbs(256)
     loaded = load_model("smollm2")
     dtypes, cs = args.dtypes.split(","), [int(c) for c in args.concurrency.split(",")]

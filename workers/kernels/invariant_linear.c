@@ -55,14 +55,14 @@
 #ifndef NB_BYTES
 #define NB_BYTES 24576 /* weight bytes of the tiles a thread sweeps all of x's row tiles over (stay in L1) */
 #endif
-/* Calls of at most this many rows read tiled weights without software prefetches: one row tile on AVX-512
- * (a second row tile in the same call, or AVX2's pairs of rows, which read half a tile's lines per pass, fall
- * behind without them; docs/benchmarks.md#decode_floor). */
+/* Calls of at most this many rows read tiled weights without software prefetches: on AVX-512 one row tile in
+ * bf16, two rows in fp32 (more rows compute longer per weight and fall behind without them); one row elsewhere
+ * (AVX2's pairs of rows read half a tile's lines per pass). Measured, docs/benchmarks.md#decode_floor. */
 #ifndef TILED_BARE_ROWS
 #if defined(__AVX512F__)
-#define TILED_BARE_ROWS MR
+#define TILED_BARE_ROWS(bf16) ((bf16) ? MR : 2)
 #else
-#define TILED_BARE_ROWS 1
+#define TILED_BARE_ROWS(bf16) 1
 #endif
 #endif
 #ifndef PF_TILES
@@ -443,7 +443,7 @@ static inline __attribute__((always_inline)) void span(const void *x, const void
     /* Tiled weights read by a call of at most TILED_BARE_ROWS rows go through memory in address order at its
      * pace, which the hardware prefetchers follow on their own (prefetches would only take load slots); a call
      * of more rows computes longer per weight, and its first row tile prefetches ahead as for plain weights. */
-    const int pf_first = wm == 1 || M > TILED_BARE_ROWS;
+    const int pf_first = wm == 1 || M > TILED_BARE_ROWS(bf16);
     for (int64_t b0 = a; b0 < z; b0 += nb) {
         const int64_t b1 = b0 + nb < z ? b0 + nb : z;
         int64_t m0 = 0;
@@ -580,7 +580,7 @@ void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, in
         if (!done) {
             const int64_t tend = t->victim == 0 ? own_end : z;
             if (tiled) { /* a few rows: read in address order, without prefetches (span) */
-                const int pf = prefetch && M > TILED_BARE_ROWS;
+                const int pf = prefetch && M > TILED_BARE_ROWS(bf16);
                 if (pf && a != next) prefetch_weights(W, N, K, bf16, a, z, stream);
                 (stream ? span_tiled_l2 : span_tiled_t0)(x, W, y, M, N, K, bf16, a, z, nb, tend, pf, xw);
             }
@@ -594,6 +594,19 @@ void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, in
 }
 
 int tiled_shape_ok(int64_t N, int64_t K, int bf16) { return N % NR == 0 && K % (bf16 ? 32 : 16) == 0; }
+
+/* Whether this build's GEMMs read tiled weights faster than plain ones, over the row counts a server runs
+ * (docs/benchmarks.md#decode_floor): with AVX-512, yes; on AVX2, fp32 only: its bf16 calls of a few rows
+ * widen weight pairs in two passes over each tile, which read half the tile's lines each when it is tiled,
+ * and lost more at 2-5 rows than one row gained. */
+int tiled_layout_wins(int bf16) {
+#if defined(__AVX512F__)
+    (void)bf16;
+    return 1;
+#else
+    return !bf16;
+#endif
+}
 
 /* Weights [N, K] (fp32, or bf16 as uint16) into the tiled layout the GEMMs read in address order: tile t (rows
  * NR t .. NR t + NR - 1) is one contiguous run of K / ck chunks of NR rows' ck elements (64 bytes each), chunk

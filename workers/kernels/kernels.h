@@ -290,6 +290,7 @@ static inline void team_wait_stage(const team *t, uint64_t stage) {
 void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int stream,
                  int tiled, team *t);
 int tiled_shape_ok(int64_t N, int64_t K, int bf16);
+int tiled_layout_wins(int bf16);
 int invariant_linear(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int stream,
                      int tiled, int nthreads);
 
