@@ -236,6 +236,7 @@ RECORDS = {
     "gemm_ab_avx2_fp32": "gemm_ab --rounds 5 --dtypes float32 on an AVX2-only CPU, fp32 rows one at a time",
     "gemm_ab_cpu1": "gemm_ab --threads 1 --clock cpu: per-core work of each backend, contended machine",
     "gemm_ab_tiled": "gemm_ab --backends native-plain,native: the native GEMMs on plain vs tiled weights, Zen 4",
+    "gemm_ab_tiled_v3_proxy": "gemm_ab --backends native-plain,native --march x86-64-v3: the same, AVX2 kernels",
     "guidellm_load_burner_bound": "guidellm_load, an older run whose bound burnt guidellm's whole-run CPU",
     "guidellm_load_steady_slow": "guidellm_load, the steady-state rerun on a slow hour",
     "guidellm_paired": "guidellm_paired with max_ttft_ms 700",
