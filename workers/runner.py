@@ -462,18 +462,32 @@ class ModelRunner:
         rows_bt = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
         if min(min(r) for r in rows_bt) < 0 or max(max(r) for r in rows_bt) >= self.num_blocks:
             raise ValueError(f"a block id outside the pool of {self.num_blocks} blocks")
-        # The per-token index vectors are built in Python and made one tensor (a step's few small ops, not ~15).
+        # The per-token index vectors, the block tables and the logits rows are built in Python and made one
+        # tensor: each torch op of a decode step runs on caches its weights have just flushed, where it costs
+        # several times what it costs warm (docs/benchmarks.md#decode_floor).
         pos_l = [p for s, n in zip(batch.start_pos, num_new) for p in range(s, s + n)]
         kv_l = [t[p // BS] * BS + p % BS for t, s, n in zip(rows_bt, batch.start_pos, num_new) for p in range(s, s + n)]
         req_l = [i for i, n in enumerate(num_new) for _ in range(n)]
         total = len(pos_l)
-        idx = torch.tensor(
-            [t for ts in batch.token_ids for t in ts] + pos_l + kv_l + req_l + [p + 1 for p in pos_l],
+        offsets = [0]  # [num_requests] row of each request's first new token in the flat matrix
+        for n in num_new[:-1]:
+            offsets.append(offsets[-1] + n)
+        rows_l = [offsets[i] + r for i, rs in enumerate(batch.logits_rows) for r in rs]
+        flat = torch.tensor(
+            [t for ts in batch.token_ids for t in ts]
+            + pos_l
+            + kv_l
+            + req_l
+            + [p + 1 for p in pos_l]
+            + rows_l
+            + [b for r in rows_bt for b in r],
             dtype=torch.long,
             device=dev,
-        ).view(5, total)  # [5, T]
+        )
+        idx = flat[: 5 * total].view(5, total)  # [5, T]
         flat_ids, positions, kv_index, req_of_tok = idx[0], idx[1], idx[2], idx[3]  # [T] each
-        bt = torch.tensor(rows_bt, dtype=torch.long, device=dev)  # [num_requests, nb]
+        rows = flat[5 * total : 5 * total + len(rows_l)]  # [M] the rows whose logits the step returns
+        bt = flat[5 * total + len(rows_l) :].view(nreq, width)  # [num_requests, nb]
         if not self.native_ops:  # the torch layers write the cache at (block, offset)
             blk_of_tok, off_of_tok = kv_index // BS, kv_index % BS
 
@@ -481,9 +495,6 @@ class ModelRunner:
         # One request with several tokens: a causal mask offset by its start. Several requests: one
         # attention call per group of equal new-token counts (see _attention_groups).
         single = nreq == 1 and max_q == 1
-        offsets = [0]  # [num_requests] row of each request's first new token in the flat matrix
-        for n in num_new[:-1]:
-            offsets.append(offsets[-1] + n)
         mask = None
         groups: list[_AttnGroup] = []
         if self.native_attn:  # every row attends to its own keys: no groups, no mask
@@ -574,9 +585,6 @@ class ModelRunner:
                 gate, up = gu.chunk(2, dim=-1)
                 h = h + self._linear(F.silu(gate) * up, L, "down")
 
-        rows = torch.tensor(
-            [offsets[i] + r for i, rs in enumerate(batch.logits_rows) for r in rs], dtype=torch.long, device=dev
-        )  # [M]
         if delta is not None and self.native_layers is not None and self.fused_layers:
             # the final norm and the LM head in one native call: the values of the two calls below
             hs, logits = self.native_layers.head(h, delta, rows)  # [M, hidden], [M, V]
