@@ -54,7 +54,7 @@ SOURCES = (_KERNELS / "invariant_attention.c", _KERNELS / "invariant_layer.c", _
 # included by the sources: part of the cache key, not of the command
 HEADERS = (_KERNELS / "vec_math.h", _KERNELS / "kernels.h")
 # No -ffast-math: the compiler must neither reassociate a sum nor contract a multiply-add anywhere.
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared")
+FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared")
 ENV_DISABLE = "SPECSERVE_NATIVE_ATTENTION"  # "0": always the torch implementation
 
 
@@ -151,6 +151,14 @@ def stall_kernel_thread(thread: int, phase: int, seconds: float) -> None:
         raise RuntimeError("the native kernels are not loaded")
     dll.team_stall_at.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_double]
     dll.team_stall_at(thread, phase, seconds)
+
+
+def build_for(march: str) -> None:
+    """Build the kernels for ``-march=march`` instead of the host's (benchmarks: an older CPU's code path on this
+    host's memory), from the next load on."""
+    global FLAGS
+    FLAGS = tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
+    clear_cache()
 
 
 def clear_cache() -> None:

@@ -179,9 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.march:
         if args.http:
             ap.error("--march applies in process only: a cluster's replicas build their own kernels")
-        native_attention.FLAGS = tuple(
-            f"-march={args.march}" if f == "-march=native" else f for f in native_attention.FLAGS
-        )
+        native_attention.build_for(args.march)
     torch.set_num_threads(args.threads)
     env = env_info()
     env["native_march"] = args.march or "native"

@@ -141,9 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     if args.march:
-        native_attention.FLAGS = tuple(
-            f"-march={args.march}" if f == "-march=native" else f for f in native_attention.FLAGS
-        )
+        native_attention.build_for(args.march)
     backends = tuple(args.backends.split(","))
     if len(backends) != 2 or not set(backends) <= set(BACKENDS):
         ap.error(f"--backends: two of {', '.join(BACKENDS)}")

@@ -553,6 +553,8 @@ void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, in
     int64_t nb = NB_BYTES / (NR * K * es);
     if (nb < 1) nb = 1;
     const int prefetch = M <= 2 * MR; /* streaming W: the next tiles are not in cache yet */
+    /* tiled weights streamed by a few rows are read in address order, without prefetches (span) */
+    const int pf = prefetch && !(tiled && M <= TILED_BARE_ROWS(bf16));
     /* the owner's claims run on through its share: prefetch up to its end */
     const int64_t own_end = tiles * (t->id + 1) / t->nt;
     /* a claim: a few tiles, more as the phase has more (a claim's compare-and-swap costs about as much as
@@ -579,15 +581,9 @@ void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, in
 #endif
         if (!done) {
             const int64_t tend = t->victim == 0 ? own_end : z;
-            if (tiled) { /* a few rows: read in address order, without prefetches (span) */
-                const int pf = prefetch && M > TILED_BARE_ROWS(bf16);
-                if (pf && a != next) prefetch_weights(W, N, K, bf16, a, z, stream);
-                (stream ? span_tiled_l2 : span_tiled_t0)(x, W, y, M, N, K, bf16, a, z, nb, tend, pf, xw);
-            }
-            else {
-                if (prefetch && a != next) prefetch_weights(W, N, K, bf16, a, z, stream);
-                (stream ? span_l2 : span_t0)(x, W, y, M, N, K, bf16, a, z, nb, tend, prefetch, xw);
-            }
+            if (pf && a != next) prefetch_weights(W, N, K, bf16, a, z, stream);
+            (tiled ? (stream ? span_tiled_l2 : span_tiled_t0) : (stream ? span_l2 : span_t0))(
+                x, W, y, M, N, K, bf16, a, z, nb, tend, pf, xw);
         }
         next = z;
     });
