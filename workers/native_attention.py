@@ -662,7 +662,7 @@ class NativeLayers:
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         fn = dll.invariant_layers
         fn.argtypes = [p, p, p, p, i64, p, p, p, p, i64, p, i64, p, p, f32, p, i64]
-        fn.argtypes += [p] * 8 + [i64] * 8 + [f32, i32, i32, i32, p, i64, i32, i32]
+        fn.argtypes += [p] * 8 + [i64] * 8 + [f32, i32, i32, i32, p, i64, i32, i32, p, p, i64]
         fn.restype = ctypes.c_int
         self._fn = fn
         self._workspace_bytes = dll.layers_workspace_bytes
@@ -672,7 +672,7 @@ class NativeLayers:
         self._profile.argtypes = [p]
         self._profile.restype = None
         self._head = dll.invariant_head
-        self._head.argtypes = [p, p, p, i64, i64, p, p, p, p, i64, i64, f32, i32, i32, i32, i32]
+        self._head.argtypes = [p, p, p, i64, i64, p, p, p, p, i64, i64, f32, i32, i32, i32, i32, p]
         self._head.restype = ctypes.c_int
 
     def profile(self, acc: torch.Tensor | None) -> None:
@@ -694,10 +694,11 @@ class NativeLayers:
         norm_w: torch.Tensor,  # [hidden] the final norm's weight
         lm_head: torch.Tensor,  # [V, hidden] the LM head rows a step computes
         stream: bool | None = None,  # prefetch the weights into L2; None: when they exceed the last-level cache
+        embed: torch.Tensor | None = None,  # [vocab, hidden] the token embeddings (BoundLayers.forward)
     ) -> BoundLayers:
         return BoundLayers(
             self._fn, self._head, self._workspace_bytes, layers, caches, cos, sin, num_heads, eps, attn,
-            norm_w, lm_head, stream,
+            norm_w, lm_head, stream, embed,
         )  # fmt: skip
 
 
@@ -705,6 +706,7 @@ class NativeLayers:
 class _Buffers:
     """The fused forward's intermediates for one row count (see invariant_layers)."""
 
+    h: torch.Tensor  # [T, hidden] the residual stream of a forward that starts from token ids
     x: torch.Tensor  # [T, hidden] the normalized rows each GEMM reads
     qkv: torch.Tensor  # [T, (H + 2 Hkv) D]
     q: torch.Tensor  # [T, H D] fp32, the rotated queries
@@ -740,6 +742,7 @@ class BoundLayers:
         norm_w: torch.Tensor,
         lm_head: torch.Tensor,
         stream: bool | None = None,
+        embed: torch.Tensor | None = None,
     ) -> None:
         names = ("in_norm", "qkv", "o", "post_norm", "gate_up", "down")
         weights = [L[n] for L in layers for n in names]
@@ -758,18 +761,24 @@ class BoundLayers:
         self.tiled = tiled.pop()
         if norm_w.shape != layers[0]["in_norm"].shape or linear_shape(lm_head)[1] != norm_w.shape[0]:
             raise ValueError("the final norm and the LM head disagree with the layers' hidden size")
+        if embed is not None and (
+            embed.dtype != dtype or not embed.is_contiguous() or embed.dim() != 2 or embed.shape[1] != norm_w.shape[0]
+        ):
+            raise ValueError("the embedding table must be a contiguous [vocab, hidden] tensor in the model's dtype")
+        self._embed = embed
         self._fn, self._head_fn, self._attn, self._caches = fn, head_fn, attn, caches
         self._workspace_bytes = workspace_bytes
         self.dtype, self.num_heads, self.eps = dtype, num_heads, eps
         self.hidden = layers[0]["in_norm"].shape[0]
         self.intermediate = linear_shape(layers[0]["down"])[1]
-        self._keep = (weights, cos, sin, norm_w, lm_head)
+        self._keep = (weights, cos, sin, norm_w, lm_head, embed)
         self._norm_w, self._lm_head, self.vocab = norm_w.data_ptr(), lm_head.data_ptr(), linear_shape(lm_head)[0]
         self._w = (ctypes.c_void_p * len(weights))(*(t.data_ptr() for t in weights))
         self._kt = (ctypes.c_void_p * len(caches.ptrs))(*(kt for kt, _ in caches.ptrs))
         self._v = (ctypes.c_void_p * len(caches.ptrs))(*(v for _, v in caches.ptrs))
         self._cos, self._sin, self._max_len = cos.data_ptr(), sin.data_ptr(), cos.shape[0]
         self._buffers: dict[tuple[int, int], _Buffers] = {}
+        self._logits16: dict[int, torch.Tensor] = {}  # a bf16 model's [M, V] logits before widening, per M
         if stream is None:
             stream = streams_past_caches(sum(t.numel() * t.element_size() for t in (*weights, lm_head)))
         # Whether the GEMMs prefetch the weights into L2 rather than L1 (a speed hint only: the bits are the
@@ -786,6 +795,7 @@ class BoundLayers:
             L, bf16 = len(self._caches.ptrs), int(dt == torch.bfloat16)
             ws_bytes = self._workspace_bytes(L, T, self.hidden, H, Hkv, D, self.intermediate, bf16, threads)
             b = self._buffers[(T, threads)] = _Buffers(
+                h=torch.empty(T, self.hidden, dtype=dt),
                 x=torch.empty(T, self.hidden, dtype=dt),
                 qkv=torch.empty(T, (H + 2 * Hkv) * D, dtype=dt),
                 q=torch.empty(T, H * D, dtype=torch.float32),
@@ -812,7 +822,47 @@ class BoundLayers:
         T, hidden = h.shape
         if h.dtype != self.dtype or hidden != self.hidden or not h.is_contiguous():
             raise ValueError("the residual stream must be a contiguous [T, hidden] tensor in the model's dtype")
-        _check_index(positions, kv_index, block_table, req, nvis)
+        return self._run(h, None, positions, kv_index, block_table, req, nvis, max_nvis, scale)
+
+    def forward(
+        self,
+        ids: torch.Tensor,  # [T] int64 token ids
+        positions: torch.Tensor,  # [T] int64
+        kv_index: torch.Tensor,  # [T] int64
+        block_table: torch.Tensor,  # [num_reqs, max_blocks] int64
+        req: torch.Tensor,  # [T] int64
+        nvis: torch.Tensor,  # [T] int64
+        max_nvis: int,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, hidden] h, [T, hidden] delta): reused buffers, as __call__'s
+        """The layers on the embeddings of ``ids`` (the table given to :meth:`NativeLayers.bind`): the call does the
+        gather ``embed.index_select(0, ids)`` would, so a step makes no torch op for it. Returns the residual stream
+        and the last layer's output, valid until the next call with as many rows."""
+        if self._embed is None:
+            raise ValueError("forward needs the embedding table: bind the layers with embed=")
+        if ids.dim() != 1:
+            raise ValueError("ids must be a [T] tensor")
+        b = self.buffers(ids.shape[0], torch.get_num_threads())
+        return b.h, self._run(b.h, ids, positions, kv_index, block_table, req, nvis, max_nvis, scale)
+
+    def _run(
+        self,
+        h: torch.Tensor,
+        ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_index: torch.Tensor,
+        block_table: torch.Tensor,
+        req: torch.Tensor,
+        nvis: torch.Tensor,
+        max_nvis: int,
+        scale: float,
+    ) -> torch.Tensor:
+        T, hidden = h.shape
+        _check_index(positions, kv_index, block_table, req, nvis, *(() if ids is None else (ids,)))
+        # the embedding rows the call gathers into h (forward), or none (h given)
+        embed_ptr, ids_ptr, vocab = None, None, 0
+        if ids is not None and self._embed is not None:
+            embed_ptr, ids_ptr, vocab = self._embed.data_ptr(), ids.data_ptr(), self._embed.shape[0]
         threads = torch.get_num_threads()
         c, b = self._caches, self.buffers(T, threads)
         n_pad, need = attention_scratch(threads, self.num_heads, c.num_kv_heads, max_nvis)
@@ -827,11 +877,13 @@ class BoundLayers:
             T, hidden, self.num_heads, c.num_kv_heads, c.head_dim, self.intermediate, c.block_size, c.num_blocks,
             self.eps, int(self.dtype == torch.bfloat16), c.kv_bf16, threads,
             None if b.ws is None else b.ws.data_ptr(), 0 if b.ws is None else b.ws.numel(), self.stream, self.tiled,
+            embed_ptr, ids_ptr, vocab,
         )  # fmt: skip
         if rc != 0:
             raise ValueError(
                 f"the fused layers refused the step: a position or cache index outside the tables or the "
-                f"{c.num_blocks}-block pool, or attention shapes outside the kernel (max visible keys {max_nvis})"
+                f"{c.num_blocks}-block pool, a token id outside the vocabulary, or attention shapes outside the "
+                f"kernel (max visible keys {max_nvis})"
             )
         return b.delta
 
@@ -840,9 +892,10 @@ class BoundLayers:
         h: torch.Tensor,  # [T, hidden] the residual stream the layers left
         delta: torch.Tensor,  # [T, hidden] the last layer's output, not yet added
         rows: torch.Tensor,  # [M] int64: the rows whose logits the step needs
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, hidden] normed rows, [M, V] logits), the model's dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, hidden] normed rows in the model's dtype, [M, V] fp32 logits)
         """The final RMSNorm of ``rows`` of ``h + delta`` and their logits (the bound LM head) in one native
-        call (``invariant_head``): the values the norm and the linear kernel give one call at a time. ``h``
+        call (``invariant_head``): the values the norm and the linear kernel give one call at a time, the logits
+        widened to fp32 in the call (a bf16 model's are bf16 values, as ``.float()`` of the kernel's output). ``h``
         is left as it was."""
         T, hidden = h.shape
         M = rows.shape[0]
@@ -850,11 +903,20 @@ class BoundLayers:
             raise ValueError("head: rows must be contiguous int64 and delta shaped like h")
         if hidden != self.hidden or any(t.dtype != self.dtype or not t.is_contiguous() for t in (h, delta)):
             raise ValueError("head: h and delta must be contiguous [T, hidden] tensors in the model's dtype")
-        hs, logits = h.new_empty(M, hidden), h.new_empty(M, self.vocab)
+        hs, logits = h.new_empty(M, hidden), torch.empty(M, self.vocab, dtype=torch.float32)
+        bf16 = self.dtype == torch.bfloat16
+        out = logits  # where the kernel writes the logits in the model's dtype
+        if bf16:
+            kept = self._logits16.get(M)
+            if kept is None:
+                if len(self._logits16) >= self.MAX_SHAPES:
+                    self._logits16.clear()
+                kept = self._logits16[M] = torch.empty(M, self.vocab, dtype=torch.bfloat16)
+            out = kept
         rc = self._head_fn(
             h.data_ptr(), delta.data_ptr(), rows.data_ptr(), M, T, self._norm_w, self._lm_head,
-            hs.data_ptr(), logits.data_ptr(), hidden, self.vocab, self.eps, int(self.dtype == torch.bfloat16),
-            torch.get_num_threads(), self.stream, self.tiled,
+            hs.data_ptr(), out.data_ptr(), hidden, self.vocab, self.eps, int(bf16),
+            torch.get_num_threads(), self.stream, self.tiled, logits.data_ptr() if bf16 else None,
         )  # fmt: skip
         if rc != 0:
             raise ValueError(f"head: a row outside 0..{T - 1}")

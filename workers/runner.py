@@ -326,6 +326,7 @@ class ModelRunner:
                 self.final_norm,
                 self.lm_head,
                 self.stream_weights,
+                self.embed,
             )  # fmt: skip
             if fused is not None and self._caches is not None and self.native_attn is not None
             else None
@@ -508,13 +509,17 @@ class ModelRunner:
             groups = self._attention_groups(batch, num_new, offsets)
 
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        h = self.embed.index_select(0, flat_ids)  # [T, hidden]: a copy (the layers update it in place)
         delta = None  # [T, hidden] the last layer's output where the native layers leave it unadded
-        if self.native_ops:
+        if self.native_layers is not None and self.fused_layers:
+            # one native call gathers the embeddings and runs every layer (h: a buffer reused next step)
+            h, delta = self.native_layers.forward(flat_ids, positions, kv_index, bt, req_of_tok, nvis, max_kv, D**-0.5)
+        elif self.native_ops:
+            h = self.embed.index_select(0, flat_ids)  # [T, hidden]: a copy (the layers update it in place)
             h, delta = self._layers_native(h, positions, kv_index, bt, req_of_tok, nvis, max_kv)
         else:
             # The layers as torch ops: no C compiler, a non-invariant runner, or (tests isolating the
             # row-wise ops) the native attention with native_ops switched off.
+            h = self.embed.index_select(0, flat_ids)  # [T, hidden]: a copy (the layers update it in place)
             cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
             sin = self.sin[positions].unsqueeze(1)
             if nreq == 1 and not self.batch_invariant:
@@ -587,8 +592,7 @@ class ModelRunner:
 
         if delta is not None and self.native_layers is not None and self.fused_layers:
             # the final norm and the LM head in one native call: the values of the two calls below
-            hs, logits = self.native_layers.head(h, delta, rows)  # [M, hidden], [M, V]
-            logits = logits.float()
+            hs, logits = self.native_layers.head(h, delta, rows)  # [M, hidden], [M, V] float32
         else:
             hs = self._final_norm(h, delta, rows)  # [M, hidden]
             logits = self._lm_head(hs)  # [M, V] float32
@@ -610,7 +614,8 @@ class ModelRunner:
         nvis: torch.Tensor,
         max_kv: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every decoder layer with the native row-wise ops and attention; the GEMMs run as ``cpu_gemm`` says.
+        """Every decoder layer with the native row-wise ops and attention, one native call at a time (without the
+        fused layers); the GEMMs run as ``cpu_gemm`` says.
 
         Each residual add is fused into the RMSNorm after it, so ``h`` is updated in place there; the last
         layer's output is returned beside it for the final norm to add (``(h, delta)``).
@@ -619,8 +624,6 @@ class ModelRunner:
         # where each row's key and value go; bt: [num_requests, nb] block tables; req_of_tok, nvis: [T] each
         # row's request and visible keys
         D = self.head_dim
-        if self.native_layers is not None and self.fused_layers:
-            return h, self.native_layers(h, positions, kv_index, bt, req_of_tok, nvis, max_kv, D**-0.5)
         ops, attn, caches = self.native_ops, self.native_attn, self._caches
         assert ops is not None and attn is not None and caches is not None  # the caller checked: the library loaded
         # every native call's arguments checked and converted once for the whole step

@@ -372,18 +372,24 @@ int64_t layers_workspace_bytes(int64_t L, int64_t T, int64_t hidden, int64_t H, 
  * added by the caller as torch adds). Buffers without a workspace: x [T, hidden], qkv [T, (H + 2 Hkv) D],
  * q and o32 [T, H D] fp32, o [T, H D] (the model's dtype; unused for fp32), delta [T, hidden], gu [T, 2 I],
  * act [T, I]. stream: the weights are larger than the last-level cache (see linear_part); tiled: the four GEMM
- * weights of every layer are in tile_weights' layout (invariant_linear.c). Returns 0, or -1 if
- * an index lies outside the tables or the pool, a shape outside the kernels, or the workspace is too small
- * (checked before anything is written). */
+ * weights of every layer are in tile_weights' layout (invariant_linear.c). ids: NULL, or [T] token ids, when h
+ * is first set to their rows of embed ([vocab, hidden], the model's dtype): the gather torch's index_select
+ * would make, here without a torch op of its own. Returns 0, or -1 if an index lies outside the tables or the
+ * pool, a token id outside the vocabulary, a shape outside the kernels, or the workspace is too small (checked
+ * before anything is written). */
 int invariant_layers(void *h, const void *const *w, void *const *kt, void *const *v, int64_t L,
                      const int64_t *pos, const int64_t *kv_index, const void *cos, const void *sin, int64_t max_len,
                      const int64_t *block_table, int64_t bt_stride, const int64_t *req, const int64_t *nvis,
                      float scale, float *scratch, int64_t n_pad, void *x, void *qkv, float *q, float *o32, void *o,
                      void *delta, void *gu, void *act, int64_t T, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
                      int64_t I, int64_t BS, int64_t num_blocks, float eps, int bf16, int kv_bf16, int nthreads,
-                     void *ws, int64_t ws_bytes, int stream, int tiled) {
+                     void *ws, int64_t ws_bytes, int stream, int tiled, const void *embed, const int64_t *ids,
+                     int64_t vocab) {
     if (T <= 0 || hidden <= 0 || I <= 0 || L <= 0) return -1;
     if (rope_check(pos, kv_index, T, Hkv, D, BS, num_blocks, max_len)) return -1;
+    if (ids)
+        for (int64_t r = 0; r < T; r++)
+            if (ids[r] < 0 || ids[r] >= vocab) return -1;
     const int nmax = nthreads > 0 ? nthreads : 1;
     if (ws && ws_bytes < layers_workspace_bytes(L, T, hidden, H, Hkv, D, I, bf16, nmax)) return -1;
     int64_t *first = (int64_t *)__builtin_alloca((size_t)(T + 1) * sizeof(int64_t));
@@ -401,6 +407,12 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
         (tiled && !(tiled_shape_ok(nqkv, hidden, bf16) && tiled_shape_ok(hidden, H * D, bf16) &&
                     tiled_shape_ok(2 * I, hidden, bf16) && tiled_shape_ok(hidden, I, bf16))))
         return -1;
+    if (ids) { /* the residual stream starts as the tokens' embedding rows: one copy each, before any phase */
+        const size_t row_bytes = (size_t)hidden * (bf16 ? 2 : 4);
+        for (int64_t r = 0; r < T; r++)
+            __builtin_memcpy((char *)h + (size_t)r * row_bytes, (const char *)embed + (size_t)ids[r] * row_bytes,
+                             row_bytes);
+    }
     int one_row_each = 1; /* each request has one row (rows of a request are consecutive, requests in order) */
     for (int64_t t = 1; t < T; t++) one_row_each &= req[t] > req[t - 1];
     char *const ws_base = ws ? (char *)(((uintptr_t)ws + 63) & ~(uintptr_t)63) : NULL;
@@ -500,17 +512,21 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
     return 0;
 }
 
+#define WIDEN_CHUNK 4096 /* logits widened per unit of the head's last phase */
+
 /* The model's head after the fused layers: for each of the M rows `rows` of the residual stream, the final
  * RMSNorm of h + delta (the last layer's output, which invariant_layers leaves unadded) into hs, then
  * logits = hs @ W^T, in one parallel region: the same row computations as rms_norm on those rows and
  * invariant_linear, so the same bits, without a second region and the Python between them. h is not
  * changed. h, delta: [T, hidden]; rows: [M] in 0..T-1; norm_w: [hidden]; W: [V, hidden]; hs: [M, hidden];
- * logits: [M, V], all in the model's dtype; stream and tiled (W's layout) as in invariant_layers. Returns 0, or -1 if a
- * row lies outside 0..T-1 or W's shape cannot be tiled. */
+ * logits: [M, V], all in the model's dtype; stream and tiled (W's layout) as in invariant_layers. logits_f32: NULL,
+ * or (bf16) [M, V] where the logits are also written widened to fp32, the step's sampler's input, so that Python
+ * makes no conversion of its own. Returns 0, or -1 if a row lies outside 0..T-1 or W's shape cannot be tiled. */
 int invariant_head(const void *h, const void *delta, const int64_t *rows, int64_t M, int64_t T, const void *norm_w,
                    const void *W, void *hs, void *logits, int64_t hidden, int64_t V, float eps, int bf16,
-                   int nthreads, int stream, int tiled) {
+                   int nthreads, int stream, int tiled, float *logits_f32) {
     if (M < 0 || hidden <= 0 || V <= 0 || M > (int64_t)SHARE_MASK || (V + 3) / 4 > (int64_t)SHARE_MASK ||
+        (M * V + WIDEN_CHUNK - 1) / WIDEN_CHUNK > (int64_t)SHARE_MASK ||
         (tiled && !tiled_shape_ok(V, hidden, bf16)))
         return -1;
     for (int64_t m = 0; m < M; m++)
@@ -532,6 +548,16 @@ int invariant_head(const void *h, const void *delta, const int64_t *rows, int64_
         });
         if (acc && tm.id == 0) t1 = team_clock();
         linear_part(hs, W, logits, M, V, hidden, bf16, stream, tiled, &tm);
+        if (logits_f32) { /* the bf16 logits widened, in chunks of WIDEN_CHUNK (exact: what torch's .float() gives) */
+            const int64_t n = M * V, chunks = (n + WIDEN_CHUNK - 1) / WIDEN_CHUNK;
+            PHASE_UNITS(&tm, chunks, 1, a, z, {
+                const int64_t i1 = z * WIDEN_CHUNK < n ? z * WIDEN_CHUNK : n;
+                for (int64_t i = a * WIDEN_CHUNK; i < i1; i++) {
+                    const uint32_t u = (uint32_t)((const uint16_t *)logits)[i] << 16;
+                    __builtin_memcpy(logits_f32 + i, &u, sizeof u);
+                }
+            });
+        }
     }
     if (acc) { /* the phases after the layers' nine */
         const double t2 = team_clock();
