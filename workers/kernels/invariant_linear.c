@@ -574,7 +574,8 @@ void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, in
         x = xf, xw = 1;
     }
 #endif
-    PHASE_UNITS(t, tiles, claim, a, z, {
+    /* claims of many rows stay whole blocks (each block's weights are read once for every row) */
+    PHASE_UNITS_MIN(t, tiles, claim, prefetch ? 1 : nb, a, z, {
         int done = 0;
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
         done = bf16 && M > WIDEN_ROWS && span_widened(x, W, y, M, N, K, a, z, stream, xw, tiled);

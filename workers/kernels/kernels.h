@@ -111,6 +111,7 @@ typedef struct {
     int takeover;             /* whether a waiter may compute held units again (see above) */
     unsigned phase;           /* this thread's current phase */
     int64_t n, claim;         /* the phase's units and how many a claim takes */
+    int64_t claim_min;        /* the fewest a claim takes as a share runs out (see claim_units) */
     int victim;               /* whose share it claims from: 0 its own, then the others' in turn */
     int held_by;              /* whose held units it computes again (takeover), or -1 */
     uint64_t held;            /* their busy word then */
@@ -148,18 +149,22 @@ static inline team team_join(team_slot *slots, int nt_max, int takeover) {
     return t;
 }
 
-/* Opens the next phase: n units (n <= SHARE_MASK), claimed `claim` at a time. */
-static inline void phase_begin(team *t, int64_t n, int64_t claim) {
+/* Opens the next phase: n units (n <= SHARE_MASK), claimed `claim` at a time, down to claim_min at a share's
+ * end. */
+static inline void phase_begin(team *t, int64_t n, int64_t claim, int64_t claim_min) {
     t->phase++;
     t->n = n;
     t->claim = claim < 1 ? 1 : claim;
+    t->claim_min = claim_min < 1 ? 1 : claim_min > t->claim ? t->claim : claim_min;
     t->victim = 0;
     t->claims = 0;
     if (t->takeover) t->t_begin = team_clock();
 }
 
 /* Claims units of thread o's share for this phase: from the front (its owner) or the back (another thread).
- * Returns 0 when the share is spent, else sets [*a, *z). */
+ * Returns 0 when the share is spent, else sets [*a, *z). A claim takes half of what is left of the share once
+ * that is less than two claims (not below claim_min): the threads then run out of units within a small claim
+ * of each other, where whole claims left one waiting up to a whole claim's time at every phase's end. */
 static inline int claim_units(team *t, int o, int front, int64_t *a, int64_t *z) {
     uint64_t *const w = &t->share[o].word;
     const uint64_t gen = t->phase;
@@ -174,8 +179,10 @@ static inline int claim_units(team *t, int o, int front, int64_t *a, int64_t *z)
         }
         const int64_t f = WORD_FRONT(cur), b = WORD_BACK(cur);
         if (f >= b) return 0;
-        const int64_t nf = front ? (f + t->claim < b ? f + t->claim : b) : f;
-        const int64_t nb = front ? b : (b - t->claim > f ? b - t->claim : f);
+        int64_t take = (b - f + 1) / 2;
+        take = take > t->claim ? t->claim : take < t->claim_min ? t->claim_min : take;
+        const int64_t nf = front ? (f + take < b ? f + take : b) : f;
+        const int64_t nb = front ? b : (b - take > f ? b - take : f);
         if (__atomic_compare_exchange_n(w, &cur, SHARE_WORD(gen, nf, nb), 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
             *a = front ? f : nb;
             *z = front ? nf : b;
@@ -277,9 +284,11 @@ static inline void team_wait_stage(const team *t, uint64_t stage) {
 }
 
 /* One thread's part of a phase of n units: `...` computes units [a, z). */
-#define PHASE_UNITS(t, n, claim, a, z, ...) \
+#define PHASE_UNITS(t, n, claim, a, z, ...) PHASE_UNITS_MIN(t, n, claim, 1, a, z, __VA_ARGS__)
+/* The same, with claims of no fewer than claim_min units (blocks a unit's computation wants whole). */
+#define PHASE_UNITS_MIN(t, n, claim, claim_min, a, z, ...) \
     do {                                     \
-        phase_begin(t, n, claim);            \
+        phase_begin(t, n, claim, claim_min); \
         int64_t a, z;                        \
         while (phase_next(t, &a, &z)) {      \
             __VA_ARGS__;                     \
