@@ -185,11 +185,11 @@ def test_the_layers_in_one_native_call_equal_the_calls_one_by_one(tiny_loaded, l
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_fused_call_gathers_the_embeddings_and_the_head_widens_the_logits(tiny_loaded, linear, dtype):
-    """The fused forward starts from token ids (the gather made in its one native call) and the head returns fp32
-    logits (a bf16 model's widened in the call): the same bits as the embedding rows given as the residual
-    stream and the head's logits in the model's dtype. A token id outside the vocabulary is refused by name,
-    before the cache is written."""
+def test_one_fused_call_makes_the_embeddings_the_layers_and_the_head(tiny_loaded, linear, dtype):
+    """A step's forward is one native call from token ids (the embedding gather in the call) to fp32 logits (a
+    bf16 model's widened in the call): the same bits as the embedding rows given as the residual stream, and
+    the final norm and LM head of the rows made one call at a time. A token id outside the vocabulary or a
+    logits row outside the step is refused by name, before the cache is written."""
     runner = ModelRunner(tiny_loaded.model, 2, 64, dtype=dtype, cpu_gemm="native", batch_invariant=True)
     nl = runner.native_layers
     assert nl is not None
@@ -197,18 +197,24 @@ def test_the_fused_call_gathers_the_embeddings_and_the_head_widens_the_logits(ti
     pos = torch.arange(4, dtype=torch.long)
     bt = torch.tensor([[0, 1, 2, 3]], dtype=torch.long)
     req, nvis = torch.zeros(4, dtype=torch.long), pos + 1
-    h_ids, delta_ids = (t.clone() for t in nl.forward(ids, pos, pos.clone(), bt, req, nvis, 4, 0.125))
+    rows = torch.tensor([3, 0], dtype=torch.long)
+    h_ids, delta_ids, hs, logits = nl.forward(ids, pos, pos.clone(), bt, req, nvis, 4, 0.125, rows)
+    h_ids, delta_ids = h_ids.clone(), delta_ids.clone()
     h_given = runner.embed.index_select(0, ids)
     delta_given = nl(h_given, pos, pos.clone(), bt, req, nvis, 4, 0.125)
     assert torch.equal(h_ids, h_given) and torch.equal(delta_ids, delta_given)
-    rows = torch.tensor([3, 0], dtype=torch.long)
-    hs, logits = nl.head(h_given, delta_given, rows)
     assert logits.dtype == torch.float32 and logits.shape == (2, runner.vocab_size)
-    assert torch.equal(logits, runner._lm_head(runner._final_norm(h_given, delta_given, rows)).float())
+    hs_calls = runner._final_norm(h_given, delta_given, rows)
+    assert torch.equal(hs, hs_calls) and torch.equal(logits, runner._lm_head(hs_calls))
+    # no logits rows (a prompt chunk before the last): the layers alone
+    _, _, hs0, logits0 = nl.forward(ids, pos, pos.clone(), bt, req, nvis, 4, 0.125, rows[:0])
+    assert hs0.shape == (0, runner.hidden_size) and logits0.shape == (0, runner.vocab_size)
     k_before = [k.clone() for k in runner._k_storage]
-    bad = torch.tensor([5, runner.vocab_size], dtype=torch.long)
     with pytest.raises(ValueError, match="vocabulary"):
-        nl.forward(bad, pos[:2], pos[:2].clone(), bt, req[:2], nvis[:2], 2, 0.125)
+        bad = torch.tensor([5, runner.vocab_size])
+        nl.forward(bad, pos[:2], pos[:2] + 8, bt, req[:2], nvis[:2], 2, 0.125, rows[1:])
+    with pytest.raises(ValueError, match="logits row"):
+        nl.forward(ids[:2], pos[:2], pos[:2] + 8, bt, req[:2], nvis[:2], 2, 0.125, rows[:1])
     assert all(torch.equal(a, b) for a, b in zip(k_before, runner._k_storage))
 
 

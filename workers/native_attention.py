@@ -663,6 +663,7 @@ class NativeLayers:
         fn = dll.invariant_layers
         fn.argtypes = [p, p, p, p, i64, p, p, p, p, i64, p, i64, p, p, f32, p, i64]
         fn.argtypes += [p] * 8 + [i64] * 8 + [f32, i32, i32, i32, p, i64, i32, i32, p, p, i64]
+        fn.argtypes += [p, i64, p, p, p, p, i64, p]  # the head: rows, M, norm, LM head, hs, logits, V, fp32 logits
         fn.restype = ctypes.c_int
         self._fn = fn
         self._workspace_bytes = dll.layers_workspace_bytes
@@ -671,9 +672,6 @@ class NativeLayers:
         self._profile = dll.layers_profile
         self._profile.argtypes = [p]
         self._profile.restype = None
-        self._head = dll.invariant_head
-        self._head.argtypes = [p, p, p, i64, i64, p, p, p, p, i64, i64, f32, i32, i32, i32, i32, p]
-        self._head.restype = ctypes.c_int
 
     def profile(self, acc: torch.Tensor | None) -> None:
         """Accumulate each phase's wall time (seconds, thread 0's clock from phase end to phase end) into ``acc``
@@ -697,7 +695,7 @@ class NativeLayers:
         embed: torch.Tensor | None = None,  # [vocab, hidden] the token embeddings (BoundLayers.forward)
     ) -> BoundLayers:
         return BoundLayers(
-            self._fn, self._head, self._workspace_bytes, layers, caches, cos, sin, num_heads, eps, attn,
+            self._fn, self._workspace_bytes, layers, caches, cos, sin, num_heads, eps, attn,
             norm_w, lm_head, stream, embed,
         )  # fmt: skip
 
@@ -730,7 +728,6 @@ class BoundLayers:
     def __init__(
         self,
         fn: ctypes._CFuncPtr,  # type: ignore[name-defined]
-        head_fn: ctypes._CFuncPtr,  # type: ignore[name-defined]
         workspace_bytes: ctypes._CFuncPtr,  # type: ignore[name-defined]
         layers: list[dict[str, torch.Tensor]],
         caches: BoundCaches,
@@ -766,7 +763,7 @@ class BoundLayers:
         ):
             raise ValueError("the embedding table must be a contiguous [vocab, hidden] tensor in the model's dtype")
         self._embed = embed
-        self._fn, self._head_fn, self._attn, self._caches = fn, head_fn, attn, caches
+        self._fn, self._attn, self._caches = fn, attn, caches
         self._workspace_bytes = workspace_bytes
         self.dtype, self.num_heads, self.eps = dtype, num_heads, eps
         self.hidden = layers[0]["in_norm"].shape[0]
@@ -834,16 +831,35 @@ class BoundLayers:
         nvis: torch.Tensor,  # [T] int64
         max_nvis: int,
         scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, hidden] h, [T, hidden] delta): reused buffers, as __call__'s
-        """The layers on the embeddings of ``ids`` (the table given to :meth:`NativeLayers.bind`): the call does the
-        gather ``embed.index_select(0, ids)`` would, so a step makes no torch op for it. Returns the residual stream
-        and the last layer's output, valid until the next call with as many rows."""
+        rows: torch.Tensor,  # [M] int64: the rows whose logits the step needs
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A step's whole forward in one native call: the layers on the embeddings of ``ids`` (the table given to
+        :meth:`NativeLayers.bind`; the call does the gather ``embed.index_select(0, ids)`` would), then the final
+        RMSNorm of ``rows`` of ``h + delta`` and their logits (the bound LM head): the values the norm and the
+        linear kernel give one call at a time, the logits widened to fp32 in the call (a bf16 model's are bf16
+        values, as ``.float()`` of the kernel's output). Returns ``h`` and ``delta`` ([T, hidden] each: reused
+        buffers, valid until the next call with as many rows), the normed rows ``hs`` ([M, hidden], the model's
+        dtype) and the logits ([M, V] fp32)."""
         if self._embed is None:
             raise ValueError("forward needs the embedding table: bind the layers with embed=")
         if ids.dim() != 1:
             raise ValueError("ids must be a [T] tensor")
+        if not (rows.dtype == torch.int64 and rows.dim() == 1 and rows.is_contiguous()):
+            raise ValueError("rows must be a contiguous [M] int64 tensor")
         b = self.buffers(ids.shape[0], torch.get_num_threads())
-        return b.h, self._run(b.h, ids, positions, kv_index, block_table, req, nvis, max_nvis, scale)
+        M = rows.shape[0]
+        hs, logits = b.h.new_empty(M, self.hidden), torch.empty(M, self.vocab, dtype=torch.float32)
+        out = logits  # where the kernel writes the logits in the model's dtype
+        if self.dtype == torch.bfloat16:
+            kept = self._logits16.get(M)
+            if kept is None:
+                if len(self._logits16) >= self.MAX_SHAPES:
+                    self._logits16.clear()
+                kept = self._logits16[M] = torch.empty(M, self.vocab, dtype=torch.bfloat16)
+            out = kept
+        head = (rows, hs, out, logits if out is not logits else None)
+        delta = self._run(b.h, ids, positions, kv_index, block_table, req, nvis, max_nvis, scale, head)
+        return b.h, delta, hs, logits
 
     def _run(
         self,
@@ -856,13 +872,20 @@ class BoundLayers:
         nvis: torch.Tensor,
         max_nvis: int,
         scale: float,
+        head: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
+        # head: (rows [M], hs [M, hidden], logits [M, V] in the model's dtype, fp32 logits [M, V] or None), or None
         T, hidden = h.shape
         _check_index(positions, kv_index, block_table, req, nvis, *(() if ids is None else (ids,)))
         # the embedding rows the call gathers into h (forward), or none (h given)
         embed_ptr, ids_ptr, vocab = None, None, 0
         if ids is not None and self._embed is not None:
             embed_ptr, ids_ptr, vocab = self._embed.data_ptr(), ids.data_ptr(), self._embed.shape[0]
+        rows_ptr, M, hs_ptr, logits_ptr, f32_ptr = None, 0, None, None, None
+        if head is not None:
+            rows, hs, logits, logits_f32 = head
+            rows_ptr, M, hs_ptr, logits_ptr = rows.data_ptr(), rows.shape[0], hs.data_ptr(), logits.data_ptr()
+            f32_ptr = None if logits_f32 is None else logits_f32.data_ptr()
         threads = torch.get_num_threads()
         c, b = self._caches, self.buffers(T, threads)
         n_pad, need = attention_scratch(threads, self.num_heads, c.num_kv_heads, max_nvis)
@@ -878,46 +901,12 @@ class BoundLayers:
             self.eps, int(self.dtype == torch.bfloat16), c.kv_bf16, threads,
             None if b.ws is None else b.ws.data_ptr(), 0 if b.ws is None else b.ws.numel(), self.stream, self.tiled,
             embed_ptr, ids_ptr, vocab,
+            rows_ptr, M, self._norm_w, self._lm_head, hs_ptr, logits_ptr, self.vocab, f32_ptr,
         )  # fmt: skip
         if rc != 0:
             raise ValueError(
                 f"the fused layers refused the step: a position or cache index outside the tables or the "
-                f"{c.num_blocks}-block pool, a token id outside the vocabulary, or attention shapes outside the "
-                f"kernel (max visible keys {max_nvis})"
+                f"{c.num_blocks}-block pool, a token id outside the vocabulary, a logits row outside the step, or "
+                f"attention shapes outside the kernel (max visible keys {max_nvis})"
             )
         return b.delta
-
-    def head(
-        self,
-        h: torch.Tensor,  # [T, hidden] the residual stream the layers left
-        delta: torch.Tensor,  # [T, hidden] the last layer's output, not yet added
-        rows: torch.Tensor,  # [M] int64: the rows whose logits the step needs
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, hidden] normed rows in the model's dtype, [M, V] fp32 logits)
-        """The final RMSNorm of ``rows`` of ``h + delta`` and their logits (the bound LM head) in one native
-        call (``invariant_head``): the values the norm and the linear kernel give one call at a time, the logits
-        widened to fp32 in the call (a bf16 model's are bf16 values, as ``.float()`` of the kernel's output). ``h``
-        is left as it was."""
-        T, hidden = h.shape
-        M = rows.shape[0]
-        if not (rows.dtype == torch.int64 and rows.is_contiguous() and delta.shape == h.shape):
-            raise ValueError("head: rows must be contiguous int64 and delta shaped like h")
-        if hidden != self.hidden or any(t.dtype != self.dtype or not t.is_contiguous() for t in (h, delta)):
-            raise ValueError("head: h and delta must be contiguous [T, hidden] tensors in the model's dtype")
-        hs, logits = h.new_empty(M, hidden), torch.empty(M, self.vocab, dtype=torch.float32)
-        bf16 = self.dtype == torch.bfloat16
-        out = logits  # where the kernel writes the logits in the model's dtype
-        if bf16:
-            kept = self._logits16.get(M)
-            if kept is None:
-                if len(self._logits16) >= self.MAX_SHAPES:
-                    self._logits16.clear()
-                kept = self._logits16[M] = torch.empty(M, self.vocab, dtype=torch.bfloat16)
-            out = kept
-        rc = self._head_fn(
-            h.data_ptr(), delta.data_ptr(), rows.data_ptr(), M, T, self._norm_w, self._lm_head,
-            hs.data_ptr(), out.data_ptr(), hidden, self.vocab, self.eps, int(bf16),
-            torch.get_num_threads(), self.stream, self.tiled, logits.data_ptr() if bf16 else None,
-        )  # fmt: skip
-        if rc != 0:
-            raise ValueError(f"head: a row outside 0..{T - 1}")
-        return hs, logits

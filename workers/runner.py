@@ -510,9 +510,13 @@ class ModelRunner:
 
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         delta = None  # [T, hidden] the last layer's output where the native layers leave it unadded
+        fused = None  # ([M, hidden], [M, V] fp32): the head's outputs, when one native call made the whole forward
         if self.native_layers is not None and self.fused_layers:
-            # one native call gathers the embeddings and runs every layer (h: a buffer reused next step)
-            h, delta = self.native_layers.forward(flat_ids, positions, kv_index, bt, req_of_tok, nvis, max_kv, D**-0.5)
+            # one native call: the embeddings, every layer and the head (h, delta: buffers reused next step)
+            h, delta, hs_fused, logits_fused = self.native_layers.forward(
+                flat_ids, positions, kv_index, bt, req_of_tok, nvis, max_kv, D**-0.5, rows
+            )
+            fused = (hs_fused, logits_fused)
         elif self.native_ops:
             h = self.embed.index_select(0, flat_ids)  # [T, hidden]: a copy (the layers update it in place)
             h, delta = self._layers_native(h, positions, kv_index, bt, req_of_tok, nvis, max_kv)
@@ -590,9 +594,8 @@ class ModelRunner:
                 gate, up = gu.chunk(2, dim=-1)
                 h = h + self._linear(F.silu(gate) * up, L, "down")
 
-        if delta is not None and self.native_layers is not None and self.fused_layers:
-            # the final norm and the LM head in one native call: the values of the two calls below
-            hs, logits = self.native_layers.head(h, delta, rows)  # [M, hidden], [M, V] float32
+        if fused is not None:  # the values of the two calls below
+            hs, logits = fused  # [M, hidden], [M, V] float32
         else:
             hs = self._final_norm(h, delta, rows)  # [M, hidden]
             logits = self._lm_head(hs)  # [M, V] float32

@@ -346,6 +346,50 @@ int64_t layers_workspace_bytes(int64_t L, int64_t T, int64_t hidden, int64_t H, 
     return 64 + ring_slots(L) * carve_slot(NULL, NULL, T, hidden, (H + 2 * Hkv) * D, H * D, I, bf16, copies, 0);
 }
 
+#define WIDEN_CHUNK 4096 /* logits widened per unit of the head's last phase */
+
+/* The head's arguments (see invariant_layers), checked before anything is written: 0, or -1. */
+static int head_check(const int64_t *rows, int64_t M, int64_t T, int64_t hidden, int64_t V, int bf16, int tiled) {
+    if (M < 0 || hidden <= 0 || V <= 0 || M > (int64_t)SHARE_MASK || (V + 3) / 4 > (int64_t)SHARE_MASK ||
+        (M * V + WIDEN_CHUNK - 1) / WIDEN_CHUNK > (int64_t)SHARE_MASK || (tiled && !tiled_shape_ok(V, hidden, bf16)))
+        return -1;
+    for (int64_t m = 0; m < M; m++)
+        if (rows[m] < 0 || rows[m] >= T) return -1;
+    return 0;
+}
+
+/* The model's head as team phases: for each of the M rows `rows` of the residual stream, the final RMSNorm of
+ * h + delta into hs, then logits = hs @ W^T, then (logits_f32 not NULL) the bf16 logits widened to fp32: the same
+ * row computations as rms_norm on those rows and invariant_linear, so the same bits. h and delta are only read,
+ * and every unit rewrites the same values: held units may be computed again. acc (thread 0's, or NULL): adds the
+ * norm's and the GEMM's seconds to acc[9] and acc[10], from *t_phase on. */
+static void head_phases(team *t, const void *h, const void *delta, const int64_t *rows, int64_t M, const void *norm_w,
+                        const void *W, void *hs, void *logits, int64_t hidden, int64_t V, float eps, int bf16,
+                        int stream, int tiled, float *logits_f32, double *acc, double t_phase) {
+    const size_t row_bytes = (size_t)hidden * (bf16 ? 2 : 4);
+    PHASE_UNITS(t, M, 1, a, z, for (int64_t m = a; m < z; m++) {
+        const size_t at = (size_t)rows[m] * row_bytes;
+        rms_row((const char *)h + at, NULL, (const char *)delta + at, norm_w, (char *)hs + (size_t)m * row_bytes, 0,
+                hidden, eps, bf16);
+    });
+    const double t_norm = acc ? team_clock() : 0.0;
+    linear_part(hs, W, logits, M, V, hidden, bf16, stream, tiled, t);
+    if (logits_f32) { /* exact: what torch's .float() gives */
+        const int64_t n = M * V, chunks = (n + WIDEN_CHUNK - 1) / WIDEN_CHUNK;
+        PHASE_UNITS(t, chunks, 1, a, z, {
+            const int64_t i1 = z * WIDEN_CHUNK < n ? z * WIDEN_CHUNK : n;
+            for (int64_t i = a * WIDEN_CHUNK; i < i1; i++) {
+                const uint32_t u = (uint32_t)((const uint16_t *)logits)[i] << 16;
+                __builtin_memcpy(logits_f32 + i, &u, sizeof u);
+            }
+        });
+    }
+    if (acc) {
+        acc[9] += t_norm - t_phase;
+        acc[10] += team_clock() - t_norm;
+    }
+}
+
 /* Every decoder layer of one forward in one call, when every GEMM is invariant_linear: the same per-row
  * and per-output computations, in the same order, as the calls the runner would make one by one from
  * Python, so the result is bit-identical to that path.
@@ -374,9 +418,14 @@ int64_t layers_workspace_bytes(int64_t L, int64_t T, int64_t hidden, int64_t H, 
  * act [T, I]. stream: the weights are larger than the last-level cache (see linear_part); tiled: the four GEMM
  * weights of every layer are in tile_weights' layout (invariant_linear.c). ids: NULL, or [T] token ids, when h
  * is first set to their rows of embed ([vocab, hidden], the model's dtype): the gather torch's index_select
- * would make, here without a torch op of its own. Returns 0, or -1 if an index lies outside the tables or the
- * pool, a token id outside the vocabulary, a shape outside the kernels, or the workspace is too small (checked
- * before anything is written). */
+ * would make, here without a torch op of its own. rows: NULL, or [M] rows of the stream (0..T-1) whose logits the
+ * step needs: the head (head_phases) then runs in the same region, after the last layer, without a second
+ * call, its parallel region and the Python between them; norm_w [hidden] the final norm, W_head [V, hidden] (in
+ * the layers' layout), hs [M, hidden] and logits [M, V] in the model's dtype, logits_f32: NULL, or (bf16) [M, V]
+ * where the logits are also written widened to fp32, the sampler's input, so that Python makes no conversion.
+ * Returns 0, or -1 if an index lies outside the tables or the pool, a token id outside the vocabulary, a row
+ * outside 0..T-1, a shape outside the kernels, or the workspace is too small (checked before anything is
+ * written). */
 int invariant_layers(void *h, const void *const *w, void *const *kt, void *const *v, int64_t L,
                      const int64_t *pos, const int64_t *kv_index, const void *cos, const void *sin, int64_t max_len,
                      const int64_t *block_table, int64_t bt_stride, const int64_t *req, const int64_t *nvis,
@@ -384,12 +433,14 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
                      void *delta, void *gu, void *act, int64_t T, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
                      int64_t I, int64_t BS, int64_t num_blocks, float eps, int bf16, int kv_bf16, int nthreads,
                      void *ws, int64_t ws_bytes, int stream, int tiled, const void *embed, const int64_t *ids,
-                     int64_t vocab) {
+                     int64_t vocab, const int64_t *rows, int64_t M, const void *norm_w, const void *W_head, void *hs,
+                     void *logits, int64_t V, float *logits_f32) {
     if (T <= 0 || hidden <= 0 || I <= 0 || L <= 0) return -1;
     if (rope_check(pos, kv_index, T, Hkv, D, BS, num_blocks, max_len)) return -1;
     if (ids)
         for (int64_t r = 0; r < T; r++)
             if (ids[r] < 0 || ids[r] >= vocab) return -1;
+    if (rows && head_check(rows, M, T, hidden, V, bf16, tiled)) return -1;
     const int nmax = nthreads > 0 ? nthreads : 1;
     if (ws && ws_bytes < layers_workspace_bytes(L, T, hidden, H, Hkv, D, I, bf16, nmax)) return -1;
     int64_t *first = (int64_t *)__builtin_alloca((size_t)(T + 1) * sizeof(int64_t));
@@ -401,7 +452,7 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
     /* SiLU's units: chunks of LANES values, grouped so that a phase's units fit a share word */
     const int64_t silu_group = (T * cpr + (int64_t)SHARE_MASK - 1) / (int64_t)SHARE_MASK;
     const int64_t silu_units = (T * cpr + silu_group - 1) / silu_group;
-    if ((uint64_t)(9 * L) >= TEAM_MAX_PHASES || T > (int64_t)SHARE_MASK ||
+    if ((uint64_t)(9 * L + 3) >= TEAM_MAX_PHASES || T > (int64_t)SHARE_MASK ||
         plan.tiles * Hkv > (int64_t)SHARE_MASK || (2 * I + 3) / 4 > (int64_t)SHARE_MASK ||
         (nqkv + 3) / 4 > (int64_t)SHARE_MASK ||
         (tiled && !(tiled_shape_ok(nqkv, hidden, bf16) && tiled_shape_ok(hidden, H * D, bf16) &&
@@ -506,63 +557,11 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
             __builtin_memcpy(h, prev.h_mlp, bytes);
             __builtin_memcpy(delta, prev.d_mlp, bytes);
         }
+        if (rows && M > 0) /* the head on the last layer's output, in the same region */
+            head_phases(t, prev.h_mlp, prev.d_mlp, rows, M, norm_w, W_head, hs, logits, hidden, V, eps, bf16, stream,
+                        tiled, logits_f32, acc, t_phase);
     }
 #undef ROWS
 #undef PHASE
-    return 0;
-}
-
-#define WIDEN_CHUNK 4096 /* logits widened per unit of the head's last phase */
-
-/* The model's head after the fused layers: for each of the M rows `rows` of the residual stream, the final
- * RMSNorm of h + delta (the last layer's output, which invariant_layers leaves unadded) into hs, then
- * logits = hs @ W^T, in one parallel region: the same row computations as rms_norm on those rows and
- * invariant_linear, so the same bits, without a second region and the Python between them. h is not
- * changed. h, delta: [T, hidden]; rows: [M] in 0..T-1; norm_w: [hidden]; W: [V, hidden]; hs: [M, hidden];
- * logits: [M, V], all in the model's dtype; stream and tiled (W's layout) as in invariant_layers. logits_f32: NULL,
- * or (bf16) [M, V] where the logits are also written widened to fp32, the step's sampler's input, so that Python
- * makes no conversion of its own. Returns 0, or -1 if a row lies outside 0..T-1 or W's shape cannot be tiled. */
-int invariant_head(const void *h, const void *delta, const int64_t *rows, int64_t M, int64_t T, const void *norm_w,
-                   const void *W, void *hs, void *logits, int64_t hidden, int64_t V, float eps, int bf16,
-                   int nthreads, int stream, int tiled, float *logits_f32) {
-    if (M < 0 || hidden <= 0 || V <= 0 || M > (int64_t)SHARE_MASK || (V + 3) / 4 > (int64_t)SHARE_MASK ||
-        (M * V + WIDEN_CHUNK - 1) / WIDEN_CHUNK > (int64_t)SHARE_MASK ||
-        (tiled && !tiled_shape_ok(V, hidden, bf16)))
-        return -1;
-    for (int64_t m = 0; m < M; m++)
-        if (rows[m] < 0 || rows[m] >= T) return -1;
-    if (M == 0) return 0;
-    const size_t es = bf16 ? 2 : 4, row_bytes = (size_t)hidden * es;
-    double *const acc = phase_acc;
-    const double t0 = acc ? team_clock() : 0.0;
-    double t1 = t0;
-    const int nmax = nthreads > 0 ? nthreads : 1;
-    TEAM_SLOTS(slots, nmax);
-#pragma omp parallel num_threads(nmax) if (nmax > 1)
-    {
-        team tm = team_join(slots, nmax, 1); /* h and delta are only read: held units may be computed again */
-        PHASE_UNITS(&tm, M, 1, a, z, for (int64_t m = a; m < z; m++) {
-            const size_t at = (size_t)rows[m] * row_bytes;
-            rms_row((const char *)h + at, NULL, (const char *)delta + at, norm_w, (char *)hs + (size_t)m * row_bytes, 0,
-                    hidden, eps, bf16);
-        });
-        if (acc && tm.id == 0) t1 = team_clock();
-        linear_part(hs, W, logits, M, V, hidden, bf16, stream, tiled, &tm);
-        if (logits_f32) { /* the bf16 logits widened, in chunks of WIDEN_CHUNK (exact: what torch's .float() gives) */
-            const int64_t n = M * V, chunks = (n + WIDEN_CHUNK - 1) / WIDEN_CHUNK;
-            PHASE_UNITS(&tm, chunks, 1, a, z, {
-                const int64_t i1 = z * WIDEN_CHUNK < n ? z * WIDEN_CHUNK : n;
-                for (int64_t i = a * WIDEN_CHUNK; i < i1; i++) {
-                    const uint32_t u = (uint32_t)((const uint16_t *)logits)[i] << 16;
-                    __builtin_memcpy(logits_f32 + i, &u, sizeof u);
-                }
-            });
-        }
-    }
-    if (acc) { /* the phases after the layers' nine */
-        const double t2 = team_clock();
-        acc[10] += t2 - t1;
-        acc[9] += t1 - t0;
-    }
     return 0;
 }
