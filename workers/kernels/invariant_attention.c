@@ -264,6 +264,23 @@ void attention_item(const attn_plan *p, const float *q, int64_t q_row_stride, co
         }
 }
 
+/* Into L2, the keys and values that thread id's first items of plan p will read (its static share of nt, as
+ * the team first splits them), up to `bytes`: called a phase or two before the attention that reads them, so that
+ * the items, which at one row a request are too short for prefetches of their own to run ahead, find them
+ * there. A hint only. */
+void prefetch_items(const attn_plan *p, const void *kt, const void *v, int id, int nt, int64_t bytes) {
+    const int64_t items = p->tiles * p->Hkv, lo = items * id / nt, hi = items * (id + 1) / nt;
+    const int64_t D = p->D, BS = p->BS, kv_stride = p->Hkv * D * BS, esize = p->kv_bf16 ? 2 : 4;
+    for (int64_t it = lo; it < hi && bytes > 0; it++) {
+        const int64_t t = p->first[it / p->Hkv], g = it % p->Hkv;
+        const int64_t *bt = p->block_table + p->req[t] * p->bt_stride;
+        for (int64_t b = 0; b * BS < p->nvis[t] && bytes > 0; b++, bytes -= 2 * D * BS * esize) {
+            prefetch_block((const char *)kt + g * D * BS * esize, bt[b] * kv_stride, D * BS, p->kv_bf16);
+            prefetch_block((const char *)v + g * BS * D * esize, bt[b] * kv_stride, D * BS, p->kv_bf16);
+        }
+    }
+}
+
 /* Thread id's share (of nt threads, each calling this once) of one layer's attention under plan p: whole
  * (tile, kv head) items, in a static split, so one thread computes each output. q, kt, v, out, out_bf16 as
  * invariant_attention. */

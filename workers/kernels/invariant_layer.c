@@ -305,6 +305,10 @@ typedef struct {
     void *d_mlp;   /* [T, hidden] the down projection's output */
 } layer_bufs;
 
+#ifndef KV_AHEAD_BYTES
+#define KV_AHEAD_BYTES (64 << 10) /* a thread's keys and values fetched a layer ahead, at most (a burst of prefetches) */
+#endif
+
 #ifndef RING_LAYERS
 #define RING_LAYERS 8 /* layers whose intermediates the workspace holds at once: the ring stays in L2 */
 #endif
@@ -548,6 +552,9 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
                 silu_span(b.gu, b.act, I, bf16, u * silu_group, c1);
             });
             PHASE(7);
+            /* a decode step: the next layer's keys and values, which its attention reads from memory at the
+             * latency of a few items' loads, fetched while this GEMM streams */
+            if (one_row_each && l + 1 < L) prefetch_items(&plan, kt[l + 1], v[l + 1], t->id, t->nt, KV_AHEAD_BYTES);
             linear_part(b.act, wl[5], b.d_mlp, T, hidden, I, bf16, stream, tiled, t);
             PHASE(8);
             prev = b;

@@ -48,6 +48,7 @@ int attention_plan(attn_plan *p, const int64_t *block_table, int64_t bt_stride, 
                    float scale, float *scratch, int64_t n_pad, int kv_bf16, int64_t *first);
 void attention_item(const attn_plan *p, const float *q, int64_t q_row_stride, const void *kt, const void *v,
                     float *out, uint16_t *out_bf16, int64_t it, int64_t next, int id);
+void prefetch_items(const attn_plan *p, const void *kt, const void *v, int id, int nt, int64_t bytes);
 void attention_part(const attn_plan *p, const float *q, int64_t q_row_stride, const void *kt, const void *v,
                     float *out, uint16_t *out_bf16, int id, int nt);
 int invariant_attention(const float *q, int64_t q_row_stride, const void *kt, const void *v, int kv_bf16,
