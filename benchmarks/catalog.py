@@ -69,6 +69,13 @@ BENCHMARKS = [
     ),
     Benchmark(
         "engine",
+        "benchmarks.engine.commit_ab",
+        "Is the decode step at one commit faster or slower than at another (whole trees, alternating processes, "
+        "each cell against its bandwidth window)?",
+        "commit_ab.json",
+    ),
+    Benchmark(
+        "engine",
         "benchmarks.engine.step_ab",
         "Is the runner at a git ref faster or slower than the working tree's, paired in one process?",
         "step_ab.json",
@@ -228,6 +235,7 @@ RECORDS = {
     "decode_floor_zen4": "decode_floor --http --http-reps 6 on a Zen 4 (AVX512-BF16), after the L2 prefetch",
     "decode_floor_zen4_before": "decode_floor --http --http-reps 6 on the same Zen 4, before the L2 prefetch",
     "decode_floor_zen4_tiled": "decode_floor --http --http-reps 6 on the same Zen 4, the GEMM weights tiled",
+    "decode_floor_zen4_onecall": "decode_floor --http --http-reps 6 on the Zen 4, a step's forward one native call",
     "decode_floor_v3_proxy_tiled": "decode_floor --march x86-64-v3 on the Zen 4, the GEMM weights tiled",
     "decode_floor_http": "decode_floor --http --rounds 3: the same cells plus c=1 TPOT over HTTP, quiet machine",
     "draft_eval_chat24": "draft_eval on 24 held-out prompts",
