@@ -819,7 +819,7 @@ class BoundLayers:
         T, hidden = h.shape
         if h.dtype != self.dtype or hidden != self.hidden or not h.is_contiguous():
             raise ValueError("the residual stream must be a contiguous [T, hidden] tensor in the model's dtype")
-        return self._run(h, None, positions, kv_index, block_table, req, nvis, max_nvis, scale)
+        return self._run(h, None, positions, kv_index, block_table, req, nvis, max_nvis, scale, torch.get_num_threads())
 
     def forward(
         self,
@@ -846,7 +846,8 @@ class BoundLayers:
             raise ValueError("ids must be a [T] tensor")
         if not (rows.dtype == torch.int64 and rows.dim() == 1 and rows.is_contiguous()):
             raise ValueError("rows must be a contiguous [M] int64 tensor")
-        b = self.buffers(ids.shape[0], torch.get_num_threads())
+        threads = torch.get_num_threads()
+        b = self.buffers(ids.shape[0], threads)
         M = rows.shape[0]
         hs, logits = b.h.new_empty(M, self.hidden), torch.empty(M, self.vocab, dtype=torch.float32)
         out = logits  # where the kernel writes the logits in the model's dtype
@@ -858,7 +859,7 @@ class BoundLayers:
                 kept = self._logits16[M] = torch.empty(M, self.vocab, dtype=torch.bfloat16)
             out = kept
         head = (rows, hs, out, logits if out is not logits else None)
-        delta = self._run(b.h, ids, positions, kv_index, block_table, req, nvis, max_nvis, scale, head)
+        delta = self._run(b.h, ids, positions, kv_index, block_table, req, nvis, max_nvis, scale, threads, head)
         return b.h, delta, hs, logits
 
     def _run(
@@ -872,6 +873,7 @@ class BoundLayers:
         nvis: torch.Tensor,
         max_nvis: int,
         scale: float,
+        threads: int,
         head: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
         # head: (rows [M], hs [M, hidden], logits [M, V] in the model's dtype, fp32 logits [M, V] or None), or None
@@ -886,7 +888,6 @@ class BoundLayers:
             rows, hs, logits, logits_f32 = head
             rows_ptr, M, hs_ptr, logits_ptr = rows.data_ptr(), rows.shape[0], hs.data_ptr(), logits.data_ptr()
             f32_ptr = None if logits_f32 is None else logits_f32.data_ptr()
-        threads = torch.get_num_threads()
         c, b = self._caches, self.buffers(T, threads)
         n_pad, need = attention_scratch(threads, self.num_heads, c.num_kv_heads, max_nvis)
         scratch = self._attn.scratch(need)
