@@ -227,6 +227,19 @@ int attention_plan(attn_plan *p, const int64_t *block_table, int64_t bt_stride, 
     return 0;
 }
 
+/* The first blocks (at most max_blocks) of keys and values item `it` of plan p reads, into L2; returns how many. */
+static int64_t prefetch_item(const attn_plan *p, const void *kt, const void *v, int64_t it, int64_t max_blocks) {
+    const int64_t D = p->D, BS = p->BS, kv_stride = p->Hkv * D * BS, esize = p->kv_bf16 ? 2 : 4;
+    const int64_t t = p->first[it / p->Hkv], g = it % p->Hkv;
+    const int64_t *bt = p->block_table + p->req[t] * p->bt_stride;
+    int64_t b = 0;
+    for (; b < max_blocks && b * BS < p->nvis[t]; b++) {
+        prefetch_block((const char *)kt + g * D * BS * esize, bt[b] * kv_stride, D * BS, p->kv_bf16);
+        prefetch_block((const char *)v + g * BS * D * esize, bt[b] * kv_stride, D * BS, p->kv_bf16);
+    }
+    return b;
+}
+
 /* One (tile, kv head) item `it` of a layer's attention under plan p, in thread id's scratch; `next`: the
  * item this thread computes after it (its first blocks are fetched while this one computes), or -1. q, kt,
  * v, out, out_bf16 as invariant_attention. */
@@ -235,14 +248,7 @@ void attention_item(const attn_plan *p, const float *q, int64_t q_row_stride, co
     const int64_t H = p->H, Hkv = p->Hkv, D = p->D, BS = p->BS, G = H / Hkv, bt_stride = p->bt_stride;
     const int64_t *first = p->first, *req = p->req, *nvis = p->nvis, *block_table = p->block_table;
     const int64_t kv_stride = Hkv * D * BS, esize = p->kv_bf16 ? 2 : 4;
-    if (next >= 0) {
-        const int64_t t1 = first[next / Hkv], g1 = next % Hkv;
-        const int64_t *bt1 = block_table + req[t1] * bt_stride;
-        for (int64_t b = 0; b < AHEAD && b * BS < nvis[t1]; b++) {
-            prefetch_block((const char *)kt + g1 * D * BS * esize, bt1[b] * kv_stride, D * BS, p->kv_bf16);
-            prefetch_block((const char *)v + g1 * BS * D * esize, bt1[b] * kv_stride, D * BS, p->kv_bf16);
-        }
-    }
+    if (next >= 0) prefetch_item(p, kt, v, next, AHEAD);
     const int64_t t0 = first[it / Hkv], R = first[it / Hkv + 1] - t0, g = it % Hkv;
     const float *qs[ROWS * MAX_GROUP];
     float *os[ROWS * MAX_GROUP];
@@ -270,15 +276,9 @@ void attention_item(const attn_plan *p, const float *q, int64_t q_row_stride, co
  * there. A hint only. */
 void prefetch_items(const attn_plan *p, const void *kt, const void *v, int id, int nt, int64_t bytes) {
     const int64_t items = p->tiles * p->Hkv, lo = items * id / nt, hi = items * (id + 1) / nt;
-    const int64_t D = p->D, BS = p->BS, kv_stride = p->Hkv * D * BS, esize = p->kv_bf16 ? 2 : 4;
-    for (int64_t it = lo; it < hi && bytes > 0; it++) {
-        const int64_t t = p->first[it / p->Hkv], g = it % p->Hkv;
-        const int64_t *bt = p->block_table + p->req[t] * p->bt_stride;
-        for (int64_t b = 0; b * BS < p->nvis[t] && bytes > 0; b++, bytes -= 2 * D * BS * esize) {
-            prefetch_block((const char *)kt + g * D * BS * esize, bt[b] * kv_stride, D * BS, p->kv_bf16);
-            prefetch_block((const char *)v + g * BS * D * esize, bt[b] * kv_stride, D * BS, p->kv_bf16);
-        }
-    }
+    const int64_t block_bytes = 2 * p->D * p->BS * (p->kv_bf16 ? 2 : 4); /* a block's keys and values */
+    for (int64_t it = lo; it < hi && bytes > 0; it++)
+        bytes -= prefetch_item(p, kt, v, it, (bytes + block_bytes - 1) / block_bytes) * block_bytes;
 }
 
 /* Thread id's share (of nt threads, each calling this once) of one layer's attention under plan p: whole
