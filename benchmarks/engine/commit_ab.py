@@ -41,6 +41,7 @@ import json, sys
 import torch
 torch.set_num_threads(2)
 from benchmarks.engine.decode_floor import ReadBandwidth
+from benchmarks.engine.step_split import weight_bytes
 from benchmarks.fidelity.invariance_bench import PROMPT, decode_step_s
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
@@ -53,9 +54,7 @@ for dt in a["dtypes"]:
     cfg = EngineConfig(dtype=dt, max_num_seqs=a["max_c"], enable_prefix_caching=False, max_model_len=512,
                        proposers=[])
     eng = LLMEngine(cfg, loaded)
-    r = eng.runner
-    gemms = [L[n] for L in r.layers for n in ("qkv", "o", "gate_up", "down")] + [r.lm_head]
-    wbytes = sum(t.numel() * t.element_size() for t in gemms)  # the floor's bytes: every weight read once
+    wbytes = sum(weight_bytes(eng.runner).values())  # the floor's bytes, as decode_floor counts them
     prompt = eng.tokenize_chat([{"role": "user", "content": PROMPT}])
     decode_step_s(eng, prompt, 1, 4)  # warm: kernels built, buffers made
     engines[dt] = (eng, prompt, wbytes)
