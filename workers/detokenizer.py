@@ -9,7 +9,7 @@ could still become the start of a stop string is held back until it cannot.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence, cast
+from typing import TYPE_CHECKING, Callable, Sequence, cast
 
 if TYPE_CHECKING:  # the Router and the ingress import the engine's types; they never need transformers
     from transformers import PreTrainedTokenizerBase
@@ -17,9 +17,36 @@ if TYPE_CHECKING:  # the Router and the ingress import the engine's types; they 
 _PROMPT_CONTEXT = 5  # prompt tokens used as decoding context, so the first output token gets its leading space
 
 
+def text_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int]], str]:
+    """``ids -> tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)``.
+
+    Why not that call itself: a fast tokenizer's ``decode`` is a Python wrapper (argument conversion, batch
+    detection, clean-up options) around its Rust tokenizer's ``decode``, and costs several times the decode it
+    makes, twice a token. Where the tokenizer overrides neither of the wrapper's two steps, the Rust call is the
+    whole of what it would return; any other tokenizer keeps its own ``decode``."""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    cls, backend = type(tokenizer), getattr(tokenizer, "backend_tokenizer", None)
+    if (
+        isinstance(tokenizer, TokenizersBackend)
+        and backend is not None
+        and cls.decode is PreTrainedTokenizerBase.decode
+        and cls._decode is TokenizersBackend._decode
+    ):
+        return lambda ids: cast(str, backend.decode(ids, skip_special_tokens=True))
+    return lambda ids: cast(str, tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
-        self._tok = tokenizer
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        decode: Callable[[list[int]], str] | None = None,  # text_decoder(tokenizer), made once per tokenizer
+    ) -> None:
+        self._decode = decode if decode is not None else text_decoder(tokenizer)
         ctx = list(prompt_ids[-_PROMPT_CONTEXT:])
         self._ids: list[int] = ctx  # context + output tokens
         self._prefix = 0
@@ -29,10 +56,6 @@ class IncrementalDetokenizer:
         self.text = ""  # output text so far, cut before a matched stop string
         self._emitted = 0
         self.stopped = False
-
-    def _decode(self, ids: list[int]) -> str:
-        # one sequence in, one string out (decode's list[str] is for a batch of sequences)
-        return cast(str, self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
 
     def add(self, token_id: int) -> bool:
         """Append one output token; True when it completed a stop string (the caller stops there)."""

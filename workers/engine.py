@@ -28,7 +28,7 @@ from workers import native_attention
 from workers.config import EngineConfig
 from workers.cost_model import StepCostModel
 from workers.decision import DecideFn, SpecCandidate, Speculation, fixed_k
-from workers.detokenizer import IncrementalDetokenizer
+from workers.detokenizer import IncrementalDetokenizer, text_decoder
 from workers.errors import InvalidRequestError
 from workers.grammar import Grammar, GrammarRuntime
 from workers.hardware import resolve_cpu_gemm, resolve_dtype
@@ -76,6 +76,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.tokenizer = loaded.tokenizer
+        self._decode_text = text_decoder(self.tokenizer)  # each request's detokenizer decodes through it
         hf_cfg = loaded.model.config
         self.vocab_size = hf_cfg.vocab_size
         self.max_model_len = min(config.max_model_len, getattr(hf_cfg, "max_position_embeddings", 1 << 30))
@@ -291,7 +292,7 @@ class LLMEngine:
             params=params,
             proposer=proposer or self.default_proposer,
             speculation=speculation,
-            detok=IncrementalDetokenizer(self.tokenizer, prompt, params.stop),
+            detok=IncrementalDetokenizer(self.tokenizer, prompt, params.stop, self._decode_text),
             generator=None,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             seed=params.seed if params.seed is not None else secrets.randbits(64),
