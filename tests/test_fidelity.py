@@ -205,6 +205,32 @@ def test_coupled_verification_samples_the_target_distribution(coupled_draft):
         assert abs(rate - float((p[0] * q[0]).sum())) < 0.03  # independent draws agree with prob sum p q
 
 
+def test_coupled_verification_takes_the_forwards_argmax_as_its_own():
+    """The argmax a forward found beside its logits gives the tokens verify finds itself, for greedy and sampled
+    requests with and without drafts; the caller's tensor is left as it was (sampled rows are written into a
+    copy), and an argmax of another row count is refused."""
+    gen = torch.Generator().manual_seed(1)
+    V = 50
+    drafts = [[], [3, 7], [], [1]]
+    params = [SamplingParams(temperature=t, max_tokens=4) for t in (0.0, 0.0, 0.9, 0.9)]
+    keys = [
+        [] if sp.greedy else [position_key(5 + i, j) for j in range(len(d) + 1)]
+        for i, (sp, d) in enumerate(zip(params, drafts))
+    ]
+    logits = torch.randn(sum(len(d) + 1 for d in drafts), V, generator=gen)  # [7, V]
+    logits[1, 3] = logits[2, 7] = 50.0  # the greedy request's drafts are its argmax tokens: accepted
+    argmax = logits.argmax(dim=-1)
+    given = argmax.clone()
+    want = verify_coupled(logits, drafts, params, keys)
+    got = verify_coupled(logits, drafts, params, keys, given)
+    assert got == want and want.num_accepted[1] == 2 and torch.equal(given, argmax)
+    other = argmax.clone()
+    other[0] = (argmax[0] + 1) % V  # read, not found again: a greedy row's token is the argmax given
+    assert verify_coupled(logits, drafts, params, keys, other).output_token_ids[0] == [int(other[0])]
+    with pytest.raises(ValueError, match="target_argmax"):
+        verify_coupled(logits, drafts, params, keys, argmax[:-1])
+
+
 # ----------------------------------------------------------------------------- the real model
 
 

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from workers import native_attention
 from workers.config import EngineConfig
 from workers.runner import ModelRunner, StepBatch
+from workers.step_index import StepIndex
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -193,29 +194,63 @@ def test_one_fused_call_makes_the_embeddings_the_layers_and_the_head(tiny_loaded
     runner = ModelRunner(tiny_loaded.model, 2, 64, dtype=dtype, cpu_gemm="native", batch_invariant=True)
     nl = runner.native_layers
     assert nl is not None
-    ids = torch.tensor([5, 17, 3, 40], dtype=torch.long)
-    pos = torch.arange(4, dtype=torch.long)
-    bt = torch.tensor([[0, 1, 2, 3]], dtype=torch.long)
-    req, nvis = torch.zeros(4, dtype=torch.long), pos + 1
-    rows = torch.tensor([3, 0], dtype=torch.long)
-    h_ids, delta_ids, hs, logits = nl.forward(ids, pos, pos.clone(), bt, req, nvis, 4, 0.125, rows)
+
+    def index(ids: list[int], pos: list[int], kv: list[int], rows: list[int]) -> StepIndex:
+        return StepIndex(ids, pos, kv, [0] * len(ids), [p + 1 for p in pos], rows, [[0, 1, 2, 3]], max(pos) + 1)
+
+    ids, pos = [5, 17, 3, 40], [0, 1, 2, 3]
+    h_ids, delta_ids, hs, logits, _ = nl.forward(index(ids, pos, pos, [3, 0]), 0.125)
     h_ids, delta_ids = h_ids.clone(), delta_ids.clone()
-    h_given = runner.embed.index_select(0, ids)
-    delta_given = nl(h_given, pos, pos.clone(), bt, req, nvis, 4, 0.125)
+    h_given = runner.embed.index_select(0, torch.tensor(ids))
+    delta_given = nl(h_given, index(ids, pos, pos, []), 0.125)
     assert torch.equal(h_ids, h_given) and torch.equal(delta_ids, delta_given)
     assert logits.dtype == torch.float32 and logits.shape == (2, runner.vocab_size)
-    hs_calls = runner._final_norm(h_given, delta_given, rows)
+    hs_calls = runner._final_norm(h_given, delta_given, torch.tensor([3, 0]))
     assert torch.equal(hs, hs_calls) and torch.equal(logits, runner._lm_head(hs_calls))
     # no logits rows (a prompt chunk before the last): the layers alone
-    _, _, hs0, logits0 = nl.forward(ids, pos, pos.clone(), bt, req, nvis, 4, 0.125, rows[:0])
+    _, _, hs0, logits0, _ = nl.forward(index(ids, pos, pos, []), 0.125)
     assert hs0.shape == (0, runner.hidden_size) and logits0.shape == (0, runner.vocab_size)
     k_before = [k.clone() for k in runner._k_storage]
     with pytest.raises(ValueError, match="vocabulary"):
-        bad = torch.tensor([5, runner.vocab_size])
-        nl.forward(bad, pos[:2], pos[:2] + 8, bt, req[:2], nvis[:2], 2, 0.125, rows[1:])
+        nl.forward(index([5, runner.vocab_size], [0, 1], [8, 9], [1]), 0.125)
     with pytest.raises(ValueError, match="logits row"):
-        nl.forward(ids[:2], pos[:2], pos[:2] + 8, bt, req[:2], nvis[:2], 2, 0.125, rows[:1])
+        nl.forward(index([5, 17], [0, 1], [8, 9], [0, 2]), 0.125)
     assert all(torch.equal(a, b) for a, b in zip(k_before, runner._k_storage))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_head_finds_each_rows_argmax_as_torch_does(tiny_loaded, linear, dtype, threads, monkeypatch):
+    """Each logits row's argmax comes back from the fused call beside the logits, torch's answer (the first
+    maximal index; the first NaN's where a row holds one), whether a row is one thread's unit or, with fewer
+    rows than threads, split in chunks across them: ties of one value in three chunks, NaN in two."""
+    monkeypatch.setenv(native_attention.ENV_TILED, "0")  # the LM head's rows plain, to be written below
+    runner = ModelRunner(tiny_loaded.model, 2, 64, dtype=dtype, cpu_gemm="native", batch_invariant=True)
+    nl, W = runner.native_layers, runner.lm_head  # W: [V, hidden], the rows the call reads
+    assert nl is not None and W.dim() == 2 and W.shape[0] > 3 * 4096
+
+    def forward(rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        index = StepIndex([5, 17, 3, 40], [0, 1, 2, 3], [0, 1, 2, 3], [0] * 4, [1, 2, 3, 4], rows, [[0, 1, 2, 3]], 4)
+        _, _, hs, logits, argmax = nl.forward(index, 0.125)
+        return hs, logits, argmax
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in ([3], [3, 0], [0, 1, 2, 3]):
+            _, logits, argmax = forward(rows)
+            assert argmax.dtype == torch.long and torch.equal(argmax, logits.argmax(dim=-1))
+        hs = forward([3])[0]
+        for j in (7, 4096 + 7, 3 * 4096):  # one logit, the row's largest, in three chunks
+            W[j] = hs[0] * 8
+        _, logits, argmax = forward([3])
+        assert logits[0, 7] == logits[0, 4096 + 7] == logits[0, 3 * 4096] == logits.max()
+        assert argmax.tolist() == [7] == logits.argmax(dim=-1).tolist()
+        W[3 * 4096 + 5], W[4096 + 3] = float("nan"), float("nan")
+        _, logits, argmax = forward([3, 1])
+        assert argmax.tolist() == [4096 + 3] * 2 == logits.argmax(dim=-1).tolist()
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_weights_larger_than_the_last_level_cache_are_streamed(tiny_loaded, linear, monkeypatch):

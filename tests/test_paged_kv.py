@@ -125,7 +125,7 @@ def _spy_logits(eng: LLMEngine) -> dict[tuple[str, int, tuple[int, ...]], list[t
     seen: dict[tuple[str, int, tuple[int, ...]], list[torch.Tensor]] = {}
     process = eng.processor.process
 
-    def spy(rows, logits, event=None):  # logits: [sum_i (len(drafts_i) + 1), vocab]
+    def spy(rows, logits, *rest):  # logits: [sum_i (len(drafts_i) + 1), vocab]
         off = 0
         for f in rows:
             r = f.request
@@ -133,7 +133,7 @@ def _spy_logits(eng: LLMEngine) -> dict[tuple[str, int, tuple[int, ...]], list[t
             for j in range(len(f.drafts) + 1):
                 seen.setdefault((r.request_id, first + j, tuple(f.drafts[:j])), []).append(logits[off + j].clone())
             off += len(f.drafts) + 1
-        return process(rows, logits, event)
+        return process(rows, logits, *rest)
 
     eng.processor.process = spy
     return seen

@@ -373,14 +373,14 @@ class LLMEngine:
             for r, toks, d, p in zip(decoding, pending, drafts, draft_probs)
         ]
         frontier += [FrontierRow(r, toks) for (r, toks), end in zip(chunks, at_end) if end]
-        logits = self._execute(reqs, fed, {id(f.request): len(f.drafts) for f in frontier})
+        logits, argmax = self._execute(reqs, fed, {id(f.request): len(f.drafts) for f in frontier})
 
         for (r, toks), end in zip(chunks, at_end):
             if not end:  # the prompt goes on next step; nothing to verify yet
                 r.num_computed += len(toks)
                 if rec and r.events is not None:
                     r.events.append(StepEvent(t0_ns, time.time_ns(), "prefill", 0, 0, t_prop_ns))
-        outputs = self.processor.process(frontier, logits, (t0_ns, t_prop_ns) if rec else None)
+        outputs = self.processor.process(frontier, logits, (t0_ns, t_prop_ns) if rec else None, argmax)
         if self.kv.enable_caching:  # newly full blocks of committed positions become prefix-cache entries
             for r in reqs:
                 if r.status is Status.RUNNING:
@@ -401,9 +401,11 @@ class LLMEngine:
         reqs: list[Request],
         fed: list[list[int]],
         frontier_drafts: dict[int, int],  # id(request) -> drafts, for requests whose step ends at the frontier
-    ) -> torch.Tensor:  # [sum over frontier requests of (drafts + 1), vocab] the rows verify decides from
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The runner call: logits at each frontier (the last fed token plus one row per draft), and every
-        prompt row of a request that scores its prompt (prompt_logprobs), which are taken out here."""
+        prompt row of a request that scores its prompt (prompt_logprobs), which are taken out here. Returns
+        the rows verify decides from ([sum over frontier requests of (drafts + 1), vocab]) and their argmax
+        ([that many] int64) where the runner found it beside them, else None."""
         scoring = [
             r.prompt_logprobs is not None and r.in_prefill and len(r.prompt_logprobs) < len(r.prompt_ids) for r in reqs
         ]  # a request preempted after its prompt was scored is not scored again
@@ -429,8 +431,9 @@ class LLMEngine:
         if out.extra_hidden is not None:
             self._keep_hidden(reqs, fed, want_hidden, out.extra_hidden)
         if any(scoring):  # take the prompt rows out: verify sees only the frontier rows
-            return self._score_prompts(reqs, scoring, logits_rows, [id(r) in frontier_drafts for r in reqs], out.logits)
-        return out.logits
+            at_frontier = [id(r) in frontier_drafts for r in reqs]
+            return self._score_prompts(reqs, scoring, logits_rows, at_frontier, out.logits), None
+        return out.logits, out.argmax
 
     def _may_read_cache(self, r: Request) -> bool:
         """Whether ``r`` may start after the cached blocks of its prompt. Not when its proposer reads the

@@ -44,6 +44,7 @@ from typing import TypeVar
 import torch
 
 from workers import hardware
+from workers.step_index import StepIndex
 
 log = logging.getLogger(__name__)
 
@@ -663,7 +664,8 @@ class NativeLayers:
         fn = dll.invariant_layers
         fn.argtypes = [p, p, p, p, i64, p, p, p, p, i64, p, i64, p, p, f32, p, i64]
         fn.argtypes += [p] * 8 + [i64] * 8 + [f32, i32, i32, i32, p, i64, i32, i32, p, p, i64]
-        fn.argtypes += [p, i64, p, p, p, p, i64, p]  # the head: rows, M, norm, LM head, hs, logits, V, fp32 logits
+        # the head: rows, M, norm, LM head, hs, logits, V, fp32 logits, argmax
+        fn.argtypes += [p, i64, p, p, p, p, i64, p, p]
         fn.restype = ctypes.c_int
         self._fn = fn
         self._workspace_bytes = dll.layers_workspace_bytes
@@ -715,6 +717,11 @@ class _Buffers:
     act: torch.Tensor  # [T, I]
     ws: torch.Tensor | None  # [bytes] uint8: the layers' ring of intermediates (a few rows), or None
 
+    @functools.cached_property
+    def ptrs(self) -> tuple[int, ...]:
+        """x, qkv, q, o32, o, delta, gu and act's addresses, in the fused call's order."""
+        return tuple(t.data_ptr() for t in (self.x, self.qkv, self.q, self.o32, self.o, self.delta, self.gu, self.act))
+
 
 class BoundLayers:
     """One runner's layers bound to the fused call: weights, caches and tables as pointer arrays made once."""
@@ -763,6 +770,8 @@ class BoundLayers:
         ):
             raise ValueError("the embedding table must be a contiguous [vocab, hidden] tensor in the model's dtype")
         self._embed = embed
+        self._embed_ptr: int | None = None if embed is None else embed.data_ptr()
+        self._vocab_in = 0 if embed is None else embed.shape[0]  # rows of the embedding table
         self._fn, self._attn, self._caches = fn, attn, caches
         self._workspace_bytes = workspace_bytes
         self.dtype, self.num_heads, self.eps = dtype, num_heads, eps
@@ -808,48 +817,32 @@ class BoundLayers:
     def __call__(
         self,
         h: torch.Tensor,  # [T, hidden] the model's dtype, contiguous, updated in place
-        positions: torch.Tensor,  # [T] int64
-        kv_index: torch.Tensor,  # [T] int64
-        block_table: torch.Tensor,  # [num_reqs, max_blocks] int64
-        req: torch.Tensor,  # [T] int64
-        nvis: torch.Tensor,  # [T] int64
-        max_nvis: int,
+        index: StepIndex,  # the step's index vectors (its ids and logits rows unread)
         scale: float,
     ) -> torch.Tensor:  # [T, hidden]: the last layer's down projection (the output is h + it), a reused buffer
         T, hidden = h.shape
-        if h.dtype != self.dtype or hidden != self.hidden or not h.is_contiguous():
+        if h.dtype != self.dtype or hidden != self.hidden or not h.is_contiguous() or T != index.T:
             raise ValueError("the residual stream must be a contiguous [T, hidden] tensor in the model's dtype")
-        return self._run(h, None, positions, kv_index, block_table, req, nvis, max_nvis, scale, torch.get_num_threads())
+        return self._run(h, index, scale, torch.get_num_threads(), None, None)
 
     def forward(
-        self,
-        ids: torch.Tensor,  # [T] int64 token ids
-        positions: torch.Tensor,  # [T] int64
-        kv_index: torch.Tensor,  # [T] int64
-        block_table: torch.Tensor,  # [num_reqs, max_blocks] int64
-        req: torch.Tensor,  # [T] int64
-        nvis: torch.Tensor,  # [T] int64
-        max_nvis: int,
-        scale: float,
-        rows: torch.Tensor,  # [M] int64: the rows whose logits the step needs
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A step's whole forward in one native call: the layers on the embeddings of ``ids`` (the table given to
-        :meth:`NativeLayers.bind`; the call does the gather ``embed.index_select(0, ids)`` would), then the final
-        RMSNorm of ``rows`` of ``h + delta`` and their logits (the bound LM head): the values the norm and the
-        linear kernel give one call at a time, the logits widened to fp32 in the call (a bf16 model's are bf16
-        values, as ``.float()`` of the kernel's output). Returns ``h`` and ``delta`` ([T, hidden] each: reused
-        buffers, valid until the next call with as many rows), the normed rows ``hs`` ([M, hidden], the model's
-        dtype) and the logits ([M, V] fp32)."""
+        self, index: StepIndex, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A step's whole forward in one native call: the layers on the embeddings of ``index``'s token ids (the
+        table given to :meth:`NativeLayers.bind`; the call does the gather ``embed.index_select(0, ids)`` would),
+        then the final RMSNorm of its logits rows of ``h + delta`` and their logits (the bound LM head): the
+        values the norm and the linear kernel give one call at a time, the logits widened to fp32 in the call (a
+        bf16 model's are bf16 values, as ``.float()`` of the kernel's output). Returns ``h`` and ``delta``
+        ([T, hidden] each: reused buffers, valid until the next call with as many rows), the normed rows ``hs``
+        ([M, hidden], the model's dtype), the logits ([M, V] fp32) and each row's argmax ([M] int64:
+        ``logits.argmax(dim=-1)``, a greedy row's token, found while the logits are in cache)."""
         if self._embed is None:
             raise ValueError("forward needs the embedding table: bind the layers with embed=")
-        if ids.dim() != 1:
-            raise ValueError("ids must be a [T] tensor")
-        if not (rows.dtype == torch.int64 and rows.dim() == 1 and rows.is_contiguous()):
-            raise ValueError("rows must be a contiguous [M] int64 tensor")
         threads = torch.get_num_threads()
-        b = self.buffers(ids.shape[0], threads)
-        M = rows.shape[0]
+        b = self.buffers(index.T, threads)
+        M = index.M
         hs, logits = b.h.new_empty(M, self.hidden), torch.empty(M, self.vocab, dtype=torch.float32)
+        argmax = torch.empty(M, dtype=torch.long)
         out = logits  # where the kernel writes the logits in the model's dtype
         if self.dtype == torch.bfloat16:
             kept = self._logits16.get(M)
@@ -858,51 +851,45 @@ class BoundLayers:
                     self._logits16.clear()
                 kept = self._logits16[M] = torch.empty(M, self.vocab, dtype=torch.bfloat16)
             out = kept
-        head = (rows, hs, out, logits if out is not logits else None)
-        delta = self._run(b.h, ids, positions, kv_index, block_table, req, nvis, max_nvis, scale, threads, head)
-        return b.h, delta, hs, logits
+        head = (hs, out, logits if out is not logits else None, argmax)
+        delta = self._run(b.h, index, scale, threads, b, head)
+        return b.h, delta, hs, logits, argmax
 
     def _run(
         self,
         h: torch.Tensor,
-        ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        kv_index: torch.Tensor,
-        block_table: torch.Tensor,
-        req: torch.Tensor,
-        nvis: torch.Tensor,
-        max_nvis: int,
+        index: StepIndex,
         scale: float,
         threads: int,
-        head: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+        b: _Buffers | None,
+        head: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor] | None,
     ) -> torch.Tensor:
-        # head: (rows [M], hs [M, hidden], logits [M, V] in the model's dtype, fp32 logits [M, V] or None), or None
+        # head: (hs [M, hidden], logits [M, V] in the model's dtype, fp32 logits [M, V] or None, argmax [M] int64):
+        # the head's outputs at index's rows, with the embeddings gathered from its ids into h; None: h given, no head
         T, hidden = h.shape
-        _check_index(positions, kv_index, block_table, req, nvis, *(() if ids is None else (ids,)))
-        # the embedding rows the call gathers into h (forward), or none (h given)
+        if b is None:
+            b = self.buffers(T, threads)
         embed_ptr, ids_ptr, vocab = None, None, 0
-        if ids is not None and self._embed is not None:
-            embed_ptr, ids_ptr, vocab = self._embed.data_ptr(), ids.data_ptr(), self._embed.shape[0]
-        rows_ptr, M, hs_ptr, logits_ptr, f32_ptr = None, 0, None, None, None
+        rows_ptr, M, hs_ptr, logits_ptr, f32_ptr, argmax_ptr = None, 0, None, None, None, None
         if head is not None:
-            rows, hs, logits, logits_f32 = head
-            rows_ptr, M, hs_ptr, logits_ptr = rows.data_ptr(), rows.shape[0], hs.data_ptr(), logits.data_ptr()
+            hs, logits, logits_f32, argmax = head
+            argmax_ptr = argmax.data_ptr()
+            embed_ptr, ids_ptr, vocab = self._embed_ptr, index.address, self._vocab_in
+            rows_ptr, M, hs_ptr, logits_ptr = index.at("rows"), index.M, hs.data_ptr(), logits.data_ptr()
             f32_ptr = None if logits_f32 is None else logits_f32.data_ptr()
-        c, b = self._caches, self.buffers(T, threads)
+        c, at, max_nvis = self._caches, index.address, index.max_nvis
         n_pad, need = attention_scratch(threads, self.num_heads, c.num_kv_heads, max_nvis)
         scratch = self._attn.scratch(need)
         rc = self._fn(
             h.data_ptr(), self._w, self._kt, self._v, len(c.ptrs),
-            positions.data_ptr(), kv_index.data_ptr(), self._cos, self._sin, self._max_len,
-            block_table.data_ptr(), block_table.shape[1], req.data_ptr(), nvis.data_ptr(), scale,
-            scratch.data_ptr(), n_pad,
-            b.x.data_ptr(), b.qkv.data_ptr(), b.q.data_ptr(), b.o32.data_ptr(), b.o.data_ptr(), b.delta.data_ptr(),
-            b.gu.data_ptr(), b.act.data_ptr(),
+            at + 8 * T, at + 16 * T, self._cos, self._sin, self._max_len,
+            index.at("block_tables"), index.width, at + 24 * T, at + 32 * T, scale,
+            scratch.data_ptr(), n_pad, *b.ptrs,
             T, hidden, self.num_heads, c.num_kv_heads, c.head_dim, self.intermediate, c.block_size, c.num_blocks,
             self.eps, int(self.dtype == torch.bfloat16), c.kv_bf16, threads,
             None if b.ws is None else b.ws.data_ptr(), 0 if b.ws is None else b.ws.numel(), self.stream, self.tiled,
             embed_ptr, ids_ptr, vocab,
-            rows_ptr, M, self._norm_w, self._lm_head, hs_ptr, logits_ptr, self.vocab, f32_ptr,
+            rows_ptr, M, self._norm_w, self._lm_head, hs_ptr, logits_ptr, self.vocab, f32_ptr, argmax_ptr,
         )  # fmt: skip
         if rc != 0:
             raise ValueError(

@@ -70,6 +70,7 @@ class OutputProcessor:
         rows: list[FrontierRow],
         logits: torch.Tensor,  # [sum_i (len(drafts_i) + 1), vocab] the frontier rows, in order
         event: tuple[int, int] | None = None,  # (step start, proposers done) in time.time_ns(), when recording
+        argmax: torch.Tensor | None = None,  # [rows] int64 logits.argmax(dim=-1), where the forward found it
     ) -> list[RequestOutput]:
         row_start = list(itertools.accumulate((len(f.drafts) + 1 for f in rows), initial=0))[:-1]
         chosen = self._masked(self._penalized(logits, rows, row_start), rows, row_start)
@@ -79,6 +80,7 @@ class OutputProcessor:
                 [f.drafts for f in rows],
                 [f.request.params for f in rows],
                 [self._row_keys(f.request, len(f.drafts)) for f in rows],
+                argmax if chosen is logits else None,  # rows penalized or masked have their own argmax
             )
         else:
             result = verify(

@@ -35,6 +35,7 @@ from transformers import PreTrainedModel
 from workers import batch_invariant as bi
 from workers import hugepages, native_attention
 from workers.hardware import resolve_cpu_gemm
+from workers.step_index import StepIndex
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ class StepOutput:
     logits: torch.Tensor  # [sum_i len(logits_rows_i), vocab] float32, in request order
     hidden: torch.Tensor  # [sum_i len(logits_rows_i), hidden] final-norm hidden states at the same rows
     extra_hidden: torch.Tensor | None = None  # [sum_i len(hidden_rows_i), hidden] final-norm, at batch.hidden_rows
+    # [sum_i len(logits_rows_i)] int64 logits.argmax(dim=-1), where the forward found it beside the logits, else None
+    argmax: torch.Tensor | None = None
 
 
 @dataclass
@@ -463,32 +466,30 @@ class ModelRunner:
         rows_bt = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
         if min(min(r) for r in rows_bt) < 0 or max(max(r) for r in rows_bt) >= self.num_blocks:
             raise ValueError(f"a block id outside the pool of {self.num_blocks} blocks")
-        # The per-token index vectors, the block tables and the logits rows are built in Python and made one
-        # tensor: each torch op of a decode step runs on caches its weights have just flushed, where it costs
-        # several times what it costs warm (docs/benchmarks.md#decode_floor).
+        # The per-token index vectors, the block tables and the logits rows are built in Python and packed in one
+        # buffer (workers/step_index.py): the fused forward reads it through addresses, the other paths as views.
         pos_l = [p for s, n in zip(batch.start_pos, num_new) for p in range(s, s + n)]
         kv_l = [t[p // BS] * BS + p % BS for t, s, n in zip(rows_bt, batch.start_pos, num_new) for p in range(s, s + n)]
-        req_l = [i for i, n in enumerate(num_new) for _ in range(n)]
         total = len(pos_l)
         offsets = [0]  # [num_requests] row of each request's first new token in the flat matrix
         for n in num_new[:-1]:
             offsets.append(offsets[-1] + n)
-        rows_l = [offsets[i] + r for i, rs in enumerate(batch.logits_rows) for r in rs]
-        flat = torch.tensor(
-            [t for ts in batch.token_ids for t in ts]
-            + pos_l
-            + kv_l
-            + req_l
-            + [p + 1 for p in pos_l]
-            + rows_l
-            + [b for r in rows_bt for b in r],
-            dtype=torch.long,
-            device=dev,
+        index = StepIndex(
+            [t for ts in batch.token_ids for t in ts],
+            pos_l,
+            kv_l,
+            [i for i, n in enumerate(num_new) for _ in range(n)],
+            [p + 1 for p in pos_l],
+            [offsets[i] + r for i, rs in enumerate(batch.logits_rows) for r in rs],
+            rows_bt,
+            max_kv,
         )
-        idx = flat[: 5 * total].view(5, total)  # [5, T]
-        flat_ids, positions, kv_index, req_of_tok = idx[0], idx[1], idx[2], idx[3]  # [T] each
-        rows = flat[5 * total : 5 * total + len(rows_l)]  # [M] the rows whose logits the step returns
-        bt = flat[5 * total + len(rows_l) :].view(nreq, width)  # [num_requests, nb]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.native_layers is not None and self.fused_layers:
+            # one native call: the embeddings, every layer and the head (h, delta: buffers reused next step)
+            h, fused_delta, hs, logits, argmax = self.native_layers.forward(index, D**-0.5)
+            return self._output(batch, h, fused_delta, hs, logits, offsets, argmax)
+        flat_ids, positions, kv_index, req_of_tok, nvis, rows, bt = index.tensors(dev)  # [T] x5, [M], [R, nb]
         if not self.native_ops:  # the torch layers write the cache at (block, offset)
             blk_of_tok, off_of_tok = kv_index // BS, kv_index % BS
 
@@ -498,8 +499,8 @@ class ModelRunner:
         single = nreq == 1 and max_q == 1
         mask = None
         groups: list[_AttnGroup] = []
-        if self.native_attn:  # every row attends to its own keys: no groups, no mask
-            nvis = idx[4]  # [T] keys each query row sees: its position + 1
+        if self.native_attn:  # every row attends to its own keys (nvis: its position + 1): no groups, no mask
+            pass
         elif self.batch_invariant:
             groups = self._attention_groups(batch, num_new, offsets, pad_keys=True)
         elif nreq == 1 and not single:
@@ -508,16 +509,8 @@ class ModelRunner:
         elif nreq > 1:
             groups = self._attention_groups(batch, num_new, offsets)
 
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         delta = None  # [T, hidden] the last layer's output where the native layers leave it unadded
-        fused = None  # ([M, hidden], [M, V] fp32): the head's outputs, when one native call made the whole forward
-        if self.native_layers is not None and self.fused_layers:
-            # one native call: the embeddings, every layer and the head (h, delta: buffers reused next step)
-            h, delta, hs_fused, logits_fused = self.native_layers.forward(
-                flat_ids, positions, kv_index, bt, req_of_tok, nvis, max_kv, D**-0.5, rows
-            )
-            fused = (hs_fused, logits_fused)
-        elif self.native_ops:
+        if self.native_ops:
             h = self.embed.index_select(0, flat_ids)  # [T, hidden]: a copy (the layers update it in place)
             h, delta = self._layers_native(h, positions, kv_index, bt, req_of_tok, nvis, max_kv)
         else:
@@ -594,18 +587,25 @@ class ModelRunner:
                 gate, up = gu.chunk(2, dim=-1)
                 h = h + self._linear(F.silu(gate) * up, L, "down")
 
-        if fused is not None:  # the values of the two calls below
-            hs, logits = fused  # [M, hidden], [M, V] float32
-        else:
-            hs = self._final_norm(h, delta, rows)  # [M, hidden]
-            logits = self._lm_head(hs)  # [M, V] float32
+        hs = self._final_norm(h, delta, rows)  # [M, hidden]
+        return self._output(batch, h, delta, hs, self._lm_head(hs), offsets)
+
+    def _output(
+        self,
+        batch: StepBatch,
+        h: torch.Tensor,  # [T, hidden] the last layer's residual stream
+        delta: torch.Tensor | None,  # [T, hidden] the last layer's output where it is left unadded, else None
+        hs: torch.Tensor,  # [M, hidden] the final norm at the logits rows
+        logits: torch.Tensor,  # [M, V] float32
+        offsets: list[int],  # [num_requests] each request's first row
+        argmax: torch.Tensor | None = None,  # [M] int64 the logits' argmax, where the forward found it
+    ) -> StepOutput:
         extra = None
         if batch.hidden_rows is not None:
-            hrows = torch.tensor(
-                [offsets[i] + r for i, rs in enumerate(batch.hidden_rows) for r in rs], dtype=torch.long, device=dev
-            )  # [M']
+            wanted = [offsets[i] + r for i, rs in enumerate(batch.hidden_rows) for r in rs]
+            hrows = torch.tensor(wanted, dtype=torch.long, device=h.device)  # [M']
             extra = self._final_norm(h, delta, hrows)  # [M', hidden]
-        return StepOutput(logits=logits, hidden=hs, extra_hidden=extra)
+        return StepOutput(logits=logits, hidden=hs, extra_hidden=extra, argmax=argmax)
 
     def _layers_native(
         self,

@@ -350,7 +350,8 @@ int64_t layers_workspace_bytes(int64_t L, int64_t T, int64_t hidden, int64_t H, 
     return 64 + ring_slots(L) * carve_slot(NULL, NULL, T, hidden, (H + 2 * Hkv) * D, H * D, I, bf16, copies, 0);
 }
 
-#define WIDEN_CHUNK 4096 /* logits widened per unit of the head's last phase */
+#define WIDEN_CHUNK 4096 /* logits widened per unit of the head's widening phase */
+#define ARGMAX_CHUNK 4096 /* logits per unit of the head's argmax, when it has fewer rows than threads */
 
 /* The head's arguments (see invariant_layers), checked before anything is written: 0, or -1. */
 static int head_check(const int64_t *rows, int64_t M, int64_t T, int64_t hidden, int64_t V, int bf16, int tiled) {
@@ -367,9 +368,26 @@ static int head_check(const int64_t *rows, int64_t M, int64_t T, int64_t hidden,
  * row computations as rms_norm on those rows and invariant_linear, so the same bits. h and delta are only read,
  * and every unit rewrites the same values: held units may be computed again. acc (thread 0's, or NULL): adds the
  * norm's and the GEMM's seconds to acc[9] and acc[10], from *t_phase on. */
+/* The chunks of a row that the argmax's units take when the head has fewer rows than threads. */
+static int64_t argmax_chunks(int64_t M, int64_t V, int nt) {
+    return M >= nt ? 1 : (V + ARGMAX_CHUNK - 1) / ARGMAX_CHUNK;
+}
+
+/* argmax_rows' answer for one row from its chunks' (first maximal or first NaN) indices, in chunk order: the
+ * first chunk holding a NaN gives the first NaN, else the first chunk holding the maximum its first index. */
+static int64_t argmax_of_chunks(const float *row, const int64_t *at, int64_t nch) {
+    for (int64_t c = 0; c < nch; c++)
+        if (row[at[c]] != row[at[c]]) return at[c];
+    int64_t best = at[0];
+    for (int64_t c = 1; c < nch; c++)
+        if (row[at[c]] > row[best]) best = at[c];
+    return best;
+}
+
 static void head_phases(team *t, const void *h, const void *delta, const int64_t *rows, int64_t M, const void *norm_w,
                         const void *W, void *hs, void *logits, int64_t hidden, int64_t V, float eps, int bf16,
-                        int stream, int tiled, float *logits_f32, double *acc, double t_phase) {
+                        int stream, int tiled, float *logits_f32, int64_t *argmax, int64_t *chunk_at, double *acc,
+                        double t_phase) {
     const size_t row_bytes = (size_t)hidden * (bf16 ? 2 : 4);
     PHASE_UNITS(t, M, 1, a, z, for (int64_t m = a; m < z; m++) {
         const size_t at = (size_t)rows[m] * row_bytes;
@@ -386,6 +404,17 @@ static void head_phases(team *t, const void *h, const void *delta, const int64_t
                 const uint32_t u = (uint32_t)((const uint16_t *)logits)[i] << 16;
                 __builtin_memcpy(logits_f32 + i, &u, sizeof u);
             }
+        });
+    }
+    if (argmax) { /* each row's largest logit, read while the logits are in cache: a unit a row, or a row's chunk */
+        const float *const f = logits_f32 ? logits_f32 : (const float *)logits;
+        const int64_t nch = argmax_chunks(M, V, t->nt);
+        PHASE_UNITS(t, M * nch, 1, a, z, for (int64_t u = a; u < z; u++) {
+            const int64_t m = u / nch, c0 = (u % nch) * ARGMAX_CHUNK;
+            const int64_t n = nch == 1 ? V : (V - c0 < ARGMAX_CHUNK ? V - c0 : ARGMAX_CHUNK);
+            int64_t j; /* stored once: a unit computed again (a takeover) writes the same value */
+            argmax_rows(f + m * V + c0, 1, n, &j);
+            *(nch == 1 ? argmax + m : chunk_at + u) = j + c0;
         });
     }
     if (acc) {
@@ -426,7 +455,8 @@ static void head_phases(team *t, const void *h, const void *delta, const int64_t
  * step needs: the head (head_phases) then runs in the same region, after the last layer, without a second
  * call, its parallel region and the Python between them; norm_w [hidden] the final norm, W_head [V, hidden] (in
  * the layers' layout), hs [M, hidden] and logits [M, V] in the model's dtype, logits_f32: NULL, or (bf16) [M, V]
- * where the logits are also written widened to fp32, the sampler's input, so that Python makes no conversion.
+ * where the logits are also written widened to fp32, the sampler's input, so that Python makes no conversion;
+ * argmax: NULL, or [M] each row's argmax_rows (a greedy row's token), found while its logits are still in cache.
  * Returns 0, or -1 if an index lies outside the tables or the pool, a token id outside the vocabulary, a row
  * outside 0..T-1, a shape outside the kernels, or the workspace is too small (checked before anything is
  * written). */
@@ -438,7 +468,7 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
                      int64_t I, int64_t BS, int64_t num_blocks, float eps, int bf16, int kv_bf16, int nthreads,
                      void *ws, int64_t ws_bytes, int stream, int tiled, const void *embed, const int64_t *ids,
                      int64_t vocab, const int64_t *rows, int64_t M, const void *norm_w, const void *W_head, void *hs,
-                     void *logits, int64_t V, float *logits_f32) {
+                     void *logits, int64_t V, float *logits_f32, int64_t *argmax) {
     if (T <= 0 || hidden <= 0 || I <= 0 || L <= 0) return -1;
     if (rope_check(pos, kv_index, T, Hkv, D, BS, num_blocks, max_len)) return -1;
     if (ids)
@@ -456,7 +486,7 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
     /* SiLU's units: chunks of LANES values, grouped so that a phase's units fit a share word */
     const int64_t silu_group = (T * cpr + (int64_t)SHARE_MASK - 1) / (int64_t)SHARE_MASK;
     const int64_t silu_units = (T * cpr + silu_group - 1) / silu_group;
-    if ((uint64_t)(9 * L + 3) >= TEAM_MAX_PHASES || T > (int64_t)SHARE_MASK ||
+    if ((uint64_t)(9 * L + 4) >= TEAM_MAX_PHASES || T > (int64_t)SHARE_MASK ||
         plan.tiles * Hkv > (int64_t)SHARE_MASK || (2 * I + 3) / 4 > (int64_t)SHARE_MASK ||
         (nqkv + 3) / 4 > (int64_t)SHARE_MASK ||
         (tiled && !(tiled_shape_ok(nqkv, hidden, bf16) && tiled_shape_ok(hidden, H * D, bf16) &&
@@ -477,6 +507,9 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
     const int copies = own_rows ? nmax : 1, slots = ring_slots(L);
     const int64_t slot_bytes = carve_slot(NULL, NULL, T, hidden, nqkv, H * D, I, bf16, copies, 0);
     const layer_bufs shared = {h, x, h, x, act, qkv, q, o32, bf16 ? o : (void *)o32, delta, gu, delta};
+    /* the argmax's chunk answers, per row, when the head has fewer rows than threads (a few) */
+    const int64_t nch = rows && argmax ? argmax_chunks(M, V, nmax) : 1;
+    int64_t *const chunk_at = nch > 1 ? (int64_t *)__builtin_alloca((size_t)(M * nch) * sizeof(int64_t)) : NULL;
     TEAM_SLOTS(team_slots, nmax);
 #pragma omp parallel num_threads(nmax) if (nmax > 1)
     {
@@ -566,9 +599,13 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
         }
         if (rows && M > 0) /* the head on the last layer's output, in the same region */
             head_phases(t, prev.h_mlp, prev.d_mlp, rows, M, norm_w, W_head, hs, logits, hidden, V, eps, bf16, stream,
-                        tiled, logits_f32, acc, t_phase);
+                        tiled, logits_f32, argmax, chunk_at, acc, t_phase);
     }
 #undef ROWS
 #undef PHASE
+    if (chunk_at) {
+        const float *const f = logits_f32 ? logits_f32 : (const float *)logits;
+        for (int64_t m = 0; m < M; m++) argmax[m] = argmax_of_chunks(f + m * V, chunk_at + m * nch, nch);
+    }
     return 0;
 }
