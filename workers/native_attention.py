@@ -648,6 +648,45 @@ PHASES: tuple[str, ...] = ("rms_norm", "gemm qkv", "rope_kv", "attention", "gemm
 PHASES += ("gemm gate_up", "silu_mul", "gemm down", "rms_norm final", "gemm lm_head")  # the last two: the head
 
 
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+class _LayersArgs(ctypes.Structure):
+    """``invariant_layers``' parameters as one block (``layers_args`` in invariant_layer.c, the same order): a
+    bound runner keeps one per row count, filled once, and sets the few that change before each call."""
+
+    _fields_ = [
+        *[(n, _P) for n in ("h", "w", "kt", "v")],
+        ("L", _I64),
+        *[(n, _P) for n in ("pos", "kv_index", "cos", "sin")],
+        ("max_len", _I64),
+        ("block_table", _P),
+        ("bt_stride", _I64),
+        ("req", _P),
+        ("nvis", _P),
+        ("scale", _F32),
+        ("scratch", _P),
+        ("n_pad", _I64),
+        *[(n, _P) for n in ("x", "qkv", "q", "o32", "o", "delta", "gu", "act")],
+        *[(n, _I64) for n in ("T", "hidden", "H", "Hkv", "D", "I", "BS", "num_blocks")],
+        ("eps", _F32),
+        *[(n, _I32) for n in ("bf16", "kv_bf16", "nthreads")],
+        ("ws", _P),
+        ("ws_bytes", _I64),
+        ("stream", _I32),
+        ("tiled", _I32),
+        ("embed", _P),
+        ("ids", _P),
+        ("vocab", _I64),
+        ("rows", _P),
+        ("M", _I64),
+        *[(n, _P) for n in ("norm_w", "W_head", "hs", "logits")],
+        ("V", _I64),
+        ("logits_f32", _P),
+        ("argmax", _P),
+    ]
+
+
 class NativeLayers:
     """Every decoder layer of a forward as one native call (``invariant_layers`` in
     workers/kernels/invariant_layer.c), for a runner whose GEMMs are all the native linear kernel.
@@ -660,13 +699,12 @@ class NativeLayers:
     """
 
     def __init__(self, dll: ctypes.CDLL) -> None:
-        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        fn = dll.invariant_layers
-        fn.argtypes = [p, p, p, p, i64, p, p, p, p, i64, p, i64, p, p, f32, p, i64]
-        fn.argtypes += [p] * 8 + [i64] * 8 + [f32, i32, i32, i32, p, i64, i32, i32, p, p, i64]
-        # the head: rows, M, norm, LM head, hs, logits, V, fp32 logits, argmax
-        fn.argtypes += [p, i64, p, p, p, p, i64, p, p]
-        fn.restype = ctypes.c_int
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        dll.layers_args_bytes.argtypes, dll.layers_args_bytes.restype = [], i64
+        if dll.layers_args_bytes() != ctypes.sizeof(_LayersArgs):
+            raise RuntimeError("the library's layers_args and _LayersArgs disagree: rebuild both from one source")
+        fn = dll.invariant_layers_packed
+        fn.argtypes, fn.restype = [p], ctypes.c_int  # a _LayersArgs' address
         self._fn = fn
         self._workspace_bytes = dll.layers_workspace_bytes
         self._workspace_bytes.argtypes = [i64] * 7 + [i32, i32]
@@ -716,11 +754,8 @@ class _Buffers:
     gu: torch.Tensor  # [T, 2 I]
     act: torch.Tensor  # [T, I]
     ws: torch.Tensor | None  # [bytes] uint8: the layers' ring of intermediates (a few rows), or None
-
-    @functools.cached_property
-    def ptrs(self) -> tuple[int, ...]:
-        """x, qkv, q, o32, o, delta, gu and act's addresses, in the fused call's order."""
-        return tuple(t.data_ptr() for t in (self.x, self.qkv, self.q, self.o32, self.o, self.delta, self.gu, self.act))
+    args: _LayersArgs  # the fused call's arguments for this row count: every one that does not change per step
+    args_at: int  # its address, the call's one argument
 
 
 class BoundLayers:
@@ -800,17 +835,30 @@ class BoundLayers:
             o32 = torch.empty(T, H * D, dtype=torch.float32)
             L, bf16 = len(self._caches.ptrs), int(dt == torch.bfloat16)
             ws_bytes = self._workspace_bytes(L, T, self.hidden, H, Hkv, D, self.intermediate, bf16, threads)
+            bufs = {
+                "x": torch.empty(T, self.hidden, dtype=dt),
+                "qkv": torch.empty(T, (H + 2 * Hkv) * D, dtype=dt),
+                "q": torch.empty(T, H * D, dtype=torch.float32),
+                "o32": o32,
+                "o": o32 if dt == torch.float32 else torch.empty(T, H * D, dtype=dt),
+                "delta": torch.empty(T, self.hidden, dtype=dt),
+                "gu": torch.empty(T, 2 * self.intermediate, dtype=dt),
+                "act": torch.empty(T, self.intermediate, dtype=dt),
+            }
+            ws = torch.empty(ws_bytes, dtype=torch.uint8) if ws_bytes <= self.WORKSPACE_BYTES else None
+            c = self._caches
+            args = _LayersArgs(
+                w=ctypes.addressof(self._w), kt=ctypes.addressof(self._kt), v=ctypes.addressof(self._v), L=L,
+                cos=self._cos, sin=self._sin, max_len=self._max_len,
+                **{name: t.data_ptr() for name, t in bufs.items()},
+                T=T, hidden=self.hidden, H=H, Hkv=Hkv, D=D, I=self.intermediate, BS=c.block_size,
+                num_blocks=c.num_blocks, eps=self.eps, bf16=bf16, kv_bf16=c.kv_bf16, nthreads=threads,
+                ws=None if ws is None else ws.data_ptr(), ws_bytes=0 if ws is None else ws.numel(),
+                stream=int(self.stream), tiled=int(self.tiled), embed=self._embed_ptr, vocab=self._vocab_in,
+                norm_w=self._norm_w, W_head=self._lm_head, V=self.vocab,
+            )  # fmt: skip
             b = self._buffers[(T, threads)] = _Buffers(
-                h=torch.empty(T, self.hidden, dtype=dt),
-                x=torch.empty(T, self.hidden, dtype=dt),
-                qkv=torch.empty(T, (H + 2 * Hkv) * D, dtype=dt),
-                q=torch.empty(T, H * D, dtype=torch.float32),
-                o32=o32,
-                o=o32 if dt == torch.float32 else torch.empty(T, H * D, dtype=dt),
-                delta=torch.empty(T, self.hidden, dtype=dt),
-                gu=torch.empty(T, 2 * self.intermediate, dtype=dt),
-                act=torch.empty(T, self.intermediate, dtype=dt),
-                ws=torch.empty(ws_bytes, dtype=torch.uint8) if ws_bytes <= self.WORKSPACE_BYTES else None,
+                h=torch.empty(T, self.hidden, dtype=dt), **bufs, ws=ws, args=args, args_at=ctypes.addressof(args)
             )
         return b
 
@@ -866,35 +914,26 @@ class BoundLayers:
     ) -> torch.Tensor:
         # head: (hs [M, hidden], logits [M, V] in the model's dtype, fp32 logits [M, V] or None, argmax [M] int64):
         # the head's outputs at index's rows, with the embeddings gathered from its ids into h; None: h given, no head
-        T, hidden = h.shape
+        T = h.shape[0]
         if b is None:
             b = self.buffers(T, threads)
-        embed_ptr, ids_ptr, vocab = None, None, 0
-        rows_ptr, M, hs_ptr, logits_ptr, f32_ptr, argmax_ptr = None, 0, None, None, None, None
-        if head is not None:
+        a, at, max_nvis = b.args, index.address, index.max_nvis
+        n_pad, need = attention_scratch(threads, self.num_heads, self._caches.num_kv_heads, max_nvis)
+        a.h, a.scratch, a.n_pad, a.scale = h.data_ptr(), self._attn.scratch(need).data_ptr(), n_pad, scale
+        a.stream = self.stream  # a hint the caller may change between calls
+        a.pos, a.kv_index, a.req, a.nvis = at + 8 * T, at + 16 * T, at + 24 * T, at + 32 * T
+        a.block_table, a.bt_stride = index.at("block_tables"), index.width
+        if head is None:
+            a.ids, a.rows, a.M = None, None, 0
+        else:
             hs, logits, logits_f32, argmax = head
-            argmax_ptr = argmax.data_ptr()
-            embed_ptr, ids_ptr, vocab = self._embed_ptr, index.address, self._vocab_in
-            rows_ptr, M, hs_ptr, logits_ptr = index.at("rows"), index.M, hs.data_ptr(), logits.data_ptr()
-            f32_ptr = None if logits_f32 is None else logits_f32.data_ptr()
-        c, at, max_nvis = self._caches, index.address, index.max_nvis
-        n_pad, need = attention_scratch(threads, self.num_heads, c.num_kv_heads, max_nvis)
-        scratch = self._attn.scratch(need)
-        rc = self._fn(
-            h.data_ptr(), self._w, self._kt, self._v, len(c.ptrs),
-            at + 8 * T, at + 16 * T, self._cos, self._sin, self._max_len,
-            index.at("block_tables"), index.width, at + 24 * T, at + 32 * T, scale,
-            scratch.data_ptr(), n_pad, *b.ptrs,
-            T, hidden, self.num_heads, c.num_kv_heads, c.head_dim, self.intermediate, c.block_size, c.num_blocks,
-            self.eps, int(self.dtype == torch.bfloat16), c.kv_bf16, threads,
-            None if b.ws is None else b.ws.data_ptr(), 0 if b.ws is None else b.ws.numel(), self.stream, self.tiled,
-            embed_ptr, ids_ptr, vocab,
-            rows_ptr, M, self._norm_w, self._lm_head, hs_ptr, logits_ptr, self.vocab, f32_ptr, argmax_ptr,
-        )  # fmt: skip
-        if rc != 0:
+            a.ids, a.rows, a.M = at, index.at("rows"), index.M
+            a.hs, a.logits, a.argmax = hs.data_ptr(), logits.data_ptr(), argmax.data_ptr()
+            a.logits_f32 = None if logits_f32 is None else logits_f32.data_ptr()
+        if self._fn(b.args_at) != 0:
             raise ValueError(
                 f"the fused layers refused the step: a position or cache index outside the tables or the "
-                f"{c.num_blocks}-block pool, a token id outside the vocabulary, a logits row outside the step, or "
-                f"attention shapes outside the kernel (max visible keys {max_nvis})"
+                f"{self._caches.num_blocks}-block pool, a token id outside the vocabulary, a logits row outside the "
+                f"step, or attention shapes outside the kernel (max visible keys {max_nvis})"
             )
         return b.delta

@@ -609,3 +609,51 @@ int invariant_layers(void *h, const void *const *w, void *const *kt, void *const
     }
     return 0;
 }
+
+/* invariant_layers' parameters in one block, in their order. Why: a caller that keeps a block per shape sets the
+ * few that change from step to step, where a foreign-function call converted some fifty arguments each time. */
+typedef struct {
+    void *h;
+    const void *const *w;
+    void *const *kt, *const *v;
+    int64_t L;
+    const int64_t *pos, *kv_index;
+    const void *cos, *sin;
+    int64_t max_len;
+    const int64_t *block_table;
+    int64_t bt_stride;
+    const int64_t *req, *nvis;
+    float scale;
+    float *scratch;
+    int64_t n_pad;
+    void *x, *qkv;
+    float *q, *o32;
+    void *o, *delta, *gu, *act;
+    int64_t T, hidden, H, Hkv, D, I, BS, num_blocks;
+    float eps;
+    int bf16, kv_bf16, nthreads;
+    void *ws;
+    int64_t ws_bytes;
+    int stream, tiled;
+    const void *embed;
+    const int64_t *ids;
+    int64_t vocab;
+    const int64_t *rows;
+    int64_t M;
+    const void *norm_w, *W_head;
+    void *hs, *logits;
+    int64_t V;
+    float *logits_f32;
+    int64_t *argmax;
+} layers_args;
+
+int64_t layers_args_bytes(void) { return (int64_t)sizeof(layers_args); }
+
+int invariant_layers_packed(const layers_args *a) {
+    return invariant_layers(a->h, a->w, a->kt, a->v, a->L, a->pos, a->kv_index, a->cos, a->sin, a->max_len,
+                            a->block_table, a->bt_stride, a->req, a->nvis, a->scale, a->scratch, a->n_pad, a->x,
+                            a->qkv, a->q, a->o32, a->o, a->delta, a->gu, a->act, a->T, a->hidden, a->H, a->Hkv, a->D,
+                            a->I, a->BS, a->num_blocks, a->eps, a->bf16, a->kv_bf16, a->nthreads, a->ws, a->ws_bytes,
+                            a->stream, a->tiled, a->embed, a->ids, a->vocab, a->rows, a->M, a->norm_w, a->W_head,
+                            a->hs, a->logits, a->V, a->logits_f32, a->argmax);
+}
