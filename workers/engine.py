@@ -107,6 +107,13 @@ class LLMEngine:
             kv_dtype=self.kv_dtype,
         )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # what a snapshot says of the kernels: fixed once the runner is built, and made once (not every step)
+        self._kernels: tuple[str, bool, str, str] = (
+            str(self.dtype).removeprefix("torch."),
+            config.batch_invariant,
+            self.runner.attention_kernel,
+            self.runner.cpu_gemm if self.runner.device.type == "cpu" else "cuda",
+        )
         eos = getattr(hf_cfg, "eos_token_id", None)
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
@@ -590,6 +597,7 @@ class LLMEngine:
 
     def snapshot(self) -> LoadSnapshot:
         c = self.processor.counters
+        dtype, invariant, attention, gemm = self._kernels
         return self.acceptance.fill(
             LoadSnapshot(
                 running=len(self.running),
@@ -605,10 +613,10 @@ class LLMEngine:
                 spec_request_steps=c.spec_request_steps,
                 plain_request_steps=c.plain_request_steps,
                 timestamp=time.time(),
-                dtype=str(self.dtype).removeprefix("torch."),
-                batch_invariant=self.config.batch_invariant,
-                attention_kernel=self.runner.attention_kernel,
-                gemm_kernel=self.runner.cpu_gemm if self.runner.device.type == "cpu" else "cuda",
+                dtype=dtype,
+                batch_invariant=invariant,
+                attention_kernel=attention,
+                gemm_kernel=gemm,
             )
         )
 
