@@ -695,7 +695,7 @@ class NativeLayers:
     microseconds each in argument handling, and opening a parallel region per call costs as much again at
     one row. The C function runs them in one parallel region with the same per-output computations, so the
     result is bit-identical to making them one by one. A runner binds its weights and caches once
-    (:meth:`bind`); a step passes its index tensors.
+    (:meth:`bind`); a step passes its packed index (:class:`~workers.step_index.StepIndex`).
     """
 
     def __init__(self, dll: ctypes.CDLL) -> None:
