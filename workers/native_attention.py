@@ -917,17 +917,17 @@ class BoundLayers:
         T = h.shape[0]
         if b is None:
             b = self.buffers(T, threads)
-        a, at, max_nvis = b.args, index.address, index.max_nvis
+        a, max_nvis = b.args, index.max_nvis
         n_pad, need = attention_scratch(threads, self.num_heads, self._caches.num_kv_heads, max_nvis)
         a.h, a.scratch, a.n_pad, a.scale = h.data_ptr(), self._attn.scratch(need).data_ptr(), n_pad, scale
         a.stream = self.stream  # a hint the caller may change between calls
-        a.pos, a.kv_index, a.req, a.nvis = at + 8 * T, at + 16 * T, at + 24 * T, at + 32 * T
+        a.pos, a.kv_index, a.req, a.nvis = (index.at(n) for n in ("positions", "kv_index", "req", "nvis"))
         a.block_table, a.bt_stride = index.at("block_tables"), index.width
         if head is None:
             a.ids, a.rows, a.M = None, None, 0
         else:
             hs, logits, logits_f32, argmax = head
-            a.ids, a.rows, a.M = at, index.at("rows"), index.M
+            a.ids, a.rows, a.M = index.at("ids"), index.at("rows"), index.M
             a.hs, a.logits, a.argmax = hs.data_ptr(), logits.data_ptr(), argmax.data_ptr()
             a.logits_f32 = None if logits_f32 is None else logits_f32.data_ptr()
         if self._fn(b.args_at) != 0:

@@ -363,11 +363,6 @@ static int head_check(const int64_t *rows, int64_t M, int64_t T, int64_t hidden,
     return 0;
 }
 
-/* The model's head as team phases: for each of the M rows `rows` of the residual stream, the final RMSNorm of
- * h + delta into hs, then logits = hs @ W^T, then (logits_f32 not NULL) the bf16 logits widened to fp32: the same
- * row computations as rms_norm on those rows and invariant_linear, so the same bits. h and delta are only read,
- * and every unit rewrites the same values: held units may be computed again. acc (thread 0's, or NULL): adds the
- * norm's and the GEMM's seconds to acc[9] and acc[10], from *t_phase on. */
 /* The chunks of a row that the argmax's units take when the head has fewer rows than threads. */
 static int64_t argmax_chunks(int64_t M, int64_t V, int nt) {
     return M >= nt ? 1 : (V + ARGMAX_CHUNK - 1) / ARGMAX_CHUNK;
@@ -384,6 +379,13 @@ static int64_t argmax_of_chunks(const float *row, const int64_t *at, int64_t nch
     return best;
 }
 
+/* The model's head as team phases: for each of the M rows `rows` of the residual stream, the final RMSNorm of
+ * h + delta into hs, then logits = hs @ W^T, then (logits_f32 not NULL) the bf16 logits widened to fp32: the same
+ * row computations as rms_norm on those rows and invariant_linear, so the same bits. Then (argmax not NULL) each
+ * row's argmax_rows into argmax, or, with fewer rows than threads, each chunk's into chunk_at [M, argmax_chunks]
+ * for the caller to combine (argmax_of_chunks) after the region. h and delta are only read, and every unit
+ * rewrites the same values: held units may be computed again. acc (thread 0's, or NULL): adds the norm's seconds
+ * to acc[9] and the rest's (GEMM, widening, argmax) to acc[10], from *t_phase on. */
 static void head_phases(team *t, const void *h, const void *delta, const int64_t *rows, int64_t M, const void *norm_w,
                         const void *W, void *hs, void *logits, int64_t hidden, int64_t V, float eps, int bf16,
                         int stream, int tiled, float *logits_f32, int64_t *argmax, int64_t *chunk_at, double *acc,
