@@ -207,8 +207,8 @@ def test_coupled_verification_samples_the_target_distribution(coupled_draft):
 
 def test_coupled_verification_takes_the_forwards_argmax_as_its_own():
     """The argmax a forward found beside its logits gives the tokens verify finds itself, for greedy and sampled
-    requests with and without drafts; the caller's tensor is left as it was (sampled rows are written into a
-    copy), and an argmax of another row count is refused."""
+    requests with and without drafts, and for a step of greedy rows without drafts (which reads it alone); the
+    caller's list is left as it was, and an argmax of another row count is refused."""
     gen = torch.Generator().manual_seed(1)
     V = 50
     drafts = [[], [3, 7], [], [1]]
@@ -219,16 +219,21 @@ def test_coupled_verification_takes_the_forwards_argmax_as_its_own():
     ]
     logits = torch.randn(sum(len(d) + 1 for d in drafts), V, generator=gen)  # [7, V]
     logits[1, 3] = logits[2, 7] = 50.0  # the greedy request's drafts are its argmax tokens: accepted
-    argmax = logits.argmax(dim=-1)
-    given = argmax.clone()
+    argmax = logits.argmax(dim=-1).tolist()
+    given = list(argmax)
     want = verify_coupled(logits, drafts, params, keys)
     got = verify_coupled(logits, drafts, params, keys, given)
-    assert got == want and want.num_accepted[1] == 2 and torch.equal(given, argmax)
-    other = argmax.clone()
+    assert got == want and want.num_accepted[1] == 2 and given == argmax
+    other = list(argmax)
     other[0] = (argmax[0] + 1) % V  # read, not found again: a greedy row's token is the argmax given
-    assert verify_coupled(logits, drafts, params, keys, other).output_token_ids[0] == [int(other[0])]
+    assert verify_coupled(logits, drafts, params, keys, other).output_token_ids[0] == [other[0]]
+    plain, greedy = logits[[0, 1]], [SamplingParams(temperature=0.0, max_tokens=4)] * 2  # two greedy rows, no drafts
+    assert verify_coupled(plain, [[], []], greedy, [[], []]).output_token_ids == [[argmax[0]], [argmax[1]]]
+    assert verify_coupled(plain, [[], []], greedy, [[], []], other[:2]).output_token_ids == [[other[0]], [argmax[1]]]
     with pytest.raises(ValueError, match="target_argmax"):
         verify_coupled(logits, drafts, params, keys, argmax[:-1])
+    with pytest.raises(ValueError, match="target_argmax"):
+        verify_coupled(plain, [[], []], greedy, [[], []], other[:1])
 
 
 # ----------------------------------------------------------------------------- the real model

@@ -186,6 +186,37 @@ def test_the_layers_in_one_native_call_equal_the_calls_one_by_one(tiny_loaded, l
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_a_caller_that_reads_the_outputs_at_once_gets_the_same_buffers_back(tiny_loaded, linear, dtype):
+    """With ``reuse_outputs`` (the engine reads a step's outputs before its next), the fused forward hands out the
+    last call's buffers of as many rows again, with this call's values in them: the same bits as fresh ones. By
+    default every call's outputs are its own and keep their values through later calls."""
+    runner = ModelRunner(tiny_loaded.model, 2, 64, dtype=dtype, cpu_gemm="native", batch_invariant=True)
+    assert runner.native_layers is not None and runner.fused_layers
+
+    def step(start: int, tokens: list[list[int]], reuse: bool):
+        rows = [[len(t) - 1] for t in tokens]
+        b = StepBatch([0, 1][: len(tokens)], [start] * len(tokens), tokens, rows, reuse_outputs=reuse)
+        return runner.forward(b)
+
+    step(0, [list(range(5, 30)), list(range(7, 32))], False)  # two prompts of 25 tokens
+    fresh = [step(25 + i, [[3 + i], [9 + i]], False) for i in range(3)]  # three decode steps, fresh outputs
+    kept = [(o.logits.clone(), o.hidden.clone(), list(o.argmax)) for o in fresh]
+    for o, (logits, hidden, argmax) in zip(fresh, kept):  # each kept its values through the calls after it
+        assert torch.equal(o.logits, logits) and torch.equal(o.hidden, hidden) and o.argmax == argmax
+    assert len({o.logits.data_ptr() for o in fresh}) == 3
+    # the same steps again (the same positions: the same cache writes), their outputs reused
+    again = []
+    for i in range(3):
+        o = step(25 + i, [[3 + i], [9 + i]], True)
+        again.append(o.logits)
+        assert torch.equal(o.logits, kept[i][0]) and torch.equal(o.hidden, kept[i][1]) and o.argmax == kept[i][2]
+        assert o.argmax == o.logits.argmax(dim=-1).tolist()
+    assert again[0] is again[1] is again[2]
+    one = step(28, [[6]], True)  # another row count: its own buffers
+    assert one.logits.shape[0] == 1 and one.logits is not again[0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_one_fused_call_makes_the_embeddings_the_layers_and_the_head(tiny_loaded, linear, dtype):
     """A step's forward is one native call from token ids (the embedding gather in the call) to fp32 logits (a
     bf16 model's widened in the call): the same bits as the embedding rows given as the residual stream, and
@@ -229,7 +260,7 @@ def test_the_head_finds_each_rows_argmax_as_torch_does(tiny_loaded, linear, dtyp
     nl, W = runner.native_layers, runner.lm_head  # W: [V, hidden], the rows the call reads
     assert nl is not None and W.dim() == 2 and W.shape[0] > 3 * 4096
 
-    def forward(rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         index = StepIndex([5, 17, 3, 40], [0, 1, 2, 3], [0, 1, 2, 3], [0] * 4, [1, 2, 3, 4], rows, [[0, 1, 2, 3]], 4)
         _, _, hs, logits, argmax = nl.forward(index, 0.125)
         return hs, logits, argmax
@@ -239,16 +270,16 @@ def test_the_head_finds_each_rows_argmax_as_torch_does(tiny_loaded, linear, dtyp
     try:
         for rows in ([3], [3, 0], [0, 1, 2, 3]):
             _, logits, argmax = forward(rows)
-            assert argmax.dtype == torch.long and torch.equal(argmax, logits.argmax(dim=-1))
+            assert argmax == logits.argmax(dim=-1).tolist()
         hs = forward([3])[0]
         for j in (7, 4096 + 7, 3 * 4096):  # one logit, the row's largest, in three chunks
             W[j] = hs[0] * 8
         _, logits, argmax = forward([3])
         assert logits[0, 7] == logits[0, 4096 + 7] == logits[0, 3 * 4096] == logits.max()
-        assert argmax.tolist() == [7] == logits.argmax(dim=-1).tolist()
+        assert argmax == [7] == logits.argmax(dim=-1).tolist()
         W[3 * 4096 + 5], W[4096 + 3] = float("nan"), float("nan")
         _, logits, argmax = forward([3, 1])
-        assert argmax.tolist() == [4096 + 3] * 2 == logits.argmax(dim=-1).tolist()
+        assert argmax == [4096 + 3] * 2 == logits.argmax(dim=-1).tolist()
     finally:
         torch.set_num_threads(before)
 

@@ -408,11 +408,11 @@ class LLMEngine:
         reqs: list[Request],
         fed: list[list[int]],
         frontier_drafts: dict[int, int],  # id(request) -> drafts, for requests whose step ends at the frontier
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, list[int] | None]:
         """The runner call: logits at each frontier (the last fed token plus one row per draft), and every
         prompt row of a request that scores its prompt (prompt_logprobs), which are taken out here. Returns
         the rows verify decides from ([sum over frontier requests of (drafts + 1), vocab]) and their argmax
-        ([that many] int64) where the runner found it beside them, else None."""
+        ([that many] ints) where the runner found it beside them, else None."""
         scoring = [
             r.prompt_logprobs is not None and r.in_prefill and len(r.prompt_logprobs) < len(r.prompt_ids) for r in reqs
         ]  # a request preempted after its prompt was scored is not scored again
@@ -430,6 +430,7 @@ class LLMEngine:
             token_ids=fed,
             logits_rows=logits_rows,
             block_tables=[r.block_table for r in reqs],
+            reuse_outputs=True,  # verify and the prompt scores read them in this step
         )
         want_hidden = [r.proposer in self._hidden_proposers for r in reqs] if self._hidden_proposers else []
         if any(want_hidden):

@@ -758,6 +758,28 @@ class _Buffers:
     args_at: int  # its address, the call's one argument
 
 
+@dataclass
+class _Head:
+    """The head's outputs for M rows (see BoundLayers.forward), with the addresses the fused call writes them at."""
+
+    hs: torch.Tensor  # [M, hidden] the model's dtype: the final norm at the logits rows
+    logits: torch.Tensor  # [M, V] fp32
+    staged: torch.Tensor  # [M, V] where the kernel writes the logits in the model's dtype (a bf16 model's; else logits)
+    argmax: ctypes.Array[ctypes.c_int64]  # [M] int64, read as Python ints without a torch op
+    ptrs: tuple[int, int, int | None, int]  # hs, staged, logits (None: the staged ones are the logits), argmax
+
+    @staticmethod
+    def new(M: int, hidden: int, V: int, dtype: torch.dtype, staged: torch.Tensor | None = None) -> _Head:
+        """Fresh outputs; a bf16 model's logits staged in ``staged`` where given ([M, V] bf16, reused)."""
+        hs, logits, argmax = torch.empty(M, hidden, dtype=dtype), torch.empty(M, V), (ctypes.c_int64 * M)()
+        if dtype == torch.float32:
+            staged = logits
+        elif staged is None:
+            staged = torch.empty(M, V, dtype=dtype)
+        f32 = None if staged is logits else logits.data_ptr()
+        return _Head(hs, logits, staged, argmax, (hs.data_ptr(), staged.data_ptr(), f32, ctypes.addressof(argmax)))
+
+
 class BoundLayers:
     """One runner's layers bound to the fused call: weights, caches and tables as pointer arrays made once."""
 
@@ -819,7 +841,7 @@ class BoundLayers:
         self._v = (ctypes.c_void_p * len(caches.ptrs))(*(v for _, v in caches.ptrs))
         self._cos, self._sin, self._max_len = cos.data_ptr(), sin.data_ptr(), cos.shape[0]
         self._buffers: dict[tuple[int, int], _Buffers] = {}
-        self._logits16: dict[int, torch.Tensor] = {}  # a bf16 model's [M, V] logits before widening, per M
+        self._heads: dict[int, _Head] = {}  # per M: the head's outputs a caller lets the next call reuse
         if stream is None:
             stream = streams_past_caches(sum(t.numel() * t.element_size() for t in (*weights, lm_head)))
         # Whether the GEMMs prefetch the weights into L2 rather than L1 (a speed hint only: the bits are the
@@ -874,34 +896,33 @@ class BoundLayers:
         return self._run(h, index, scale, torch.get_num_threads(), None, None)
 
     def forward(
-        self, index: StepIndex, scale: float
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, index: StepIndex, scale: float, reuse: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
         """A step's whole forward in one native call: the layers on the embeddings of ``index``'s token ids (the
         table given to :meth:`NativeLayers.bind`; the call does the gather ``embed.index_select(0, ids)`` would),
         then the final RMSNorm of its logits rows of ``h + delta`` and their logits (the bound LM head): the
         values the norm and the linear kernel give one call at a time, the logits widened to fp32 in the call (a
         bf16 model's are bf16 values, as ``.float()`` of the kernel's output). Returns ``h`` and ``delta``
         ([T, hidden] each: reused buffers, valid until the next call with as many rows), the normed rows ``hs``
-        ([M, hidden], the model's dtype), the logits ([M, V] fp32) and each row's argmax ([M] int64:
-        ``logits.argmax(dim=-1)``, a greedy row's token, found while the logits are in cache)."""
+        ([M, hidden], the model's dtype), the logits ([M, V] fp32) and each row's argmax (M ints:
+        ``logits.argmax(dim=-1).tolist()``, a greedy row's token, found while the logits are in cache).
+
+        reuse: the caller is done with this call's ``hs``, logits and argmax before its next call, so they may be
+        the buffers of the last call with as many rows (a steady decode step then makes no tensor; a torch op
+        there costs tens of microseconds, its code evicted by the weights the step streamed). Else fresh."""
         if self._embed is None:
             raise ValueError("forward needs the embedding table: bind the layers with embed=")
         threads = torch.get_num_threads()
         b = self.buffers(index.T, threads)
         M = index.M
-        hs, logits = b.h.new_empty(M, self.hidden), torch.empty(M, self.vocab, dtype=torch.float32)
-        argmax = torch.empty(M, dtype=torch.long)
-        out = logits  # where the kernel writes the logits in the model's dtype
-        if self.dtype == torch.bfloat16:
-            kept = self._logits16.get(M)
-            if kept is None:
-                if len(self._logits16) >= self.MAX_SHAPES:
-                    self._logits16.clear()
-                kept = self._logits16[M] = torch.empty(M, self.vocab, dtype=torch.bfloat16)
-            out = kept
-        head = (hs, out, logits if out is not logits else None, argmax)
+        kept = self._heads.get(M)
+        if kept is None:
+            if len(self._heads) >= self.MAX_SHAPES:
+                self._heads.clear()
+            kept = self._heads[M] = _Head.new(M, self.hidden, self.vocab, self.dtype)
+        head = kept if reuse else _Head.new(M, self.hidden, self.vocab, self.dtype, kept.staged)
         delta = self._run(b.h, index, scale, threads, b, head)
-        return b.h, delta, hs, logits, argmax
+        return b.h, delta, head.hs, head.logits, head.argmax[:]
 
     def _run(
         self,
@@ -910,10 +931,10 @@ class BoundLayers:
         scale: float,
         threads: int,
         b: _Buffers | None,
-        head: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor] | None,
+        head: _Head | None,
     ) -> torch.Tensor:
-        # head: (hs [M, hidden], logits [M, V] in the model's dtype, fp32 logits [M, V] or None, argmax [M] int64):
-        # the head's outputs at index's rows, with the embeddings gathered from its ids into h; None: h given, no head
+        # head: where the head's outputs at index's rows go, with the embeddings gathered from its ids into h;
+        # None: h given, no head
         T = h.shape[0]
         if b is None:
             b = self.buffers(T, threads)
@@ -926,10 +947,8 @@ class BoundLayers:
         if head is None:
             a.ids, a.rows, a.M = None, None, 0
         else:
-            hs, logits, logits_f32, argmax = head
             a.ids, a.rows, a.M = index.at("ids"), index.at("rows"), index.M
-            a.hs, a.logits, a.argmax = hs.data_ptr(), logits.data_ptr(), argmax.data_ptr()
-            a.logits_f32 = None if logits_f32 is None else logits_f32.data_ptr()
+            a.hs, a.logits, a.logits_f32, a.argmax = head.ptrs
         if self._fn(b.args_at) != 0:
             raise ValueError(
                 f"the fused layers refused the step: a position or cache index outside the tables or the "

@@ -70,7 +70,7 @@ class OutputProcessor:
         rows: list[FrontierRow],
         logits: torch.Tensor,  # [sum_i (len(drafts_i) + 1), vocab] the frontier rows, in order
         event: tuple[int, int] | None = None,  # (step start, proposers done) in time.time_ns(), when recording
-        argmax: torch.Tensor | None = None,  # [rows] int64 logits.argmax(dim=-1), where the forward found it
+        argmax: list[int] | None = None,  # [rows] logits.argmax(dim=-1).tolist(), where the forward found it
     ) -> list[RequestOutput]:
         row_start = list(itertools.accumulate((len(f.drafts) + 1 for f in rows), initial=0))[:-1]
         chosen = self._masked(self._penalized(logits, rows, row_start), rows, row_start)

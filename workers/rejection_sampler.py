@@ -31,6 +31,7 @@ request, so a seeded request gives the same tokens in any batch.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -102,10 +103,12 @@ def verify_coupled(
     draft_token_ids: list[list[int]],  # per request [num_draft_i], may be empty (a plain step)
     params: list[SamplingParams],  # per request
     row_keys: list[list[int]],  # per request [num_draft_i + 1] position keys of its rows (ignored if greedy)
-    target_argmax: torch.Tensor | None = None,  # [sum_i (num_draft_i + 1)] int64 target_logits.argmax(dim=-1), if known
+    target_argmax: Sequence[int] | None = None,  # [sum_i (num_draft_i + 1)] target_logits.argmax(dim=-1), if known
 ) -> VerifyOutput:
     """Accept the drafts that equal the target's own position-keyed samples, then one more sample. A caller
-    that has the logits' argmax (the forward finds it beside them) passes it: the greedy rows' tokens."""
+    that has the logits' argmax (the forward finds it beside them) passes it: the greedy rows' tokens. A step
+    of greedy rows without drafts then runs no torch op (each costs tens of microseconds in a decode step,
+    whose streamed weights have evicted torch's code)."""
     num_reqs = len(draft_token_ids)
     if not (len(params) == len(row_keys) == num_reqs):
         raise ValueError("draft_token_ids, params and row_keys must have one entry per request")
@@ -114,15 +117,15 @@ def verify_coupled(
     if target_logits.shape[0] != row_start[-1]:
         raise ValueError(f"target_logits has {target_logits.shape[0]} rows, drafts need {row_start[-1]}")
     device = target_logits.device
-    if target_argmax is not None and target_argmax.shape != target_logits.shape[:1]:
-        raise ValueError(
-            f"target_argmax has shape {tuple(target_argmax.shape)}, the logits {target_logits.shape[0]} rows"
-        )
-    target_ids = argmax(target_logits) if target_argmax is None else target_argmax  # [R]: the greedy rows' tokens
+    if target_argmax is not None and len(target_argmax) != target_logits.shape[0]:
+        raise ValueError(f"target_argmax has {len(target_argmax)} rows, the logits {target_logits.shape[0]}")
     sampled = [i for i in range(num_reqs) if not params[i].greedy]
+    if target_argmax is not None and not sampled and not any(num_draft):
+        return VerifyOutput(output_token_ids=[[t] for t in target_argmax], num_accepted=[0] * num_reqs)
+    target_ids = (  # [R]: the greedy rows' tokens (a tensor of its own: the sampled rows are written below)
+        argmax(target_logits) if target_argmax is None else torch.tensor(target_argmax, dtype=torch.long, device=device)
+    )
     if sampled:
-        if target_argmax is not None:  # the sampled rows are written below: into a copy, not the caller's tensor
-            target_ids = target_ids.clone()
         for i in sampled:
             if len(row_keys[i]) != num_draft[i] + 1:
                 raise ValueError(f"request {i}: {len(row_keys[i])} row keys for {num_draft[i] + 1} rows")

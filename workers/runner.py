@@ -55,6 +55,9 @@ class StepBatch:
     # [num_requests][*] cache block of each request's positions, position p in block_tables[i][p // block_size];
     # must cover start_pos + num_new positions. None: slot mode (each slot a fixed run of blocks).
     block_tables: list[list[int]] | None = None
+    # The caller reads the outputs (logits, hidden) before its next forward: they may be buffers the runner
+    # hands out again next time (the fused forward's), so that a steady decode step makes no tensor.
+    reuse_outputs: bool = False
 
 
 @dataclass
@@ -62,8 +65,8 @@ class StepOutput:
     logits: torch.Tensor  # [sum_i len(logits_rows_i), vocab] float32, in request order
     hidden: torch.Tensor  # [sum_i len(logits_rows_i), hidden] final-norm hidden states at the same rows
     extra_hidden: torch.Tensor | None = None  # [sum_i len(hidden_rows_i), hidden] final-norm, at batch.hidden_rows
-    # [sum_i len(logits_rows_i)] int64 logits.argmax(dim=-1), where the forward found it beside the logits, else None
-    argmax: torch.Tensor | None = None
+    # [sum_i len(logits_rows_i)] logits.argmax(dim=-1).tolist(), where the forward found it beside the logits, else None
+    argmax: list[int] | None = None
 
 
 @dataclass
@@ -487,7 +490,7 @@ class ModelRunner:
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         if self.native_layers is not None and self.fused_layers:
             # one native call: the embeddings, every layer and the head (h, delta: buffers reused next step)
-            h, fused_delta, hs, logits, argmax = self.native_layers.forward(index, D**-0.5)
+            h, fused_delta, hs, logits, argmax = self.native_layers.forward(index, D**-0.5, batch.reuse_outputs)
             return self._output(batch, h, fused_delta, hs, logits, offsets, argmax)
         flat_ids, positions, kv_index, req_of_tok, nvis, rows, bt = index.tensors(dev)  # [T] x5, [M], [R, nb]
         if not self.native_ops:  # the torch layers write the cache at (block, offset)
@@ -598,7 +601,7 @@ class ModelRunner:
         hs: torch.Tensor,  # [M, hidden] the final norm at the logits rows
         logits: torch.Tensor,  # [M, V] float32
         offsets: list[int],  # [num_requests] each request's first row
-        argmax: torch.Tensor | None = None,  # [M] int64 the logits' argmax, where the forward found it
+        argmax: list[int] | None = None,  # [M] the logits' argmax, where the forward found it
     ) -> StepOutput:
         extra = None
         if batch.hidden_rows is not None:
