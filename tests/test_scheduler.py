@@ -83,6 +83,19 @@ def _req(rid: str, n_prompt: int, arrival: float) -> Request:
     )
 
 
+def test_a_requests_positions_are_read_without_copying_its_context():
+    """``token_at`` and ``ids_between`` give what indexing and slicing ``all_ids()`` give, across the prompt's end,
+    with and without output, empty ranges and ranges past the end included."""
+    for n_prompt, n_out in ((5, 0), (5, 3), (1, 4)):
+        r = _req("r", n_prompt, 0.0)
+        r.output_ids = [100 + j for j in range(n_out)]
+        ids = r.all_ids()
+        assert [r.token_at(i) for i in range(len(ids))] == ids
+        for a in range(len(ids) + 2):
+            for b in range(a, len(ids) + 3):
+                assert r.ids_between(a, b) == ids[a:b], (n_prompt, n_out, a, b)
+
+
 def _scheduler(cfg: SchedulerConfig, cost: StepCostModel, ks: int = 0, cap: int = 256) -> Scheduler:
     return Scheduler(
         cfg,

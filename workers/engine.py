@@ -370,8 +370,8 @@ class LLMEngine:
         t_prop_ns = time.time_ns() if rec else 0
 
         # The ragged batch: decoding requests first (latency-critical), then prompt chunks.
-        pending = [[r.all_ids()[r.num_computed]] + d for r, d in zip(decoding, drafts)]
-        chunks = [(r, r.all_ids()[r.num_computed : r.num_computed + n]) for r, n in plan.prefill]
+        pending = [[r.token_at(r.num_computed)] + d for r, d in zip(decoding, drafts)]
+        chunks = [(r, r.ids_between(r.num_computed, r.num_computed + n)) for r, n in plan.prefill]
         at_end = [r.num_computed + len(toks) == r.prefill_len for r, toks in chunks]  # the chunk ends the prefill
         reqs = decoding + [r for r, _ in chunks]
         fed = pending + [toks for _, toks in chunks]

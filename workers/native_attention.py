@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -263,7 +264,16 @@ class NativeAttention:
         buf = getattr(self._local, "scratch", None)
         if buf is None or buf.numel() < floats:
             buf = self._local.scratch = torch.empty(floats, dtype=torch.float32)
+            self._local.scratch_at = (floats, buf.data_ptr())
         return buf
+
+    def scratch_at(self, floats: int) -> int:
+        """The address of :meth:`scratch`'s buffer, found without a torch call while it is large enough."""
+        kept = getattr(self._local, "scratch_at", None)
+        if kept is None or kept[0] < floats:
+            self.scratch(floats)
+            kept = self._local.scratch_at
+        return kept[1]
 
     def __call__(
         self,
@@ -756,6 +766,7 @@ class _Buffers:
     ws: torch.Tensor | None  # [bytes] uint8: the layers' ring of intermediates (a few rows), or None
     args: _LayersArgs  # the fused call's arguments for this row count: every one that does not change per step
     args_at: int  # its address, the call's one argument
+    h_at: int  # h's address
 
 
 @dataclass
@@ -765,19 +776,19 @@ class _Head:
     hs: torch.Tensor  # [M, hidden] the model's dtype: the final norm at the logits rows
     logits: torch.Tensor  # [M, V] fp32
     staged: torch.Tensor  # [M, V] where the kernel writes the logits in the model's dtype (a bf16 model's; else logits)
-    argmax: ctypes.Array[ctypes.c_int64]  # [M] int64, read as Python ints without a torch op
+    argmax: array  # [M] int64, read as Python ints without a torch op
     ptrs: tuple[int, int, int | None, int]  # hs, staged, logits (None: the staged ones are the logits), argmax
 
     @staticmethod
     def new(M: int, hidden: int, V: int, dtype: torch.dtype, staged: torch.Tensor | None = None) -> _Head:
         """Fresh outputs; a bf16 model's logits staged in ``staged`` where given ([M, V] bf16, reused)."""
-        hs, logits, argmax = torch.empty(M, hidden, dtype=dtype), torch.empty(M, V), (ctypes.c_int64 * M)()
+        hs, logits, argmax = torch.empty(M, hidden, dtype=dtype), torch.empty(M, V), array("q", bytes(8 * M))
         if dtype == torch.float32:
             staged = logits
         elif staged is None:
             staged = torch.empty(M, V, dtype=dtype)
         f32 = None if staged is logits else logits.data_ptr()
-        return _Head(hs, logits, staged, argmax, (hs.data_ptr(), staged.data_ptr(), f32, ctypes.addressof(argmax)))
+        return _Head(hs, logits, staged, argmax, (hs.data_ptr(), staged.data_ptr(), f32, argmax.buffer_info()[0]))
 
 
 class BoundLayers:
@@ -879,8 +890,9 @@ class BoundLayers:
                 stream=int(self.stream), tiled=int(self.tiled), embed=self._embed_ptr, vocab=self._vocab_in,
                 norm_w=self._norm_w, W_head=self._lm_head, V=self.vocab,
             )  # fmt: skip
+            h = torch.empty(T, self.hidden, dtype=dt)
             b = self._buffers[(T, threads)] = _Buffers(
-                h=torch.empty(T, self.hidden, dtype=dt), **bufs, ws=ws, args=args, args_at=ctypes.addressof(args)
+                h=h, **bufs, ws=ws, args=args, args_at=ctypes.addressof(args), h_at=h.data_ptr()
             )
         return b
 
@@ -893,7 +905,7 @@ class BoundLayers:
         T, hidden = h.shape
         if h.dtype != self.dtype or hidden != self.hidden or not h.is_contiguous() or T != index.T:
             raise ValueError("the residual stream must be a contiguous [T, hidden] tensor in the model's dtype")
-        return self._run(h, index, scale, torch.get_num_threads(), None, None)
+        return self._run(h.data_ptr(), index, scale, self.buffers(T, torch.get_num_threads()), None)
 
     def forward(
         self, index: StepIndex, scale: float, reuse: bool = False
@@ -921,26 +933,16 @@ class BoundLayers:
                 self._heads.clear()
             kept = self._heads[M] = _Head.new(M, self.hidden, self.vocab, self.dtype)
         head = kept if reuse else _Head.new(M, self.hidden, self.vocab, self.dtype, kept.staged)
-        delta = self._run(b.h, index, scale, threads, b, head)
-        return b.h, delta, head.hs, head.logits, head.argmax[:]
+        delta = self._run(b.h_at, index, scale, b, head)
+        return b.h, delta, head.hs, head.logits, head.argmax.tolist()
 
-    def _run(
-        self,
-        h: torch.Tensor,
-        index: StepIndex,
-        scale: float,
-        threads: int,
-        b: _Buffers | None,
-        head: _Head | None,
-    ) -> torch.Tensor:
-        # head: where the head's outputs at index's rows go, with the embeddings gathered from its ids into h;
-        # None: h given, no head
-        T = h.shape[0]
-        if b is None:
-            b = self.buffers(T, threads)
+    def _run(self, h_at: int, index: StepIndex, scale: float, b: _Buffers, head: _Head | None) -> torch.Tensor:
+        # h_at: the residual stream's address ([index.T, hidden]); b: the buffers for index.T rows at the threads
+        # the call runs; head: where the head's outputs at index's rows go, with the embeddings gathered from its
+        # ids into h; None: h given, no head
         a, max_nvis = b.args, index.max_nvis
-        n_pad, need = attention_scratch(threads, self.num_heads, self._caches.num_kv_heads, max_nvis)
-        a.h, a.scratch, a.n_pad, a.scale = h.data_ptr(), self._attn.scratch(need).data_ptr(), n_pad, scale
+        n_pad, need = attention_scratch(a.nthreads, self.num_heads, self._caches.num_kv_heads, max_nvis)
+        a.h, a.scratch, a.n_pad, a.scale = h_at, self._attn.scratch_at(need), n_pad, scale
         a.stream = self.stream  # a hint the caller may change between calls
         a.pos, a.kv_index, a.req, a.nvis = (index.at(n) for n in ("positions", "kv_index", "req", "nvis"))
         a.block_table, a.bt_stride = index.at("block_tables"), index.width

@@ -113,6 +113,18 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_at(self, i: int) -> int:
+        """``all_ids()[i]`` (0 <= i < num_tokens) without copying the context: a step asks this of every request."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def ids_between(self, a: int, b: int) -> list[int]:
+        """``all_ids()[a:b]`` (0 <= a <= b) copying only those positions."""
+        n = len(self.prompt_ids)
+        if b <= n:
+            return self.prompt_ids[a:b]
+        return self.prompt_ids[a:n] + self.output_ids[max(a - n, 0) : b - n]
+
     @property
     def in_prefill(self) -> bool:
         return self.num_computed < self.prefill_len
