@@ -30,9 +30,16 @@
 /* The value x would hold once stored in the model's dtype. */
 static inline vlanes round_to(vlanes x, int bf16) { return bf16 ? round_to_bf16(x) : x; }
 
-/* LANES values from p[i ..], or the first n of them (the rest 0) at a row's end (copy_bytes: a whole chunk is
- * one vector move). */
+/* LANES values from p[i ..], or the first n of them (the rest 0) at a row's end. A whole chunk is loaded
+ * straight into a register: through a zeroed temporary, as the end's few values are, it costs a store and a
+ * reload each. */
 static inline vlanes load(const void *p, int64_t i, int n, int bf16) {
+    if (n == LANES) {
+        if (!bf16) return load_lanes((const float *)p + i);
+        vlanes_h h;
+        __builtin_memcpy(&h, (const uint16_t *)p + i, sizeof h);
+        return from_bf16(h);
+    }
     if (bf16) {
         vlanes_h h = {0};
         copy_bytes(&h, (const uint16_t *)p + i, (size_t)n * sizeof(uint16_t), sizeof h);
@@ -44,6 +51,15 @@ static inline vlanes load(const void *p, int64_t i, int n, int bf16) {
 }
 
 static inline void store(void *p, int64_t i, vlanes x, int n, int bf16) {
+    if (n == LANES) { /* a whole chunk: one vector move */
+        if (bf16) {
+            const vlanes_h h = to_bf16(x);
+            __builtin_memcpy((uint16_t *)p + i, &h, sizeof h);
+        } else {
+            __builtin_memcpy((float *)p + i, &x, sizeof x);
+        }
+        return;
+    }
     if (bf16) {
         const vlanes_h h = to_bf16(x);
         copy_bytes((uint16_t *)p + i, &h, (size_t)n * sizeof(uint16_t), sizeof h);
