@@ -228,6 +228,7 @@ HELPERS = {
 RECORDS = {
     "attention_kv_dtype": "attention_bench --kv-dtype-ab: the native kernel over an fp32 vs a bf16 KV cache",
     "commit_ab_python": "commit_ab --base 7dc5538 --rounds 8 --steps 32: the decode step, less Python a step",
+    "commit_ab_notensor": "commit_ab --base 2c1349d --rounds 8 --steps 32: the decode step without a tensor made",
     "cpu_priority_ab": "engine-first priorities vs Ray's own (one-off A/B, script in git history)",
     "decode_floor_avx2": "decode_floor --http --http-reps 8 on an AVX2-only CPU (fp32 served, native GEMMs)",
     "decode_floor_avx2_before": "decode_floor --http --http-reps 6 on the same AVX2-only CPU, before its kernel fixes",
@@ -239,6 +240,7 @@ RECORDS = {
     "decode_floor_zen4_onecall": "decode_floor --http --http-reps 6 on the Zen 4, a step's forward one native call",
     "decode_floor_zen4_python": "decode_floor --http --http-reps 6 on the Zen 4, less Python a step (index, argmax)",
     "decode_floor_zen4_python_first": "the same an hour earlier at 2a2fb90 (before the snapshot change), steady host",
+    "decode_floor_zen4_notensor": "decode_floor --http --http-reps 6 on the Zen 4, no tensor a step (host slow mode)",
     "decode_floor_v3_proxy_tiled": "decode_floor --march x86-64-v3 on the Zen 4, the GEMM weights tiled",
     "decode_floor_http": "decode_floor --http --rounds 3: the same cells plus c=1 TPOT over HTTP, quiet machine",
     "draft_eval_chat24": "draft_eval on 24 held-out prompts",
