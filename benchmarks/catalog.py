@@ -241,6 +241,7 @@ RECORDS = {
     "decode_floor_zen4_python": "decode_floor --http --http-reps 6 on the Zen 4, less Python a step (index, argmax)",
     "decode_floor_zen4_python_first": "the same an hour earlier at 2a2fb90 (before the snapshot change), steady host",
     "decode_floor_zen4_notensor": "decode_floor --http --http-reps 6 on the Zen 4, no tensor a step (host slow mode)",
+    "decode_floor_zen4_notensor_fast": "the same, the host in its fast mode (63.6 GB/s best read)",
     "decode_floor_v3_proxy_tiled": "decode_floor --march x86-64-v3 on the Zen 4, the GEMM weights tiled",
     "decode_floor_http": "decode_floor --http --rounds 3: the same cells plus c=1 TPOT over HTTP, quiet machine",
     "draft_eval_chat24": "draft_eval on 24 held-out prompts",
