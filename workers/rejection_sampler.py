@@ -116,12 +116,12 @@ def verify_coupled(
     row_start = list(itertools.accumulate((n + 1 for n in num_draft), initial=0))
     if target_logits.shape[0] != row_start[-1]:
         raise ValueError(f"target_logits has {target_logits.shape[0]} rows, drafts need {row_start[-1]}")
-    device = target_logits.device
     if target_argmax is not None and len(target_argmax) != target_logits.shape[0]:
         raise ValueError(f"target_argmax has {len(target_argmax)} rows, the logits {target_logits.shape[0]}")
     sampled = [i for i in range(num_reqs) if not params[i].greedy]
     if target_argmax is not None and not sampled and not any(num_draft):
         return VerifyOutput(output_token_ids=[[t] for t in target_argmax], num_accepted=[0] * num_reqs)
+    device = target_logits.device
     target_ids = (  # [R]: the greedy rows' tokens (a tensor of its own: the sampled rows are written below)
         argmax(target_logits) if target_argmax is None else torch.tensor(target_argmax, dtype=torch.long, device=device)
     )

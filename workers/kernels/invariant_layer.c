@@ -34,12 +34,7 @@ static inline vlanes round_to(vlanes x, int bf16) { return bf16 ? round_to_bf16(
  * straight into a register: through a zeroed temporary, as the end's few values are, it costs a store and a
  * reload each. */
 static inline vlanes load(const void *p, int64_t i, int n, int bf16) {
-    if (n == LANES) {
-        if (!bf16) return load_lanes((const float *)p + i);
-        vlanes_h h;
-        __builtin_memcpy(&h, (const uint16_t *)p + i, sizeof h);
-        return from_bf16(h);
-    }
+    if (n == LANES) return load_kv(p, i, bf16); /* vec_math.h's whole-chunk load, fp32 or bf16 widened */
     if (bf16) {
         vlanes_h h = {0};
         copy_bytes(&h, (const uint16_t *)p + i, (size_t)n * sizeof(uint16_t), sizeof h);
