@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from workers.async_engine import AsyncEngine
 from workers.config import EngineConfig
@@ -412,3 +413,47 @@ def test_async_engine_builds_from_a_factory_in_its_loop_thread(tiny_loaded):
 
     with pytest.raises(ValueError, match="no such model"):
         AsyncEngine(broken)
+
+
+def test_decode_steps_in_one_call_write_what_single_steps_write(tiny_loaded):
+    """``decode_steps``: plain greedy decoding runs several steps per engine iteration (one native call) and
+    writes, token for token and chunk text for chunk text, what one step per iteration writes: through a stop
+    string and EOS found inside a call, max_tokens cut to the call, a request arriving meanwhile (prefilled
+    between calls), and a sampled request beside them (its steps one at a time, so every request's are)."""
+    prompts = rand_prompts(4, 11)
+
+    def run(decode_steps: int) -> tuple[dict[str, tuple[list[int], str, str | None]], int, int]:
+        eng = LLMEngine(
+            EngineConfig(dtype="bfloat16", max_num_seqs=8, max_model_len=256, proposers=[], decode_steps=decode_steps),
+            tiny_loaded,
+        )
+        if decode_steps > 1 and not eng.runner.runs_decode_steps:
+            pytest.skip("no fused native forward here (no C compiler)")
+        full = LLMEngine(EngineConfig(dtype="bfloat16", max_num_seqs=8, max_model_len=256, proposers=[]), tiny_loaded)
+        text = full.tokenizer.decode(full.generate([prompts[1]], {"max_tokens": 40, "ignore_eos": True})[0])
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        # an end-of-sequence token the third request writes: its 13th (or an earlier one like it)
+        eng.eos_token_ids = frozenset(full.generate([prompts[2]], {"max_tokens": 13, "ignore_eos": True})[0][-1:])
+        eng.add_request("long", prompts[0], {"max_tokens": 37, "ignore_eos": True})
+        eng.add_request("stop", prompts[1], {"max_tokens": 40, "ignore_eos": True, "stop": [stop]})
+        eng.add_request("eos", prompts[2], {"max_tokens": 60})
+        got: dict[str, tuple[list[int], str, str | None]] = {}
+        calls = 0
+        while eng.has_work():
+            calls += 1
+            if calls == 4:
+                eng.add_request("late", prompts[3], {"max_tokens": 21, "ignore_eos": True})
+            if calls == 9:
+                eng.add_request("sampled", prompts[3], {"max_tokens": 6, "temperature": 0.9, "seed": 3})
+            for o in eng.step():
+                ids, txt, _ = got.get(o.request_id, ([], "", None))
+                got[o.request_id] = (ids + o.token_ids, txt + o.text, o.finish_reason)
+        return got, calls, eng.num_steps
+
+    one, calls_one, _ = run(1)
+    many, calls_many, steps_many = run(6)
+    assert many == one
+    assert one["stop"][2] == one["eos"][2] == "stop" and len(one["long"][0]) == 37 and len(one["late"][0]) == 21
+    assert calls_many < calls_one and steps_many > calls_many  # iterations that ran several steps each
+    with pytest.raises(ValidationError, match="decode_steps"):
+        EngineConfig(decode_steps=0)

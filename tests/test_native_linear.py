@@ -503,3 +503,53 @@ def test_dtype_auto_is_bf16_on_avx2_only_where_the_native_kernels_build(tiny_loa
     finally:
         monkeypatch.undo()
         native_attention.clear_cache()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_steps_in_one_call_are_the_greedy_steps_one_at_a_time(tiny_loaded, linear, dtype):
+    """``decode_steps``: n greedy steps in one native call, each row's argmax fed back, give the tokens and the
+    cache writes of n forwards made one at a time with those tokens fed, bit for bit, for three requests whose
+    scattered blocks the steps cross into, and for one alone (fewer rows than threads). A step that is not one
+    decode row per request, or block tables that do not cover the n positions, are refused by name."""
+    runners = [
+        ModelRunner(tiny_loaded.model, 4, 128, dtype=dtype, cpu_gemm="native", batch_invariant=True, num_blocks=40)
+        for _ in range(2)
+    ]
+    assert all(r.runs_decode_steps for r in runners)
+    blocks = random.Random(5).sample(range(40), 24)
+    tables = [blocks[i * 8 : (i + 1) * 8] for i in range(3)]
+    lengths = [13, 30, 5]  # the 7 steps cross block boundaries (16 positions a block) at different steps
+    prompts = [[(7 * i + 3 * j) % 90 + 2 for j in range(n)] for i, n in enumerate(lengths)]
+    for r in runners:
+        r.forward(StepBatch([0, 1, 2], [0, 0, 0], prompts, [[n - 1] for n in lengths], block_tables=tables))
+    pending = [11, 12, 13]
+    n = 7
+
+    def batch(tokens: list[int], start: list[int]) -> StepBatch:
+        return StepBatch([-1] * len(tokens), start, [[t] for t in tokens], [[0]] * len(tokens), block_tables=tables)
+
+    one_at_a_time, fed = [], list(pending)
+    for s in range(n):
+        out = runners[0].forward(batch(fed, [L + s for L in lengths]))
+        assert out.argmax is not None
+        one_at_a_time.append(out.argmax)
+        fed = out.argmax
+    assert runners[1].decode_steps(batch(pending, list(lengths)), n) == one_at_a_time
+    for (ka, va), (kb, vb) in zip(
+        zip(runners[0]._k_storage, runners[0].v_cache), zip(runners[1]._k_storage, runners[1].v_cache)
+    ):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    # one request alone, on from where the three stopped
+    solo = StepBatch([-1], [lengths[0] + n], [[one_at_a_time[-1][0]]], [[0]], block_tables=tables[:1])
+    alone = [runners[0].forward(solo).argmax]
+    for s in range(1, 3):
+        alone.append(
+            runners[0]
+            .forward(StepBatch([-1], [lengths[0] + n + s], [alone[-1]], [[0]], block_tables=tables[:1]))
+            .argmax
+        )
+    assert runners[1].decode_steps(solo, 3) == alone
+    with pytest.raises(ValueError, match="one new token per request"):
+        runners[1].decode_steps(StepBatch([-1], [5], [[3, 4]], [[1]], block_tables=tables[:1]), 2)
+    with pytest.raises(ValueError, match="cannot hold"):
+        runners[1].decode_steps(StepBatch([-1], [120], [[3]], [[0]], block_tables=[tables[0]]), 9)

@@ -180,6 +180,19 @@ class EngineConfig(BaseModel):
         "through the replica, the ingress and the HTTP proxy, whose CPU the engine shares on a small machine. The "
         "first token is always sent at once; the text and tokens are the same, in fewer chunks.",
     )
+    decode_steps: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Plain decode steps one engine iteration may run in one native call (vLLM's "
+        "num_scheduler_steps), where the scheduler, the output handling and the Python between steps run once for "
+        "all of them: when every running request decodes greedily with nothing per token to compute in Python (no "
+        "drafts this step, logprobs, penalties, grammar or recorded events, no proposer reading hidden states), "
+        "nothing waits to be admitted and the fused native forward runs (cpu_gemm='native' on the CPU). Each step "
+        "is the one a single step would run: the output is the same, bit for bit. The price is granularity: "
+        "tokens stream in chunks of up to this many, and a request arriving meanwhile waits for the call to end. "
+        "Stops (EOS, stop strings) are found after the call; steps past one are discarded.",
+    )
     num_speculative_tokens: int = Field(
         4, ge=0, le=MAX_SPECULATIVE_TOKENS, description="K_max: most draft tokens verified per request per step."
     )

@@ -368,6 +368,9 @@ class LLMEngine:
         decoding = [r for r, _ in plan.decode]
         drafts, draft_probs = self._propose(decoding, [k for _, k in plan.decode])
         t_prop_ns = time.time_ns() if rec else 0
+        n = self._steps_ahead(plan, decoding, drafts)
+        if n > 1:
+            return self._decode_steps(decoding, n, t0)
 
         # The ragged batch: decoding requests first (latency-critical), then prompt chunks.
         pending = [[r.token_at(r.num_computed)] + d for r, d in zip(decoding, drafts)]
@@ -401,6 +404,55 @@ class LLMEngine:
         self.cost_model.observe(self._tokens_last_step, dt, len(decoding), plan.prefill_tokens)
         if self.on_step is not None:
             self.on_step(self._tokens_last_step, dt, len(decoding) if not plan.prefill else None)
+        return outputs
+
+    def _steps_ahead(self, plan: SchedulerOutput, decoding: list[Request], drafts: list[list[int]]) -> int:
+        """How many plain greedy decode steps this iteration runs in one native call (EngineConfig.decode_steps),
+        with the KV of their positions reserved; 1: the usual step. Only where no token needs Python between
+        steps and nothing waits to be admitted (see the config key), and never past a request's max_tokens or
+        the context."""
+        n = self.config.decode_steps
+        if n < 2 or plan.prefill or self.scheduler.waiting or not decoding or not self.runner.runs_decode_steps:
+            return 1
+        for r, d in zip(decoding, drafts):
+            p = r.params
+            if d or not p.greedy or p.penalized or p.logprobs is not None or r.grammar is not None:
+                return 1
+            if r.events is not None or r.proposer in self._hidden_proposers:
+                return 1
+            n = min(n, p.max_tokens - len(r.output_ids), self.max_model_len - r.num_tokens)
+        if n < 2:
+            return 1
+        for r in decoding:  # blocks taken before a refusal stay with their request: its next steps use them
+            if not self.kv.grow(r, r.num_computed + n):
+                return 1
+        return n
+
+    def _decode_steps(self, decoding: list[Request], n: int, t0: float) -> list[RequestOutput]:
+        """``n`` greedy decode steps of ``decoding`` in one native call (runner.decode_steps), committed as ``n``
+        steps would commit them: each request's tokens up to its first stop."""
+        batch = StepBatch(
+            slots=[-1] * len(decoding),
+            start_pos=[r.num_computed for r in decoding],
+            token_ids=[[r.token_at(r.num_computed)] for r in decoding],
+            logits_rows=[[0]] * len(decoding),
+            block_tables=[r.block_table for r in decoding],
+        )
+        steps = self.runner.decode_steps(batch, n)  # [ran][R]
+        outputs = self.processor.commit_steps(decoding, [list(toks) for toks in zip(*steps)])
+        if self.kv.enable_caching:
+            for r in decoding:
+                if r.status is Status.RUNNING:
+                    self.kv.cache_full_blocks(r)
+        ran, R = len(steps), len(decoding)
+        self.num_steps += ran
+        self._tokens_last_step = R
+        dt = (time.perf_counter() - t0) / ran  # one observation of the mean step
+        self.step_time_ema.update(dt)
+        self.tokens_per_step_ema.update(R)
+        self.cost_model.observe(R, dt, R, 0)
+        if self.on_step is not None:
+            self.on_step(R, dt, R)
         return outputs
 
     def _execute(

@@ -716,6 +716,8 @@ class NativeLayers:
         fn = dll.invariant_layers_packed
         fn.argtypes, fn.restype = [p], ctypes.c_int  # a _LayersArgs' address
         self._fn = fn
+        self._steps = dll.invariant_layers_steps
+        self._steps.argtypes, self._steps.restype = [p, i64, p], i64  # args, steps, [steps, M] int64 tokens
         self._workspace_bytes = dll.layers_workspace_bytes
         self._workspace_bytes.argtypes = [i64] * 7 + [i32, i32]
         self._workspace_bytes.restype = i64
@@ -746,7 +748,7 @@ class NativeLayers:
     ) -> BoundLayers:
         return BoundLayers(
             self._fn, self._workspace_bytes, layers, caches, cos, sin, num_heads, eps, attn,
-            norm_w, lm_head, stream, embed,
+            norm_w, lm_head, stream, embed, self._steps,
         )  # fmt: skip
 
 
@@ -815,6 +817,7 @@ class BoundLayers:
         lm_head: torch.Tensor,
         stream: bool | None = None,
         embed: torch.Tensor | None = None,
+        steps: ctypes._CFuncPtr | None = None,  # type: ignore[name-defined]
     ) -> None:
         names = ("in_norm", "qkv", "o", "post_norm", "gate_up", "down")
         weights = [L[n] for L in layers for n in names]
@@ -840,7 +843,7 @@ class BoundLayers:
         self._embed = embed
         self._embed_ptr: int | None = None if embed is None else embed.data_ptr()
         self._vocab_in = 0 if embed is None else embed.shape[0]  # rows of the embedding table
-        self._fn, self._attn, self._caches = fn, attn, caches
+        self._fn, self._steps, self._attn, self._caches = fn, steps, attn, caches
         self._workspace_bytes = workspace_bytes
         self.dtype, self.num_heads, self.eps = dtype, num_heads, eps
         self.hidden = layers[0]["in_norm"].shape[0]
@@ -936,11 +939,44 @@ class BoundLayers:
         delta = self._run(b.h_at, index, scale, b, head)
         return b.h, delta, head.hs, head.logits, head.argmax.tolist()
 
-    def _run(self, h_at: int, index: StepIndex, scale: float, b: _Buffers, head: _Head | None) -> torch.Tensor:
-        # h_at: the residual stream's address ([index.T, hidden]); b: the buffers for index.T rows at the threads
-        # the call runs; head: where the head's outputs at index's rows go, with the embeddings gathered from its
-        # ids into h; None: h given, no head
-        a, max_nvis = b.args, index.max_nvis
+    def decode_steps(self, index: StepIndex, scale: float, n: int) -> list[list[int]]:
+        """``n`` greedy decode steps in one native call (``invariant_layers_steps``): :meth:`forward` on ``index``,
+        then each row's argmax fed back as its next token, ``n`` times. Returns each step's argmax per row
+        ([steps][M] ints): the tokens ``n`` greedy steps one at a time would pick, bit for bit (each step is the
+        same fused computation on the same inputs). ``index``: a decode step, one row per request, every row a
+        logits row in order, each block table covering ``n`` positions from the row's (its vectors are advanced
+        in place). Why: a step's Python around the forward (scheduling, output handling) runs on caches the weights
+        have just flushed; here ``n - 1`` steps skip it."""
+        if self._embed is None or self._steps is None:
+            raise ValueError("decode_steps needs the embedding table and a library with invariant_layers_steps")
+        T, M = index.T, index.M
+        if n < 1 or M != T or index.num_reqs != T or index.width * self._caches.block_size < index.max_nvis + n - 1:
+            raise ValueError(
+                f"decode_steps runs a decode step (one logits row per request, every row) whose block tables cover "
+                f"its {n} positions; got {T} rows, {M} logits rows, {index.num_reqs} requests, "
+                f"{index.width} blocks for {index.max_nvis + n - 1} positions"
+            )
+        b = self.buffers(T, torch.get_num_threads())
+        head = self._heads.get(M)
+        if head is None:
+            if len(self._heads) >= self.MAX_SHAPES:
+                self._heads.clear()
+            head = self._heads[M] = _Head.new(M, self.hidden, self.vocab, self.dtype)
+        self._set_args(b.h_at, index, scale, b, head, index.max_nvis + n - 1)
+        tokens = array("q", bytes(8 * n * M))
+        ran = self._steps(b.args_at, n, tokens.buffer_info()[0])
+        if ran < 1:
+            raise ValueError(
+                "the fused layers refused the decode steps: a position past the tables, a block id outside the pool, "
+                "a token id outside the vocabulary, or a step that is not one decode row per request"
+            )
+        return [tokens[s * M : (s + 1) * M].tolist() for s in range(ran)]
+
+    def _set_args(
+        self, h_at: int, index: StepIndex, scale: float, b: _Buffers, head: _Head | None, max_nvis: int
+    ) -> None:
+        # the call's per-step arguments (see _run); max_nvis: the most keys a row sees in the call
+        a = b.args
         n_pad, need = attention_scratch(a.nthreads, self.num_heads, self._caches.num_kv_heads, max_nvis)
         a.h, a.scratch, a.n_pad, a.scale = h_at, self._attn.scratch_at(need), n_pad, scale
         a.stream = self.stream  # a hint the caller may change between calls
@@ -951,6 +987,13 @@ class BoundLayers:
         else:
             a.ids, a.rows, a.M = index.at("ids"), index.at("rows"), index.M
             a.hs, a.logits, a.logits_f32, a.argmax = head.ptrs
+
+    def _run(self, h_at: int, index: StepIndex, scale: float, b: _Buffers, head: _Head | None) -> torch.Tensor:
+        # h_at: the residual stream's address ([index.T, hidden]); b: the buffers for index.T rows at the threads
+        # the call runs; head: where the head's outputs at index's rows go, with the embeddings gathered from its
+        # ids into h; None: h given, no head
+        self._set_args(h_at, index, scale, b, head, index.max_nvis)
+        max_nvis = index.max_nvis
         if self._fn(b.args_at) != 0:
             raise ValueError(
                 f"the fused layers refused the step: a position or cache index outside the tables or the "

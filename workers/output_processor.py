@@ -180,6 +180,20 @@ class OutputProcessor:
                 )
         return logits
 
+    def commit_steps(self, requests: list[Request], tokens: list[list[int]]) -> list[RequestOutput]:
+        """Plain greedy steps run in one call (LLMEngine's decode_steps): ``tokens[i]``, request i's token of each
+        step, committed as that many plain steps would commit them, up to its first stop. The KV of each step's
+        fed token is computed: the pending one and every token but the last."""
+        outputs = []
+        for r, toks in zip(requests, tokens):
+            r.num_computed += len(toks)
+            for _ in toks:
+                self._record(r, 0, 0)
+            self.counters.plain_request_steps += len(toks)
+            outputs.append(self.commit(r, toks))
+            self.counters.output_tokens += len(outputs[-1].token_ids)
+        return outputs
+
     def commit(self, r: Request, new_ids: Iterable[int], logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         """Append the verified tokens up to the first stop, and say what the client gets."""
         committed: list[int] = []

@@ -448,12 +448,42 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> StepOutput:
-        dev = self.device
         if self.batch_invariant and torch.get_num_threads() != self._probed_threads:
             self._probe()
+        index, num_new, offsets = self._step_index(batch)
+        if self.native_layers is not None and self.fused_layers:
+            # one native call: the embeddings, every layer and the head (h, delta: buffers reused next step)
+            h, fused_delta, hs, logits, argmax = self.native_layers.forward(
+                index, self.head_dim**-0.5, batch.reuse_outputs
+            )
+            return self._output(batch, h, fused_delta, hs, logits, offsets, argmax)
+        return self._forward_unfused(batch, index, num_new, offsets)
+
+    @property
+    def runs_decode_steps(self) -> bool:
+        """Whether :meth:`decode_steps` runs here: the fused native forward (every GEMM native, on the CPU)."""
+        return self.native_layers is not None and self.fused_layers
+
+    def decode_steps(self, batch: StepBatch, n: int) -> list[list[int]]:
+        """``n`` greedy decode steps in one native call (``BoundLayers.decode_steps``): the step ``batch`` holds
+        (one pending token per request, each request's block table covering ``n`` positions from its start), then
+        each request's argmax fed back ``n - 1`` times. Returns per step the argmax of each request ([steps][R]
+        ints, steps <= n): the tokens ``n`` greedy :meth:`forward` calls would pick, bit for bit. No logits come
+        back: the caller wants none (no logprobs, penalties or grammar)."""
+        if not self.runs_decode_steps:
+            raise ValueError("decode_steps needs the fused native forward (cpu_gemm='native' on the CPU)")
+        if self.batch_invariant and torch.get_num_threads() != self._probed_threads:
+            self._probe()
+        if any(len(t) != 1 for t in batch.token_ids) or any(rs != [0] for rs in batch.logits_rows):
+            raise ValueError("decode_steps runs a decode step: one new token per request, its logits row")
+        index, _, _ = self._step_index(batch, n - 1)
+        assert self.native_layers is not None
+        return self.native_layers.decode_steps(index, self.head_dim**-0.5, n)
+
+    def _step_index(self, batch: StepBatch, ahead: int = 0) -> tuple[StepIndex, list[int], list[int]]:
+        """The step's index vectors (workers/step_index.py), its new tokens per request and each request's first
+        row; ``ahead``: positions past the step its block tables are to cover as well (decode_steps)."""
         num_new = [len(t) for t in batch.token_ids]
-        nreq = len(num_new)
-        max_q = max(num_new)
         max_kv = max(s + n for s, n in zip(batch.start_pos, num_new))
         if max_kv > self.max_model_len:
             raise ValueError(f"sequence of {max_kv} tokens exceeds max_model_len={self.max_model_len}")
@@ -462,10 +492,10 @@ class ModelRunner:
             batch.block_tables if batch.block_tables is not None else [self.slot_block_table(s) for s in batch.slots]
         )
         for t, s, n in zip(tables, batch.start_pos, num_new):
-            if len(t) * BS < s + n:
-                raise ValueError(f"a block table of {len(t)} blocks cannot hold {s + n} positions")
+            if len(t) * BS < s + n + ahead:
+                raise ValueError(f"a block table of {len(t)} blocks cannot hold {s + n + ahead} positions")
         # [num_requests, nb] block ids, padded with block 0 (finite, never visible) to the step's key axis
-        width = -(-(bi.padded_keys(max_kv) if self.batch_invariant else max_kv) // BS)
+        width = -(-(bi.padded_keys(max_kv + ahead) if self.batch_invariant else max_kv + ahead) // BS)
         rows_bt = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
         if min(min(r) for r in rows_bt) < 0 or max(max(r) for r in rows_bt) >= self.num_blocks:
             raise ValueError(f"a block id outside the pool of {self.num_blocks} blocks")
@@ -473,7 +503,6 @@ class ModelRunner:
         # buffer (workers/step_index.py): the fused forward reads it through addresses, the other paths as views.
         pos_l = [p for s, n in zip(batch.start_pos, num_new) for p in range(s, s + n)]
         kv_l = [t[p // BS] * BS + p % BS for t, s, n in zip(rows_bt, batch.start_pos, num_new) for p in range(s, s + n)]
-        total = len(pos_l)
         offsets = [0]  # [num_requests] row of each request's first new token in the flat matrix
         for n in num_new[:-1]:
             offsets.append(offsets[-1] + n)
@@ -487,11 +516,15 @@ class ModelRunner:
             rows_bt,
             max_kv,
         )
+        return index, num_new, offsets
+
+    def _forward_unfused(
+        self, batch: StepBatch, index: StepIndex, num_new: list[int], offsets: list[int]
+    ) -> StepOutput:
+        """forward's layers as separate calls: native ops, or torch ops (see forward)."""
+        dev, BS, total, max_kv = self.device, self.block_size, index.T, index.max_nvis
+        nreq, max_q = len(num_new), max(num_new)
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.native_layers is not None and self.fused_layers:
-            # one native call: the embeddings, every layer and the head (h, delta: buffers reused next step)
-            h, fused_delta, hs, logits, argmax = self.native_layers.forward(index, D**-0.5, batch.reuse_outputs)
-            return self._output(batch, h, fused_delta, hs, logits, offsets, argmax)
         flat_ids, positions, kv_index, req_of_tok, nvis, rows, bt = index.tensors(dev)  # [T] x5, [M], [R, nb]
         if not self.native_ops:  # the torch layers write the cache at (block, offset)
             blk_of_tok, off_of_tok = kv_index // BS, kv_index % BS
