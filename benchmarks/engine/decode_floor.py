@@ -20,7 +20,10 @@ In one run, with the thread count the engine uses:
    sampling, the engine's Python;
 5. ``--http``: c=1 TPOT over HTTP from a local cluster (the served config: bf16 where the CPU has
    native bf16), its ratio to the floor (the run's and each rep's own window), and the replica path: TPOT
-   less the in-process step, each rep paired with a step and a bandwidth read taken just before it.
+   less the in-process step, each rep paired with a step and a bandwidth read taken just before it;
+6. ``--decode-steps N`` (default 8; 1: none): the engine with ``decode_steps: N`` ("engine-steps": N greedy
+   steps per iteration in one native call, the Python between them gone) as cells beside the others, its time
+   per token; with ``--http``, also c=1 over HTTP from a cluster serving with it.
 
 ``--march x86-64-v3`` builds the native kernels for an older instruction set than the host's: an AVX2-only
 CPU's code path, measured against this host's memory (a proxy, not that CPU).
@@ -55,6 +58,27 @@ DRAFT = "models/smollm2-draft"
 # as shipped (native ops, draft.cpu_gemm), native ops with oneDNN's GEMMs, torch's ops and oneDNN's GEMMs
 DRAFT_KINDS = ("draft", "draft-onednn", "draft-torch-ops")
 MAX_LEN = 512
+
+
+def decode_token_s(eng: LLMEngine, prompt: list[int], c: int, steps: int) -> float:
+    """Seconds per token of each of ``c`` requests decoding ``steps`` tokens: for an engine that runs several
+    steps per iteration (decode_steps) the iterations' time over the tokens they wrote, one step's otherwise."""
+    for i in range(c):
+        eng.add_request(
+            f"t{i}-{time.monotonic_ns()}", prompt, {"max_tokens": steps + 8, "ignore_eos": True}, speculation="off"
+        )
+    while any(r.in_prefill for r in eng.running) or eng.waiting:
+        eng.step()
+    eng.step()  # first step after prefill: every request decoding
+    done = [len(r.output_ids) for r in eng.running]
+    t0 = time.perf_counter()
+    while eng.running and min(len(r.output_ids) for r in eng.running) < done[0] + steps:
+        eng.step()
+    s = time.perf_counter() - t0
+    tokens = sum(len(r.output_ids) for r in eng.running) - sum(done)
+    while eng.has_work():
+        eng.step()
+    return s * c / tokens
 
 
 class ReadBandwidth:
@@ -132,12 +156,12 @@ def split_draft(d: DraftStepper, steps: int) -> list[dict[str, Any]]:
 
 
 def http_paired(
-    eng: LLMEngine, prompt: list[int], reader: ReadBandwidth, steps: int, reps: int
+    eng: LLMEngine, prompt: list[int], reader: ReadBandwidth, steps: int, reps: int, decode_steps: int = 1
 ) -> list[dict[str, float]]:
-    """c=1 over HTTP from a fresh local cluster with the served defaults, each rep paired with the in-process
-    step of ``eng`` and the read bandwidth, taken just before it: on a host whose bandwidth swings, a TPOT
-    is only comparable with what was measured in the same minute. Returns per rep ``tpot_ms``,
-    ``inproc_ms`` and ``gb_s``."""
+    """c=1 over HTTP from a fresh local cluster with the served defaults (and ``decode_steps``), each rep paired
+    with the in-process step (per token) of ``eng`` and the read bandwidth, taken just before it: on a host whose
+    bandwidth swings, a TPOT is only comparable with what was measured in the same minute. Returns per rep
+    ``tpot_ms``, ``inproc_ms`` and ``gb_s``."""
     import tempfile
     from pathlib import Path
 
@@ -146,13 +170,14 @@ def http_paired(
 
     out = []
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = LocalCluster(Path(tmp), args_patch={"engine": {"max_model_len": MAX_LEN, "num_threads": 2}})
+        patch = {"engine": {"max_model_len": MAX_LEN, "num_threads": 2, "decode_steps": decode_steps}}
+        cluster = LocalCluster(Path(tmp), args_patch=patch)
         try:
             cluster.start()
             over_http(cluster.base_url, PROMPT, 4, speculation="off")
             for _ in progress(range(reps), desc="http"):
                 gb_s = reader.sample(3)["best_gb_s"]
-                inproc = decode_step_s(eng, prompt, 1, steps)
+                inproc = decode_token_s(eng, prompt, 1, steps)
                 s, k, _ = over_http(cluster.base_url, PROMPT, steps, speculation="off")
                 out.append({"tpot_ms": 1e3 * s / (k - 1), "inproc_ms": 1e3 * inproc, "gb_s": gb_s})
         finally:
@@ -169,6 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch threads: the engine's num_threads")
     ap.add_argument("--http", action="store_true", help="also c=1 TPOT over HTTP (starts a local cluster)")
     ap.add_argument("--http-reps", type=int, default=5)
+    ap.add_argument(
+        "--decode-steps",
+        type=int,
+        default=8,
+        help="also the engine with this decode_steps (greedy steps per iteration in one native call); 1: not",
+    )
     ap.add_argument("--out", default="decode_floor", help="result name under benchmarks/results")
     ap.add_argument(
         "--march",
@@ -200,6 +231,27 @@ def main(argv: list[str] | None = None) -> int:
         )
         for dt in DTYPES
     }
+    # the engine with decode_steps (its steps' Python once per iteration), where its runner runs them
+    engines_steps = {
+        dt: LLMEngine(
+            EngineConfig(
+                dtype=dt,
+                batch_invariant=True,
+                max_num_seqs=max(CONCURRENCY),
+                enable_prefix_caching=False,
+                max_model_len=MAX_LEN,
+                proposers=[],
+                decode_steps=args.decode_steps,
+            ),
+            loaded,
+        )
+        for dt in DTYPES
+        if args.decode_steps > 1
+    }
+    if not all(e.runner.runs_decode_steps for e in engines_steps.values()):
+        print("decode_steps: no fused native forward here; the engine-steps cells are left out")
+        engines_steps = {}
+    engine_kinds = ("engine", "engine-steps") if engines_steps else ("engine",)
     prompt = engines["float32"].tokenize_chat([{"role": "user", "content": PROMPT}])
     # the draft as the draft worker runs it (DraftConfig's defaults), and the two paths it replaced
     shipped = DraftConfig()
@@ -231,20 +283,22 @@ def main(argv: list[str] | None = None) -> int:
     # the bandwidth read just before and just after it (the higher of the two: the stricter floor).
     cell_bw: dict[tuple[str, str, int], list[float]] = {}
     for rnd in progress(range(args.rounds), desc="rounds"):
-        cells = [(m, dt, c) for m in ("engine", *DRAFT_KINDS) for dt in DTYPES for c in CONCURRENCY]
+        cells = [(m, dt, c) for m in (*engine_kinds, *DRAFT_KINDS) for dt in DTYPES for c in CONCURRENCY]
         for m, dt, c in cells if rnd % 2 == 0 else reversed(cells):
             before = reader.sample(3)["best_gb_s"]
-            s = (
-                decode_step_s(engines[dt], prompt, c, args.steps)
-                if m == "engine"
-                else drafts[(m, dt)].step_s(c, args.steps)
-            )
+            if m == "engine":
+                s = decode_step_s(engines[dt], prompt, c, args.steps)
+            elif m == "engine-steps":
+                s = decode_token_s(engines_steps[dt], prompt, c, args.steps)
+            else:
+                s = drafts[(m, dt)].step_s(c, args.steps)
             cell_bw.setdefault((m, dt, c), []).append(max(before, reader.sample(3)["best_gb_s"]))
             step_s.setdefault((m, dt, c), []).append(s)
         bw_samples.append(reader.sample())
     bw = max(b["best_gb_s"] for b in bw_samples)
 
     runners = {("engine", dt): engines[dt].runner for dt in DTYPES} | {k: d.runner for k, d in drafts.items()}
+    runners |= {("engine-steps", dt): e.runner for dt, e in engines_steps.items()}
     context = len(prompt) + args.steps // 2  # the middle of a timed cell
     weights = {
         f"{m}/{dt}": {
@@ -282,23 +336,31 @@ def main(argv: list[str] | None = None) -> int:
     splits |= {f"{m}/{dt}": split_draft(drafts[(m, dt)], args.split_steps) for m in DRAFT_KINDS for dt in DTYPES}
 
     http: dict[str, Any] | None = None
+    http_steps: dict[str, Any] | None = None
     if args.http:
         served = "bfloat16" if resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16 else "float32"
-        reps = http_paired(engines[served], prompt, reader, args.steps * 3, args.http_reps)
-        tp = [r["tpot_ms"] for r in reps]
         wbytes = weights[f"engine/{served}"]["total"]
         floor_ms = next(r["floor_ms"] for r in rows if r["model"] == "engine" and r["dtype"] == served)
-        window = [r["tpot_ms"] * r["gb_s"] * 1e6 / wbytes for r in reps]  # each rep against its own minute's floor
-        http = {
-            "dtype": served,
-            "tpot_ms": statistics.median(tp),
-            "tpot_samples_ms": tp,
-            "ratio": statistics.median(tp) / floor_ms,
-            "ratio_window": statistics.median(window),
-            "ratio_window_samples": window,
-            "replica_path_ms": statistics.median(r["tpot_ms"] - r["inproc_ms"] for r in reps),
-            "paired": reps,
-        }
+
+        def over_http_cell(eng: LLMEngine, decode_steps: int) -> dict[str, Any]:
+            reps = http_paired(eng, prompt, reader, args.steps * 3, args.http_reps, decode_steps)
+            tp = [r["tpot_ms"] for r in reps]
+            window = [r["tpot_ms"] * r["gb_s"] * 1e6 / wbytes for r in reps]  # each rep against its minute's floor
+            return {
+                "dtype": served,
+                "decode_steps": decode_steps,
+                "tpot_ms": statistics.median(tp),
+                "tpot_samples_ms": tp,
+                "ratio": statistics.median(tp) / floor_ms,
+                "ratio_window": statistics.median(window),
+                "ratio_window_samples": window,
+                "replica_path_ms": statistics.median(r["tpot_ms"] - r["inproc_ms"] for r in reps),
+                "paired": reps,
+            }
+
+        http = over_http_cell(engines[served], 1)
+        if engines_steps:
+            http_steps = over_http_cell(engines_steps[served], args.decode_steps)
 
     table = format_table(
         rows,
@@ -327,12 +389,13 @@ def main(argv: list[str] | None = None) -> int:
                 title=f"step split: {name}, batch 1",
             )
         )
-    if http:
-        print(
-            f"HTTP c=1 TPOT {http['tpot_ms']:.2f} ms = {http['ratio']:.2f}x the {http['dtype']} floor "
-            f"({http['ratio_window']:.2f}x each rep's own window); replica path {http['replica_path_ms']:.2f} ms "
-            "beyond the in-process step measured just before each rep"
-        )
+    for h in (http, http_steps):
+        if h:
+            print(
+                f"HTTP c=1 TPOT (decode_steps {h['decode_steps']}) {h['tpot_ms']:.2f} ms = {h['ratio']:.2f}x the "
+                f"{h['dtype']} floor ({h['ratio_window']:.2f}x each rep's own window); replica path "
+                f"{h['replica_path_ms']:.2f} ms beyond the in-process step measured just before each rep"
+            )
     env["loadavg_end"] = loadavg()
     result = {
         "env": env,
@@ -343,13 +406,18 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "split": splits,
         "http": http,
+        "http_decode_steps": http_steps,
         "raw_step_s": {f"{m}/{dt}/c{c}": v for (m, dt, c), v in step_s.items()},
     }
     fig, axes = figure(ncols=2, width=6.5)
+    short = {"engine": "eng", "engine-steps": f"eng{args.decode_steps}", "draft": "drf"}
+    short |= {"draft-onednn": "drf-dnn", "draft-torch-ops": "drf-ops"}
+    https = [h for h in (http, http_steps) if h]
     bar_panel(
         axes[0],
-        [f"{r['model'][0]}/{r['dtype'][:4]}/c{r['c']}" for r in rows] + (["http/c1"] if http else []),
-        {"x floor": [r["ratio"] for r in rows] + ([http["ratio"]] if http else [])},
+        [f"{short[r['model']]}/{r['dtype'][:4]}/c{r['c']}" for r in rows]
+        + [f"http{'' if h['decode_steps'] == 1 else h['decode_steps']}/c1" for h in https],
+        {"x floor": [r["ratio"] for r in rows] + [h["ratio"] for h in https]},
         title="step / memory floor (1.0 = every weight read once at peak)",
         ylabel="x floor",
         fmt="{:.2f}",
