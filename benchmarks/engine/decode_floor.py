@@ -70,12 +70,13 @@ def decode_token_s(eng: LLMEngine, prompt: list[int], c: int, steps: int) -> flo
     while any(r.in_prefill for r in eng.running) or eng.waiting:
         eng.step()
     eng.step()  # first step after prefill: every request decoding
-    done = [len(r.output_ids) for r in eng.running]
+    reqs = list(eng.running)  # (a request that reaches max_tokens leaves eng.running)
+    done = [len(r.output_ids) for r in reqs]
     t0 = time.perf_counter()
-    while eng.running and min(len(r.output_ids) for r in eng.running) < done[0] + steps:
+    while eng.has_work() and min(len(r.output_ids) - d for r, d in zip(reqs, done)) < steps:
         eng.step()
     s = time.perf_counter() - t0
-    tokens = sum(len(r.output_ids) for r in eng.running) - sum(done)
+    tokens = sum(len(r.output_ids) - d for r, d in zip(reqs, done))
     while eng.has_work():
         eng.step()
     return s * c / tokens
@@ -177,7 +178,7 @@ def http_paired(
             over_http(cluster.base_url, PROMPT, 4, speculation="off")
             for _ in progress(range(reps), desc="http"):
                 gb_s = reader.sample(3)["best_gb_s"]
-                inproc = decode_token_s(eng, prompt, 1, steps)
+                inproc = (decode_step_s if decode_steps == 1 else decode_token_s)(eng, prompt, 1, steps)
                 s, k, _ = over_http(cluster.base_url, PROMPT, steps, speculation="off")
                 out.append({"tpot_ms": 1e3 * s / (k - 1), "inproc_ms": 1e3 * inproc, "gb_s": gb_s})
         finally:
