@@ -43,7 +43,7 @@ import torch
 
 from benchmarks.common import RESULTS_DIR, bar_panel, env_info, figure, format_table, loadavg, progress, save_result
 from benchmarks.engine.step_split import StepSplit, weight_bytes
-from benchmarks.fidelity.invariance_bench import PROMPT, decode_step_s
+from benchmarks.fidelity.invariance_bench import PROMPT, decode_step_s, start_decoding
 from cluster.config import DraftConfig
 from workers import native_attention
 from workers.config import EngineConfig
@@ -63,13 +63,7 @@ MAX_LEN = 512
 def decode_token_s(eng: LLMEngine, prompt: list[int], c: int, steps: int) -> float:
     """Seconds per token of each of ``c`` requests decoding ``steps`` tokens: for an engine that runs several
     steps per iteration (decode_steps) the iterations' time over the tokens they wrote, one step's otherwise."""
-    for i in range(c):
-        eng.add_request(
-            f"t{i}-{time.monotonic_ns()}", prompt, {"max_tokens": steps + 8, "ignore_eos": True}, speculation="off"
-        )
-    while any(r.in_prefill for r in eng.running) or eng.waiting:
-        eng.step()
-    eng.step()  # first step after prefill: every request decoding
+    start_decoding(eng, prompt, c, steps)
     reqs = list(eng.running)  # (a request that reaches max_tokens leaves eng.running)
     done = [len(r.output_ids) for r in reqs]
     t0 = time.perf_counter()
@@ -218,37 +212,22 @@ def main(argv: list[str] | None = None) -> int:
 
     loaded = load_model("smollm2")
     draft_loaded = load_model(DRAFT)
-    engines = {
-        dt: LLMEngine(
-            EngineConfig(
-                dtype=dt,
-                batch_invariant=True,
-                max_num_seqs=max(CONCURRENCY),
-                enable_prefix_caching=False,
-                max_model_len=MAX_LEN,
-                proposers=[],
-            ),
-            loaded,
+
+    def engine(dt: str, decode_steps: int = 1) -> LLMEngine:
+        cfg = EngineConfig(
+            dtype=dt,
+            batch_invariant=True,
+            max_num_seqs=max(CONCURRENCY),
+            enable_prefix_caching=False,
+            max_model_len=MAX_LEN,
+            proposers=[],
+            decode_steps=decode_steps,
         )
-        for dt in DTYPES
-    }
+        return LLMEngine(cfg, loaded)
+
+    engines = {dt: engine(dt) for dt in DTYPES}
     # the engine with decode_steps (its steps' Python once per iteration), where its runner runs them
-    engines_steps = {
-        dt: LLMEngine(
-            EngineConfig(
-                dtype=dt,
-                batch_invariant=True,
-                max_num_seqs=max(CONCURRENCY),
-                enable_prefix_caching=False,
-                max_model_len=MAX_LEN,
-                proposers=[],
-                decode_steps=args.decode_steps,
-            ),
-            loaded,
-        )
-        for dt in DTYPES
-        if args.decode_steps > 1
-    }
+    engines_steps = {dt: engine(dt, args.decode_steps) for dt in DTYPES if args.decode_steps > 1}
     if not all(e.runner.runs_decode_steps for e in engines_steps.values()):
         print("decode_steps: no fused native forward here; the engine-steps cells are left out")
         engines_steps = {}

@@ -44,8 +44,9 @@ DTYPES = ("float32", "bfloat16")
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 
 
-def decode_step_s(eng: LLMEngine, prompt: list[int], c: int, steps: int) -> float:
-    """Median seconds of one plain decode step with ``c`` requests decoding."""
+def start_decoding(eng: LLMEngine, prompt: list[int], c: int, steps: int) -> None:
+    """``c`` plain requests of ``prompt`` (room for ``steps`` tokens and a few more), prefilled and one step in:
+    every request decoding."""
     for i in range(c):
         eng.add_request(
             f"b{i}-{time.monotonic_ns()}", prompt, {"max_tokens": steps + 8, "ignore_eos": True}, speculation="off"
@@ -53,6 +54,11 @@ def decode_step_s(eng: LLMEngine, prompt: list[int], c: int, steps: int) -> floa
     while any(r.in_prefill for r in eng.running) or eng.waiting:
         eng.step()
     eng.step()  # first step after prefill: every request decoding
+
+
+def decode_step_s(eng: LLMEngine, prompt: list[int], c: int, steps: int) -> float:
+    """Median seconds of one plain decode step with ``c`` requests decoding."""
+    start_decoding(eng, prompt, c, steps)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
