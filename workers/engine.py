@@ -391,20 +391,27 @@ class LLMEngine:
                 if rec and r.events is not None:
                     r.events.append(StepEvent(t0_ns, time.time_ns(), "prefill", 0, 0, t_prop_ns))
         outputs = self.processor.process(frontier, logits, (t0_ns, t_prop_ns) if rec else None, argmax)
-        if self.kv.enable_caching:  # newly full blocks of committed positions become prefix-cache entries
+        self._after_steps(reqs, 1, sum(len(t) for t in fed), t0, len(decoding), plan.prefill_tokens)
+        return outputs
+
+    def _after_steps(
+        self, reqs: list[Request], steps: int, tokens: int, t0: float, decoding: int, prefill_tokens: int
+    ) -> None:
+        """What follows an iteration of ``steps`` model steps that fed ``tokens`` each (``decoding`` requests
+        decoding, ``prefill_tokens`` of prompts) since ``t0``: newly full blocks of committed positions become
+        prefix-cache entries, and the step counters, the cost model and ``on_step`` see the mean step."""
+        if self.kv.enable_caching:
             for r in reqs:
                 if r.status is Status.RUNNING:
                     self.kv.cache_full_blocks(r)
-
-        self.num_steps += 1
-        self._tokens_last_step = sum(len(t) for t in fed)
-        dt = time.perf_counter() - t0
+        self.num_steps += steps
+        self._tokens_last_step = tokens
+        dt = (time.perf_counter() - t0) / steps
         self.step_time_ema.update(dt)
-        self.tokens_per_step_ema.update(self._tokens_last_step)
-        self.cost_model.observe(self._tokens_last_step, dt, len(decoding), plan.prefill_tokens)
+        self.tokens_per_step_ema.update(tokens)
+        self.cost_model.observe(tokens, dt, decoding, prefill_tokens)
         if self.on_step is not None:
-            self.on_step(self._tokens_last_step, dt, len(decoding) if not plan.prefill else None)
-        return outputs
+            self.on_step(tokens, dt, decoding if not prefill_tokens else None)
 
     def _steps_ahead(self, plan: SchedulerOutput, decoding: list[Request], drafts: list[list[int]]) -> int:
         """How many plain greedy decode steps this iteration runs in one native call (EngineConfig.decode_steps),
@@ -440,19 +447,7 @@ class LLMEngine:
         )
         steps = self.runner.decode_steps(batch, n)  # [ran][R]
         outputs = self.processor.commit_steps(decoding, [list(toks) for toks in zip(*steps)])
-        if self.kv.enable_caching:
-            for r in decoding:
-                if r.status is Status.RUNNING:
-                    self.kv.cache_full_blocks(r)
-        ran, R = len(steps), len(decoding)
-        self.num_steps += ran
-        self._tokens_last_step = R
-        dt = (time.perf_counter() - t0) / ran  # one observation of the mean step
-        self.step_time_ema.update(dt)
-        self.tokens_per_step_ema.update(R)
-        self.cost_model.observe(R, dt, R, 0)
-        if self.on_step is not None:
-            self.on_step(R, dt, R)
+        self._after_steps(decoding, len(steps), len(decoding), t0, len(decoding), 0)
         return outputs
 
     def _execute(

@@ -930,11 +930,7 @@ class BoundLayers:
         threads = torch.get_num_threads()
         b = self.buffers(index.T, threads)
         M = index.M
-        kept = self._heads.get(M)
-        if kept is None:
-            if len(self._heads) >= self.MAX_SHAPES:
-                self._heads.clear()
-            kept = self._heads[M] = _Head.new(M, self.hidden, self.vocab, self.dtype)
+        kept = self._kept_head(M)
         head = kept if reuse else _Head.new(M, self.hidden, self.vocab, self.dtype, kept.staged)
         delta = self._run(b.h_at, index, scale, b, head)
         return b.h, delta, head.hs, head.logits, head.argmax.tolist()
@@ -956,12 +952,7 @@ class BoundLayers:
                 f"its {n} positions; got {T} rows, {M} logits rows, {index.num_reqs} requests, "
                 f"{index.width} blocks for {index.max_nvis + n - 1} positions"
             )
-        b = self.buffers(T, torch.get_num_threads())
-        head = self._heads.get(M)
-        if head is None:
-            if len(self._heads) >= self.MAX_SHAPES:
-                self._heads.clear()
-            head = self._heads[M] = _Head.new(M, self.hidden, self.vocab, self.dtype)
+        b, head = self.buffers(T, torch.get_num_threads()), self._kept_head(M)
         self._set_args(b.h_at, index, scale, b, head, index.max_nvis + n - 1)
         tokens = array("q", bytes(8 * n * M))
         ran = self._steps(b.args_at, n, tokens.buffer_info()[0])
@@ -971,6 +962,15 @@ class BoundLayers:
                 "a token id outside the vocabulary, or a step that is not one decode row per request"
             )
         return [tokens[s * M : (s + 1) * M].tolist() for s in range(ran)]
+
+    def _kept_head(self, M: int) -> _Head:
+        """The head's outputs for M rows that callers reading them at once share (see forward's ``reuse``)."""
+        kept = self._heads.get(M)
+        if kept is None:
+            if len(self._heads) >= self.MAX_SHAPES:
+                self._heads.clear()
+            kept = self._heads[M] = _Head.new(M, self.hidden, self.vocab, self.dtype)
+        return kept
 
     def _set_args(
         self, h_at: int, index: StepIndex, scale: float, b: _Buffers, head: _Head | None, max_nvis: int
