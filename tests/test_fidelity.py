@@ -15,10 +15,18 @@ import pytest
 import torch
 
 from tests.test_spec_engine import KINDS, MAX_LEN, Switcher, copy_prompts, make_proposer
+from workers import native_attention, sampler
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.rejection_sampler import verify_coupled
-from workers.sampler import keyed_exponentials, keyed_sample, position_key, process_logits
+from workers.sampler import (
+    _exponentials_of,
+    keyed_exponentials,
+    keyed_sample,
+    keyed_uniforms,
+    position_key,
+    process_logits,
+)
 from workers.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -135,12 +143,17 @@ def test_keyed_noise_is_a_function_of_seed_and_position():
     assert bool((e > 0).all()) and abs(float(e.mean()) - 1.0) < 0.02 and abs(float(e.var()) - 1.0) < 0.05
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("shape", ["peaky", "flat", "top_k", "bf16_ties", "uniform", "one_hot", "zero_row", "near_tie"])
-def test_keyed_sample_is_exactly_the_race_on_the_exact_noise(shape):
-    """keyed_sample's cheap float32 race picks exactly ``argmax(p / keyed_exponentials)``, first index on
-    ties, on a real vocabulary: sharp and flat rows, top-k zeros, bf16-coarse and uniform probabilities
-    (many exact ties, since 49152 draws from 2^24 values collide), a one-hot row, an all-zero row, and
-    rows whose two best exact scores are a few ulps apart or tied (where a float32 race alone errs)."""
+def test_keyed_sample_is_exactly_the_race_on_the_exact_noise(shape, native, monkeypatch):
+    """keyed_sample's cheap race picks exactly ``argmax(p / keyed_exponentials)``, first index on ties, on a
+    real vocabulary: sharp and flat rows, top-k zeros, bf16-coarse and uniform probabilities (many exact ties,
+    since 49152 draws from 2^24 values collide), a one-hot row, an all-zero row, and rows whose two best exact
+    scores are a few ulps apart or tied (where an approximate race alone errs); the native race and torch's."""
+    if not native:
+        monkeypatch.setattr(native_attention, "load_layer_ops", lambda: None)
+    elif native_attention.load_layer_ops() is None:
+        pytest.skip("no C compiler: the native kernels are not built")
     gen = torch.Generator().manual_seed(hash(shape) % 2**31)
     n, vocab = 64, 49152
     scale = {"peaky": 12.0, "flat": 0.05}.get(shape, 2.0)
@@ -165,6 +178,30 @@ def test_keyed_sample_is_exactly_the_race_on_the_exact_noise(shape):
             p[i, b] = float(e[i, b] / e[i, a]) * (1.0 + (i % 7 - 3) * 2.0**-23)
     definition = (p / keyed_exponentials(keys, vocab, "cpu")).argmax(dim=-1)
     assert torch.equal(keyed_sample(p, keys), definition)
+
+
+def test_native_uniforms_are_the_keyed_generators_draws():
+    """The native race draws its noise from a Mersenne twister of its own; it must be torch's CPU generator's,
+    number for number, for any key (the high 32 bits too) and any vocabulary (across the twister's 624-draw
+    blocks)."""
+    ops = native_attention.load_layer_ops()
+    if ops is None:
+        pytest.skip("no C compiler: the native kernels are not built")
+    keys = [0, 1, 2**32 - 1, 2**32, 2**64 - 1] + [position_key(s, t) for s in range(3) for t in range(5)]
+    for vocab in (1, 623, 624, 625, 1249, 49152):
+        assert torch.equal(ops.keyed_uniforms(keys, vocab), keyed_uniforms(keys, vocab)), vocab
+
+
+def test_native_race_noise_is_within_its_bound_for_every_uniform():
+    """Every one of the 2^24 values uniform_ can draw: the native race's approximate noise is within a relative
+    1e-6 of the definition's, far inside _RACE_MARGIN (which is what makes the candidates hold the winner)."""
+    ops = native_attention.load_layer_ops()
+    if ops is None:
+        pytest.skip("no C compiler: the native kernels are not built")
+    u = torch.arange(2**24, dtype=torch.float32) * 2.0**-24  # [2^24]
+    exact = _exponentials_of(u).double()
+    rel = (ops.race_noise(u).double() / exact - 1.0).abs()
+    assert float(rel.max()) < 1e-6 < sampler._RACE_MARGIN / 50
 
 
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from workers.sampler import make_generator, probs_for, process_logits, sample
+from workers.sampler import make_generator, probs_for, process_logits, sample, truncated_by_sort
 from workers.sampling_params import SamplingParams
 
 
@@ -158,3 +158,46 @@ def test_make_generator() -> None:
     assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
     c = make_generator(2**70 + 5, "cpu")
     assert c is not None
+
+
+# ----------------------------------------------------------------------------- truncation on a real vocabulary
+
+
+def _rows(shape: str, n: int, vocab: int, gen: torch.Generator) -> torch.Tensor:  # [n, vocab] float32 logits
+    x = torch.randn(n, vocab, generator=gen) * {"peaky": 8.0, "flat": 0.3}.get(shape, 3.0)
+    if shape == "bf16_ties":  # coarse logits: many exact ties, at the k-th place too
+        x = x.bfloat16().float().round()
+    elif shape == "masked":  # a grammar's mask: most of the vocabulary -inf
+        x[torch.rand(n, vocab, generator=gen) < 0.999] = -torch.inf
+    elif shape == "few_finite":  # fewer finite logits than top-k or the first candidates
+        x[:, 5:] = -torch.inf
+    return x
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("shape", ["peaky", "normal", "flat", "bf16_ties", "masked", "few_finite"])
+def test_truncation_is_the_definition_on_a_real_vocabulary(shape: str, native: bool, monkeypatch) -> None:
+    """top-k and top-p pick their tokens from the leading candidates only (no sort of the vocabulary); the
+    probabilities are exactly (torch.equal) those of the definition's full sort, whatever the row needs: a
+    nucleus of a few tokens or thousands (the candidates grow), ties at the k-th logit, a masked vocabulary,
+    fewer finite logits than asked for; with the native candidate search and with torch's."""
+    from workers import native_attention
+
+    if not native:
+        monkeypatch.setattr(native_attention, "load_layer_ops", lambda: None)
+    elif native_attention.load_layer_ops() is None:
+        pytest.skip("no C compiler: the native kernels are not built")
+    gen = torch.Generator().manual_seed(sum(map(ord, shape)))
+    vocab = 49152
+    settings = [(0, 0.9), (0, 0.5), (0, 0.999), (50, 1.0), (1, 1.0), (40, 0.8), (3000, 0.95), (0, 1e-6)]
+    x = _rows(shape, len(settings), vocab, gen)
+    temperature = torch.full((len(settings),), 0.7)
+    top_k = torch.tensor([k for k, _ in settings])
+    top_p = torch.tensor([p for _, p in settings])
+    got = process_logits(x, temperature, top_k, top_p)
+    scaled = x / 0.7
+    for i, (k, p) in enumerate(settings):
+        want = truncated_by_sort(scaled[i], k if k > 0 else vocab, float(top_p[i]))
+        assert torch.equal(got[i], want), (shape, k, p)
+        alone = process_logits(x[i : i + 1], temperature[i : i + 1], top_k[i : i + 1], top_p[i : i + 1])
+        assert torch.equal(alone[0], got[i])  # a row is computed alone: its batch does not matter

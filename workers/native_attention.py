@@ -52,7 +52,12 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 _KERNELS = Path(__file__).parent / "kernels"
-SOURCES = (_KERNELS / "invariant_attention.c", _KERNELS / "invariant_layer.c", _KERNELS / "invariant_linear.c")
+SOURCES = (
+    _KERNELS / "invariant_attention.c",
+    _KERNELS / "invariant_layer.c",
+    _KERNELS / "invariant_linear.c",
+    _KERNELS / "keyed_race.c",
+)
 # included by the sources: part of the cache key, not of the command
 HEADERS = (_KERNELS / "vec_math.h", _KERNELS / "kernels.h")
 # No -ffast-math: the compiler must neither reassociate a sum nor contract a multiply-add anywhere.
@@ -345,6 +350,18 @@ class NativeLayerOps:
         self._argmax = dll.argmax_rows
         self._argmax.argtypes = [p, i64, i64, p]
         self._argmax.restype = None
+        self._uniforms = dll.keyed_uniforms_rows
+        self._uniforms.argtypes = [p, i64, i64, p]
+        self._uniforms.restype = None
+        self._noise = dll.race_noise
+        self._noise.argtypes = [p, p, i64]
+        self._noise.restype = None
+        self._race = dll.keyed_race
+        self._race.argtypes = [p, p, i64, i64, ctypes.c_float, i64, p, p, p, p]
+        self._race.restype = None
+        self._leading = dll.leading_candidates
+        self._leading.argtypes = [p, i64, i64, p, p, i64, ctypes.POINTER(ctypes.c_int)]
+        self._leading.restype = i64
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:  # x: [R, V] float32 -> [R] int64
         """``x.argmax(dim=-1)``, the same indices (the first maximal one; the first NaN where a row has one)."""
@@ -353,6 +370,74 @@ class NativeLayerOps:
         out = torch.empty(x.shape[0], dtype=torch.long)
         self._argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
         return out
+
+    @staticmethod
+    def _keys(keys: list[int]) -> ctypes.Array[ctypes.c_uint64]:
+        return (ctypes.c_uint64 * len(keys))(*(k & 0xFFFFFFFFFFFFFFFF for k in keys))
+
+    def keyed_uniforms(self, keys: list[int], vocab: int) -> torch.Tensor:  # -> [len(keys), vocab] float32
+        """Row i: what a CPU ``torch.Generator`` seeded with ``keys[i]`` draws with ``uniform_`` (the same numbers)."""
+        out = torch.empty(len(keys), vocab, dtype=torch.float32)
+        k = self._keys(keys)  # held until the call returns
+        self._uniforms(ctypes.addressof(k), len(keys), vocab, out.data_ptr())
+        return out
+
+    def race_noise(self, u: torch.Tensor) -> torch.Tensor:  # [n] float32 -> [n] float32
+        """The race's approximate noise ``-log(u + 2^-25)`` (within a relative 1e-6 of the exact one)."""
+        if u.dtype != torch.float32 or u.dim() != 1 or not u.is_contiguous():
+            raise ValueError("race_noise: u must be a contiguous 1-D float32 tensor")
+        out = torch.empty_like(u)
+        self._noise(u.data_ptr(), out.data_ptr(), u.numel())
+        return out
+
+    def keyed_race(
+        self,
+        p: torch.Tensor,  # [R, V] float32 contiguous processed probabilities
+        keys: list[int],  # [R] position keys
+        margin: float,
+        cap: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:  # cand [R, cap] int64, cand_u [R, cap] float32, count [R]
+        """Each row's race candidates (``keyed_race`` in workers/kernels/keyed_race.c): the indices whose approximate
+        score is within ``margin`` of the row's best, ascending, their uniforms, and how many (-1: the definition
+        must decide that row)."""
+        if p.dtype != torch.float32 or p.dim() != 2 or not p.is_contiguous() or len(keys) != p.shape[0]:
+            raise ValueError("keyed_race: p must be a contiguous [R, V] float32 tensor with one key per row")
+        rows, vocab = p.shape
+        cand = torch.empty(rows, cap, dtype=torch.long)
+        cand_u = torch.empty(rows, cap, dtype=torch.float32)
+        count = array("q", bytes(8 * rows))
+        u_scratch = torch.empty(vocab, dtype=torch.float32)
+        addr, _ = count.buffer_info()
+        k = self._keys(keys)  # held until the call returns
+        self._race(
+            p.data_ptr(),
+            ctypes.addressof(k),
+            rows,
+            vocab,
+            margin,
+            cap,
+            u_scratch.data_ptr(),
+            cand.data_ptr(),
+            cand_u.data_ptr(),
+            addr,
+        )
+        return cand, cand_u, count.tolist()
+
+    def leading_candidates(self, x: torch.Tensor, c: int) -> tuple[torch.Tensor, bool]:  # x: [V] float32
+        """The ids of every finite logit at least the ``c``-th largest finite one (ties included), ordered by logit
+        descending then id, and whether that is every finite logit (the row has at most ``c``)."""
+        if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous() or c < 1:
+            raise ValueError("leading_candidates: x must be a contiguous 1-D float32 tensor and c >= 1")
+        vocab = x.numel()
+        heap = torch.empty(min(c, vocab), dtype=torch.float32)
+        cap = min(vocab, 4 * c)
+        every = ctypes.c_int(0)
+        while True:
+            ids = torch.empty(cap, dtype=torch.long)
+            n = self._leading(x.data_ptr(), vocab, min(c, vocab), heap.data_ptr(), ids.data_ptr(), cap, every)
+            if n >= 0:
+                return ids[:n], bool(every.value) or c >= vocab
+            cap = vocab  # more ties at the threshold than room: every token fits
 
     @staticmethod
     def _bf16(*ts: torch.Tensor) -> int:

@@ -15,11 +15,17 @@ from __future__ import annotations
 
 import torch
 
+from workers import native_attention
 from workers.sampling_params import SamplingParams
 
 # Temperatures below this are clamped so that logits / temperature stays finite
 # (inf - inf inside softmax would give NaN). At 1e-6 the result is already argmax.
 _MIN_TEMPERATURE = 1e-6
+
+
+# A truncated row's first candidates (then four times as many while top-p needs more): a nucleus is usually a few
+# dozen tokens, and finding the leading c of a vocabulary costs far less than ordering all of it.
+_FIRST_CANDIDATES = 64
 
 
 def process_logits(
@@ -30,32 +36,108 @@ def process_logits(
 ) -> torch.Tensor:  # [num_rows, vocab] float32 probabilities, rows sum to 1
     """Temperature, then top-k, then top-p (nucleus), then renormalize.
 
-    Top-k keeps exactly ``k`` tokens: ties at the k-th logit are broken by the lower
-    token id (stable sort), so the same logits always give the same set, on the
-    target and on the draft. Top-p is measured on the top-k-renormalized
-    distribution and keeps the smallest prefix of most-likely tokens whose mass
-    reaches ``top_p``; the most likely token is always kept.
+    The candidates are the tokens with a finite logit, in order of logit, ties by the lower token id, so
+    the same logits always give the same set, on the target and on the draft. Top-k keeps the first ``k``.
+    Top-p keeps the candidates (the first always) before which the mass of the ones before them, summed in
+    float64 in order, is still below ``top_p``: the smallest prefix reaching it. The mass of a token is its
+    probability under the top-k set's softmax, or the whole vocabulary's when top-k is off. The kept tokens
+    get the softmax of their logits, in candidate order; every other token 0. Each row is computed alone,
+    from its own logits and parameters.
     """
     logits = logits.float() / temperature.float().clamp_min(_MIN_TEMPERATURE).unsqueeze(1)
     num_rows, vocab = logits.shape
     k_off = (top_k <= 0) | (top_k >= vocab)  # [num_rows] bool
     p_off = top_p >= 1.0  # [num_rows] bool
+    probs = logits.softmax(dim=-1)  # [num_rows, vocab] the rows with nothing to truncate (and the masses below)
     if num_rows == 0 or bool((k_off & p_off).all()):
-        # Fast path: nothing to truncate, so no sort (the sort dominates at large vocab).
-        return logits.softmax(dim=-1)
+        return probs
+    ks, ps, offs = top_k.tolist(), top_p.tolist(), (k_off & p_off).tolist()
+    for i in range(num_rows):
+        if not offs[i]:
+            k = ks[i] if 0 < ks[i] < vocab else vocab
+            probs[i] = _truncated(logits[i], k, float(ps[i]), probs[i])
+    return probs
 
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)  # [num_rows, vocab]
-    ranks = torch.arange(vocab, device=logits.device)  # [vocab]
-    k = torch.where(k_off, vocab, top_k.long())  # [num_rows]
-    keep = ranks.unsqueeze(0) < k.unsqueeze(1)  # [num_rows, vocab] top-k, in sorted order
-    sorted_probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly more likely tokens
-    # A token stays while the tokens before it have not yet reached top_p; the first
-    # token has mass_before == 0 < top_p, so it is always kept.
-    keep &= (mass_before < top_p.float().unsqueeze(1)) | p_off.unsqueeze(1)
-    keep[:, 0] = True
-    sorted_probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
-    return torch.empty_like(sorted_probs).scatter_(-1, sorted_ids, sorted_probs)
+
+def _candidates(
+    x: torch.Tensor,  # [vocab] float32 scaled logits
+    c: int,  # how many leading candidates at least
+) -> tuple[torch.Tensor, bool]:  # ids [>= c, or every candidate] in candidate order, whether that is every one
+    """The leading candidates of a row: every token whose finite logit is at least the c-th largest finite one
+    (ties included), ordered by logit then id."""
+    ops = native_attention.load_layer_ops() if x.device.type == "cpu" else None
+    if ops is not None:
+        return ops.leading_candidates(x.contiguous(), c)
+    if c < x.numel():
+        threshold = x.topk(c).values[-1]
+        if bool(threshold > -torch.inf):
+            ids = (x >= threshold).nonzero().flatten()  # ascending ids
+            return ids[x[ids].sort(descending=True, stable=True).indices], False
+    ids = (x > -torch.inf).nonzero().flatten()
+    return ids[x[ids].sort(descending=True, stable=True).indices], True
+
+
+def _truncated(
+    x: torch.Tensor,  # [vocab] float32 scaled logits
+    k: int,  # top-k, vocab = off
+    top_p: float,  # 1.0 = off
+    full: torch.Tensor,  # [vocab] float32 x.softmax(-1): the masses when top-k is off
+) -> torch.Tensor:  # [vocab] float32 probabilities
+    """One row of process_logits with top-k or top-p on."""
+    vocab = x.numel()
+    c = k if k < vocab else _FIRST_CANDIDATES
+    while True:
+        ids, every = _candidates(x, c)
+        if ids.numel() == 0:  # no finite logit: nothing to keep, the untruncated softmax's answer
+            return full
+        if k < vocab:
+            ids = ids[:k]
+            if top_p >= 1.0:
+                keep = ids.numel()
+                break
+            mass = x[ids].softmax(dim=0)  # [k] the top-k distribution, in candidate order
+        else:
+            mass = full[ids]  # [n] the whole vocabulary's
+        cum = torch.cumsum(mass.double(), dim=0)  # [n] in order, in float64
+        if k < vocab or every or bool(cum[-1] >= top_p):
+            keep = 1 + int((cum[:-1] < top_p).sum())  # the next token's mass-before is cum[j]: a prefix
+            break
+        c = min(4 * c, vocab)
+    kept = ids[:keep]
+    out = torch.zeros_like(x)
+    out[kept] = x[kept].softmax(dim=0)
+    return out
+
+
+def truncated_by_sort(
+    x: torch.Tensor,  # [vocab] float32 scaled logits (logits / temperature)
+    k: int,  # top-k, vocab = off
+    top_p: float,  # 1.0 = off
+) -> torch.Tensor:  # [vocab] float32 probabilities
+    """process_logits' definition for one truncated row, written the slow way: every candidate ordered by a full
+    stable sort of the vocabulary, the mass before each one summed in a Python loop. Tests and
+    benchmarks/fidelity/sampler_bench.py hold the shipped row (the leading candidates only) to it."""
+    vocab = x.numel()
+    order = x.sort(descending=True, stable=True).indices  # [vocab] logit descending, ties by the lower id
+    order = order[x[order] > -torch.inf]  # the candidates: finite logits
+    if order.numel() == 0:
+        return x.softmax(dim=0)
+    if k < vocab:
+        order = order[:k]
+        mass = x[order].softmax(dim=0)
+    else:
+        mass = x.softmax(dim=0)[order]
+    keep = order.numel()
+    if top_p < 1.0:
+        before = 0.0  # the mass of the candidates before this one, summed in float64 in order
+        for j, m in enumerate(mass.double().tolist()):
+            if j > 0 and not before < top_p:
+                keep = j
+                break
+            before += m
+    out = torch.zeros_like(x)
+    out[order[:keep]] = x[order[:keep]].softmax(dim=0)
+    return out
 
 
 def sampling_tensors(
@@ -192,9 +274,11 @@ def keyed_exponentials(
 
 # A candidate's float32 race score may be off by a few ulps (~1e-6 relative); the margin is 100x that.
 _RACE_MARGIN = 1e-4
-# Below this many rows the extra passes of the float32 race cost more than the fp64 logs they save
-# (benchmarks/fidelity/sampler_bench.py).
+# Below this many rows the extra passes of the float32 race in torch cost more than the fp64 logs they save
+# (benchmarks/fidelity/sampler_bench.py); the native race has no such passes.
 _RACE_MIN_ROWS = 8
+# Candidates a row's native race may name before the definition decides the row instead (a row of many exact ties).
+_RACE_CAP = 64
 
 
 def keyed_sample(
@@ -204,13 +288,17 @@ def keyed_sample(
     """The exponential race ``argmax_v p_v / E_v`` with position-keyed ``E`` (see :func:`sample`):
     distributed exactly as ``p``; the same (p, key) always gives the same token.
 
-    The winner is exactly ``(p / keyed_exponentials(keys)).argmax(-1)``, computed cheaper on the CPU
-    for batches of rows: instead of an fp64 log of every draw, the race first runs with a float32
-    ``E`` (``-log1p(u - 1 + 2^-25)``, a few ulps from the exact one), and only the entries within
-    ``_RACE_MARGIN`` of each row's best get the exact ``E``; the exact scores decide, first index on
-    ties, as ``argmax`` does. The true winner is always among those entries."""
+    The winner is exactly ``(p / keyed_exponentials(keys)).argmax(-1)``, computed cheaper on the CPU: the
+    race first runs with an approximate ``E`` (a few ulps from the exact one), and only the entries within
+    ``_RACE_MARGIN`` of each row's best get the exact ``E``; the exact scores decide, first index on ties, as
+    ``argmax`` does. The true winner is always among those entries. Where the native kernels are built the
+    approximate race, with the generator's draws, is one pass in C (workers/kernels/keyed_race.c); else it is
+    float32 torch ops over batches of rows."""
     if probs.shape[0] == 0:
         return torch.zeros(0, dtype=torch.long, device=probs.device)
+    ops = native_attention.load_layer_ops() if probs.device.type == "cpu" else None
+    if ops is not None:
+        return _native_race(ops, probs.float().contiguous(), keys)
     if probs.device.type != "cpu" or probs.shape[0] < _RACE_MIN_ROWS:
         e = keyed_exponentials(keys, probs.shape[1], probs.device)
         return (probs.float() / e).argmax(dim=-1)
@@ -228,3 +316,35 @@ def keyed_sample(
     race.fill_(-float("inf"))  # -inf loses to every candidate (scores >= 0)
     race[rows, cols] = exact
     return race.argmax(dim=-1)
+
+
+def _native_race(
+    ops: native_attention.NativeLayerOps,
+    p: torch.Tensor,  # [n, vocab] float32 contiguous
+    keys: list[int],  # [n]
+) -> torch.Tensor:  # [n] long
+    """keyed_sample through the native race: its candidates get the exact scores here, in one set of torch ops
+    over all rows' few candidates; a row the race cannot decide (count -1) gets the definition."""
+    cand, cand_u, count = ops.keyed_race(p, keys, _RACE_MARGIN, _RACE_CAP)  # [n, cap], [n, cap], [n]
+    n = p.shape[0]
+    rows = [r for r in range(n) if count[r] > 0]
+    where = [(r, j) for r in rows for j in range(count[r])]
+    out = [0] * n
+    if where:
+        r_idx = torch.tensor([r for r, _ in where])
+        j_idx = torch.tensor([j for _, j in where])
+        ids = cand[r_idx, j_idx]  # [m] candidate token ids
+        exact = (p[r_idx, ids] / _exponentials_of(cand_u[r_idx, j_idx])).tolist()  # [m] the definition's scores
+        best: dict[int, tuple[float, int]] = {}
+        for (r, _), score, token in zip(where, exact, ids.tolist()):
+            if r not in best or score > best[r][0]:  # candidates ascend: the first maximal one wins, as argmax
+                best[r] = (score, token)
+        for r, (_, token) in best.items():
+            out[r] = token
+    undecided = [r for r in range(n) if count[r] <= 0]
+    if undecided:
+        e = keyed_exponentials([keys[r] for r in undecided], p.shape[1], p.device)
+        picked = (p[undecided] / e).argmax(dim=-1).tolist()
+        for r, token in zip(undecided, picked):
+            out[r] = token
+    return torch.tensor(out, dtype=torch.long)

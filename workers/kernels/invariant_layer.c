@@ -115,14 +115,6 @@ int rms_norm(void *h, const void *delta, const void *w, void *out, int64_t T, in
     return 0;
 }
 
-/* Whether any lane of a comparison's result is set. */
-static inline int any_lane(vlanes_i m) {
-    uint64_t w[sizeof m / 8], o = 0;
-    __builtin_memcpy(w, &m, sizeof m);
-    for (size_t i = 0; i < sizeof m / 8; i++) o |= w[i];
-    return o != 0;
-}
-
 /* out[r] = the index of row r's largest value, torch.argmax's answer: the first maximal index, or the first
  * NaN's if the row holds one (torch orders NaN above every number); -0.0 equals 0.0. x: [R, V] fp32.
  * Why not torch's: its reduction reads a greedy step's 49,152 logits several times slower. Two passes:

@@ -63,6 +63,14 @@ static inline vlanes_i lanes_ne(vlanes a, vlanes b) { return a != b; } /* true w
 static inline vlanes_i lanes_gt_i(vlanes_i a, vlanes_i b) { return a > b; }
 #endif
 
+/* Whether any lane of a comparison's result is set. */
+static inline int any_lane(vlanes_i m) {
+    uint64_t w[sizeof m / 8], o = 0;
+    __builtin_memcpy(w, &m, sizeof m);
+    for (size_t i = 0; i < sizeof m / 8; i++) o |= w[i];
+    return o != 0;
+}
+
 /* Lane by lane, a where mask is set, else b. */
 static inline vlanes select_lanes(vlanes_i mask, vlanes a, vlanes b) {
     return (vlanes)((mask & (vlanes_i)a) | (~mask & (vlanes_i)b));

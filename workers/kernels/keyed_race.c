@@ -1,0 +1,220 @@
+/* Position-keyed sampling's exponential race (keyed_sample in workers/sampler.py) without its passes over the
+ * vocabulary in torch: the uniforms a keyed torch generator draws, and the few entries whose race scores come close
+ * enough to the best that the exact noise must decide between them.
+ *
+ * Why native: at a few rows a decode step's sampling was a dozen torch ops over the 49,152-entry vocabulary, each
+ * paying for torch's code evicted by the streamed weights, and the generator's draws alone cost several times a
+ * vectorized Mersenne twister. Nothing here decides a token: the exact scores of the candidates (torch's fp64 log,
+ * the definition) do, in Python. */
+
+#include <float.h>
+#include <stdlib.h>
+#include <stdint.h>
+
+#include "vec_math.h"
+
+#define MT_N 624
+#define MT_M 397
+
+static inline uint32_t mt_twist(uint32_t a, uint32_t b, uint32_t c) {
+    const uint32_t y = (a & 0x80000000u) | (b & 0x7fffffffu);
+    return c ^ (y >> 1) ^ (-(y & 1u) & 0x9908b0dfu);
+}
+
+/* u: [V] the numbers torch.Generator("cpu").manual_seed(key) then uniform_() on V float32 gives: torch's CPU generator
+ * is MT19937 (Matsumoto & Nishimura 1998) seeded with the key's low 32 bits, and uniform_ maps each 32-bit draw y to
+ * (y & (2^24 - 1)) * 2^-24, exactly. tests/test_fidelity.py holds it to torch's for random keys. */
+static void mt_uniforms(uint64_t key, float *u, int64_t V) {
+    uint32_t s[MT_N];
+    s[0] = (uint32_t)key;
+    for (int j = 1; j < MT_N; j++) s[j] = 1812433253u * (s[j - 1] ^ (s[j - 1] >> 30)) + (uint32_t)j;
+    for (int64_t i = 0; i < V; i += MT_N) {
+        int k = 0;
+        for (; k < MT_N - MT_M; k++) s[k] = mt_twist(s[k], s[k + 1], s[k + MT_M]);
+        for (; k < MT_N - 1; k++) s[k] = mt_twist(s[k], s[k + 1], s[k + MT_M - MT_N]);
+        s[MT_N - 1] = mt_twist(s[MT_N - 1], s[0], s[MT_M - 1]);
+        const int m = V - i < MT_N ? (int)(V - i) : MT_N;
+        for (int j = 0; j < m; j++) {
+            uint32_t y = s[j];
+            y ^= y >> 11;
+            y ^= (y << 7) & 0x9d2c5680u;
+            y ^= (y << 15) & 0xefc60000u;
+            y ^= y >> 18;
+            u[i + j] = (float)(int32_t)(y & 0xffffffu) * (1.0f / 16777216.0f);
+        }
+    }
+}
+
+/* u: [R, V] row r the uniforms of keys[r] (mt_uniforms). */
+void keyed_uniforms_rows(const uint64_t *keys, int64_t R, int64_t V, float *u) {
+    for (int64_t r = 0; r < R; r++) mt_uniforms(keys[r], u + r * V, V);
+}
+
+/* -log(u + 2^-25), the race's Exp(1) noise, within a relative 1e-6 of the definition's (fp64, rounded to float) for
+ * every u = k * 2^-24 that uniform_ gives (tests check all 2^24). The argument is formed exactly in float: below 1/2,
+ * u + 2^-25 is an odd multiple of 2^-25 under 2^-1; from 1/2 up, -log1p(y) with y = (u - 1) + 2^-25, u - 1 exact
+ * (Sterbenz) and y an odd multiple of 2^-25 of magnitude at most 1/2. Both logs are 2 atanh(s) series, |s| <= 1/3. */
+static inline vlanes race_noise_lanes(vlanes u) {
+    const vlanes half = (vlanes){0} + 0.5f, two = (vlanes){0} + 2.0f;
+    const vlanes_i low = lanes_lt(u, half);
+    /* below 1/2: x = m * 2^e, m in [sqrt(1/2), sqrt(2)), log x = e ln2 + 2 atanh((m - 1) / (m + 1)) */
+    const vlanes x = u + 0x1p-25f;
+    vlanes_i bits = (vlanes_i)x;
+    vlanes_i e = ((bits >> 23) & 0xff) - 127;
+    vlanes m = (vlanes)((bits & 0x007fffff) | 0x3f800000); /* [1, 2) */
+    const vlanes_i big = lanes_gt(m, (vlanes){0} + 1.41421356f);
+    m = select_lanes(big, m * 0.5f, m);
+    e = e + (big & 1);
+    /* from 1/2 up: 1 + y = (1 + s) / (1 - s) with s = y / (2 + y) */
+    const vlanes y = (u - 1.0f) + 0x1p-25f;
+    const vlanes num = select_lanes(low, m - 1.0f, y), den = select_lanes(low, m + 1.0f, two + y);
+    const vlanes s = num / den, s2 = s * s;
+    vlanes poly = (vlanes){0} + 1.0f / 17.0f;
+    poly = poly * s2 + 1.0f / 15.0f;
+    poly = poly * s2 + 1.0f / 13.0f;
+    poly = poly * s2 + 1.0f / 11.0f;
+    poly = poly * s2 + 1.0f / 9.0f;
+    poly = poly * s2 + 1.0f / 7.0f;
+    poly = poly * s2 + 1.0f / 5.0f;
+    poly = poly * s2 + 1.0f / 3.0f;
+    poly = poly * s2 + 1.0f;
+    const vlanes log_m = 2.0f * s * poly;
+    const vlanes ef = __builtin_convertvector(e, vlanes);
+    const vlanes log_x = select_lanes(low, ef * 0.693147180559945f + log_m, log_m);
+    return -log_x;
+}
+
+/* out: [n] race_noise_lanes of u [n] (tests measure its error against the definition). */
+void race_noise(const float *u, float *out, int64_t n) {
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        const vlanes e = race_noise_lanes(load_lanes(u + i));
+        __builtin_memcpy(out + i, &e, sizeof e);
+    }
+    if (i < n) {
+        float tail[LANES];
+        for (int l = 0; l < LANES; l++) tail[l] = i + l < n ? u[i + l] : 0.5f;
+        const vlanes e = race_noise_lanes(load_lanes(tail));
+        for (int l = 0; i + l < n; l++) out[i + l] = e[l];
+    }
+}
+
+/* The candidates of each row's exponential race: for row r of p [R, V] (processed probabilities, float32) and the
+ * noise of keys[r], the entries whose approximate score p / race_noise(u) is within `margin` (relative) of the row's
+ * best approximate score, in ascending index order: cand[r * cap ..] their indices, cand_u[r * cap ..] their uniforms,
+ * count[r] how many. The exact winner (the first maximal p / E, E the definition's noise) is always among them: every
+ * approximate score is within a relative 1e-6 + 3 ulps of the exact one, and margin is far wider. count[r] = -1 where
+ * the race cannot say (a NaN or an infinity in p, a best score too small for relative errors to hold, more than cap
+ * candidates): the definition decides that row. u_scratch: [V] floats. */
+void keyed_race(const float *p, const uint64_t *keys, int64_t R, int64_t V, float margin, int64_t cap, float *u_scratch,
+                int64_t *cand, float *cand_u, int64_t *count) {
+    float *const sc = __builtin_alloca((size_t)cap * sizeof(float)); /* a row's candidates' approximate scores */
+    for (int64_t r = 0; r < R; r++) {
+        const float *row = p + r * V;
+        int64_t *const c = cand + r * cap;
+        float *const cu = cand_u + r * cap;
+        mt_uniforms(keys[r], u_scratch, V);
+        float best = 0.0f, thr = 0.0f;
+        int64_t n = 0;
+        int bad = 0;
+        vlanes_i odd = {0}, positive = {0}; /* odd: a NaN, an infinity or a negative p */
+        for (int64_t i = 0; i < V && !bad; i += LANES) {
+            vlanes pv, uv;
+            if (i + LANES <= V) {
+                pv = load_lanes(row + i), uv = load_lanes(u_scratch + i);
+            } else { /* the row's end: p = 0 past it, never a candidate */
+                float pt[LANES], ut[LANES];
+                for (int l = 0; l < LANES; l++) pt[l] = i + l < V ? row[i + l] : 0.0f, ut[l] = i + l < V ? u_scratch[i + l] : 0.5f;
+                pv = load_lanes(pt), uv = load_lanes(ut);
+            }
+            odd |= lanes_ne(pv - pv, (vlanes){0}) | lanes_lt(pv, (vlanes){0});
+            positive |= lanes_gt(pv, (vlanes){0});
+            const vlanes s = pv / race_noise_lanes(uv);
+            if (!any_lane(lanes_ge(s, (vlanes){0} + thr) & lanes_gt(s, (vlanes){0}))) continue;
+            for (int l = 0; l < LANES && i + l < V; l++) {
+                if (!(s[l] >= thr && s[l] > 0.0f)) continue;
+                if (s[l] > best) { /* a new best: drop the candidates it leaves behind */
+                    best = s[l], thr = best * (1.0f - margin);
+                    int64_t k = 0;
+                    for (int64_t j = 0; j < n; j++)
+                        if (sc[j] >= thr) c[k] = c[j], cu[k] = cu[j], sc[k] = sc[j], k++;
+                    n = k;
+                }
+                if (n == cap) {
+                    bad = 1;
+                    break;
+                }
+                c[n] = i + l, cu[n] = u_scratch[i + l], sc[n] = s[l], n++;
+            }
+        }
+        if (!bad && !any_lane(odd) && !any_lane(positive)) { /* every p is 0: so is every score; argmax's first index */
+            c[0] = 0, cu[0] = u_scratch[0], n = 1;
+        } else if (any_lane(odd) || !(best >= 0x1p-100f) || best > FLT_MAX) {
+            bad = 1;
+        }
+        count[r] = bad ? -1 : n;
+    }
+}
+
+/* qsort's order for leading_candidates: logit descending, then id ascending (a total order: ids are distinct). */
+static __thread const float *lead_x;
+static int lead_cmp(const void *a, const void *b) {
+    const int64_t i = *(const int64_t *)a, j = *(const int64_t *)b;
+    const float xi = lead_x[i], xj = lead_x[j];
+    return xi > xj ? -1 : xi < xj ? 1 : (i > j) - (i < j);
+}
+
+static void heap_down(float *h, int64_t n, int64_t i) {
+    for (;;) {
+        int64_t m = i, l = 2 * i + 1, r = l + 1;
+        if (l < n && h[l] < h[m]) m = l;
+        if (r < n && h[r] < h[m]) m = r;
+        if (m == i) return;
+        const float t = h[i];
+        h[i] = h[m], h[m] = t, i = m;
+    }
+}
+
+/* A truncated row's leading candidates (process_logits in workers/sampler.py): ids [n] every token whose logit in
+ * x [V] is finite and at least the c-th largest finite one (ties included), ordered by logit descending then id; or,
+ * where the row has at most c finite logits, every finite one (*every = 1). Returns n, or -1 if more than cap tokens
+ * qualify (ids then unset). heap: [c] floats. Why not torch's topk then nonzero: each reads the vocabulary several
+ * times; here one pass keeps the c largest in a heap (past the first few hundred, a vector compare rejects all 16
+ * lanes at once), and a second collects the ids. */
+int64_t leading_candidates(const float *x, int64_t V, int64_t c, float *heap, int64_t *ids, int64_t cap,
+                           int *every) {
+    int64_t n = 0;
+    if (c < 1) return -1;
+    for (int64_t i = 0; i < V; i += LANES) {
+        if (n == c && i + LANES <= V && !any_lane(lanes_gt(load_lanes(x + i), (vlanes){0} + heap[0]))) continue;
+        for (int64_t j = i; j < i + LANES && j < V; j++) {
+            const float v = x[j];
+            if (!(v > -__builtin_inff())) continue; /* -inf and NaN are never candidates */
+            if (n < c) { /* filling: sift the new value up */
+                int64_t k = n++;
+                heap[k] = v;
+                while (k > 0 && heap[(k - 1) / 2] > heap[k]) {
+                    const float t = heap[k];
+                    heap[k] = heap[(k - 1) / 2], heap[(k - 1) / 2] = t, k = (k - 1) / 2;
+                }
+            } else if (v > heap[0]) {
+                heap[0] = v;
+                heap_down(heap, c, 0);
+            }
+        }
+    }
+    *every = n < c;
+    const float t = n == c ? heap[0] : -__builtin_inff(); /* the c-th largest, or every finite logit */
+    int64_t m = 0;
+    for (int64_t i = 0; i < V; i += LANES) {
+        if (i + LANES <= V && !any_lane(lanes_ge(load_lanes(x + i), (vlanes){0} + t))) continue;
+        for (int64_t j = i; j < i + LANES && j < V; j++)
+            if (x[j] >= t && x[j] > -__builtin_inff()) {
+                if (m == cap) return -1;
+                ids[m++] = j;
+            }
+    }
+    lead_x = x;
+    qsort(ids, (size_t)m, sizeof(int64_t), lead_cmp);
+    return m;
+}
