@@ -2,7 +2,7 @@
 engine's Python did, on one host, measured as the change, not as two runs minutes apart.
 
     python -m benchmarks.engine.commit_ab --base <rev> [--new <rev>] [--rounds 3] [--concurrency 1,4,16,32]
-        [--dtypes bfloat16,float32] [--steps 16] [--out commit_ab]
+        [--dtypes bfloat16,float32] [--steps 16] [--sampling '{"temperature": 0.8, "top_p": 0.95}'] [--out commit_ab]
 
 Where ``step_ab`` swaps only runner.py in one process, this compares whole trees (kernels, native bindings,
 engine): two trees cannot share one process (both are ``workers``), so each side is a child process, loaded once
@@ -13,6 +13,8 @@ SmolLM2 once per dtype (batch-invariant, as served); a cell is the median plain 
 with c requests decoding, between two samples of the read bandwidth (a torch sum over 256 MiB, the best of 5),
 so every cell also has its ratio to the floor of its own window (weights' bytes / the higher of the two
 samples). Per cell: B/A of the step over the rounds (median, min..max), and each side's median window ratio.
+``--sampling``: the requests' sampling parameters (default greedy), each request seeded with its own seed, so that
+a change to the sampler is measured where it runs, inside the step.
 
 Writes benchmarks/results/<--out>.{json,png}.
 """
@@ -37,12 +39,12 @@ MARK = "COMMIT_AB "  # the child's result line
 # that tree's: it loads an engine per dtype, says READY, then times one cell per line it reads ("dtype c steps"),
 # answering each with MARK + JSON, until its stdin closes.
 CHILD = r"""
-import json, sys
+import json, statistics, sys, time
 import torch
 torch.set_num_threads(2)
 from benchmarks.engine.decode_floor import ReadBandwidth
 from benchmarks.engine.step_split import weight_bytes
-from benchmarks.fidelity.invariance_bench import PROMPT, decode_step_s
+from benchmarks.fidelity.invariance_bench import PROMPT
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.model_loader import load_model
@@ -56,8 +58,31 @@ for dt in a["dtypes"]:
     eng = LLMEngine(cfg, loaded)
     wbytes = sum(weight_bytes(eng.runner).values())  # the floor's bytes, as decode_floor counts them
     prompt = eng.tokenize_chat([{"role": "user", "content": PROMPT}])
-    decode_step_s(eng, prompt, 1, 4)  # warm: kernels built, buffers made
     engines[dt] = (eng, prompt, wbytes)
+
+
+def decode_step_s(eng, prompt, c, steps):
+    # invariance_bench's, with the sampling parameters: written here so that it runs on a side's older tree
+    for i in range(c):
+        params = {"max_tokens": steps + 8, "ignore_eos": True, **a["sampling"]}
+        if "temperature" in a["sampling"] and "seed" not in a["sampling"]:
+            params["seed"] = 1000 + i  # each its own: the position-keyed noise of c different requests
+        eng.add_request(f"b{i}-{time.monotonic_ns()}", prompt, params, speculation="off")
+    while any(r.in_prefill for r in eng.running) or eng.waiting:
+        eng.step()
+    eng.step()  # first step after prefill: every request decoding
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+    while eng.has_work():
+        eng.step()
+    return statistics.median(times)
+
+
+for eng, prompt, _ in engines.values():
+    decode_step_s(eng, prompt, 1, 4)  # warm: kernels built, buffers made
 print("READY", flush=True)
 for line in sys.stdin:
     dt, c, steps = line.split()
@@ -72,8 +97,8 @@ for line in sys.stdin:
 class Side:
     """One side's child process, loaded and waiting for cells."""
 
-    def __init__(self, root: Path, dtypes: list[str], max_c: int) -> None:
-        spec = json.dumps({"dtypes": dtypes, "max_c": max_c})
+    def __init__(self, root: Path, dtypes: list[str], max_c: int, sampling: dict[str, object]) -> None:
+        spec = json.dumps({"dtypes": dtypes, "max_c": max_c, "sampling": sampling})
         self.root = root
         self.proc = subprocess.Popen(
             [sys.executable, "-c", f"MARK = {MARK!r}\n" + CHILD, spec],
@@ -119,8 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default="1,4,16,32")
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per cell (their median)")
+    ap.add_argument("--sampling", default="{}", help="the requests' sampling parameters, JSON (default: greedy)")
     ap.add_argument("--out", default="commit_ab", help="result name under benchmarks/results")
     args = ap.parse_args(argv)
+    sampling = json.loads(args.sampling)
+    if not isinstance(sampling, dict):
+        ap.error("--sampling: a JSON object of sampling parameters")
     env = env_info()
     dtypes, concurrency = args.dtypes.split(","), [int(c) for c in args.concurrency.split(",")]
     cells = [(dt, c) for dt in dtypes for c in concurrency]
@@ -131,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         sides: dict[str, Side] = {}
         try:
             for name, root in roots.items():
-                sides[name] = Side(root, dtypes, max(concurrency))
+                sides[name] = Side(root, dtypes, max(concurrency), sampling)
             for r in progress(range(args.rounds), desc="rounds"):
                 for i, (dt, c) in enumerate(cells):  # each cell on both sides back to back, the order alternating
                     for name in ("A", "B") if (r + i) % 2 == 0 else ("B", "A"):
@@ -165,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                 ("b_window", "B x window floor", ".2f"),
                 ("gb_s", "GB/s", ".1f"),
             ],
-            title=f"decode step, B ({args.new or 'working tree'}) / A ({args.base}), {args.rounds} paired rounds",
+            title=f"decode step, B ({args.new or 'working tree'}) / A ({args.base}), {args.rounds} paired rounds"
+            + (f", sampling {args.sampling}" if sampling else ""),
         )
     )
     fig, axes = figure(ncols=2, width=7)

@@ -1,13 +1,16 @@
-"""What position-keyed sampling costs per step: the shipped ``keyed_sample`` vs its definition.
+"""What a decode step's sampling costs: the shipped sampler's pieces vs their definitions, side by side.
 
     python -m benchmarks.fidelity.sampler_bench [--rounds 7] [--rows 1,4,16,32,64] [--vocab 49152]
 
-``keyed_sample`` runs the exponential race in float32 and gives the exact fp64 noise only to the
-entries near each row's best; the definition, ``argmax(p / keyed_exponentials(keys))``, takes the
-fp64 log of every draw. Both run on the same softmax rows (SmolLM2's vocabulary by default) and the
-same position keys, interleaved round by round (the order alternating), and must pick the same
-tokens (the run stops if not). Reports the median ms per call of each and the median speed-up with
-its min..max over rounds; writes benchmarks/results/sampler_bench.{json,png}.
+Two pairs, on the same rows (SmolLM2's vocabulary by default) and position keys, interleaved round by round
+(the order alternating), each pair checked equal before it is timed (the run stops if not):
+- the race: ``keyed_sample`` (an approximate race, the exact fp64 noise only for the entries near each row's
+  best; natively where the kernels are built) vs its definition ``argmax(p / keyed_exponentials(keys))``, the
+  fp64 log of every draw;
+- truncation: ``process_logits`` at temperature 0.8, top-p 0.95 (the leading candidates of each row only) vs
+  the definition ``truncated_by_sort`` (a stable sort of the whole vocabulary per row).
+Reports the median ms per call of each and the median speed-up with its min..max over rounds; writes
+benchmarks/results/sampler_bench.{json,png}.
 """
 
 from __future__ import annotations
@@ -31,11 +34,44 @@ from benchmarks.common import (
     save_result,
     set_threads,
 )
-from workers.sampler import keyed_exponentials, keyed_sample, position_key
+from workers.model_loader import load_model
+from workers.sampler import keyed_exponentials, keyed_sample, position_key, process_logits, truncated_by_sort
+
+TEMPERATURE, TOP_P = 0.8, 0.95
+VOCAB = 49152  # SmolLM2's
+TEXT = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk. He had done so for thirty years, "
+    "and in all that time the lamp had never failed. But tonight, as the fog rolled in from the sea, he noticed "
+    "something strange on the rocks below: a small glass bottle, its cork sealed with red wax, caught between "
+    "two stones where the tide had left it. He hurried down to see what it held."
+)
+
+
+def model_logits(n: int) -> torch.Tensor:  # [n, VOCAB] float32
+    """The real model's logits at n positions of a text: the spread a served row has (a few likely tokens, a
+    long tail), where random logits would give far flatter nuclei."""
+    loaded = load_model("smollm2")
+    ids = loaded.tokenizer(TEXT, return_tensors="pt").input_ids  # [1, T]
+    while ids.shape[1] < n:
+        ids = torch.cat([ids, ids], dim=1)
+    with torch.no_grad():
+        return loaded.model(ids[:, :n]).logits[0].float().contiguous()
 
 
 def definition(p: torch.Tensor, keys: list[int]) -> torch.Tensor:  # [n, vocab] -> [n]
     return (p / keyed_exponentials(keys, p.shape[1], "cpu")).argmax(dim=-1)
+
+
+def truncation(logits: torch.Tensor) -> torch.Tensor:  # [n, vocab] -> [n, vocab]
+    n = logits.shape[0]
+    return process_logits(
+        logits, torch.full((n,), TEMPERATURE), torch.zeros(n, dtype=torch.long), torch.full((n,), TOP_P)
+    )
+
+
+def truncation_definition(logits: torch.Tensor) -> torch.Tensor:  # [n, vocab] -> [n, vocab]
+    vocab = logits.shape[1]
+    return torch.stack([truncated_by_sort(row.float() / TEMPERATURE, vocab, TOP_P) for row in logits])
 
 
 def time_call(fn: Callable[[], Any], calls: int) -> float:
@@ -60,68 +96,83 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     set_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
+    pool = model_logits(max(rows)) if args.vocab == VOCAB else None
     gen = torch.Generator().manual_seed(0)
-    # a sampled LM's rows: softmax of logits with a realistic spread
-    inputs = {
-        n: (
-            torch.softmax(torch.randn(n, args.vocab, generator=gen) * 3.0, dim=-1),
-            [position_key(1234 + i, i) for i in range(n)],
-        )
-        for n in rows
-    }
-    for n, (p, keys) in inputs.items():
-        if not torch.equal(keyed_sample(p, keys), definition(p, keys)):
-            raise SystemExit(f"keyed_sample and its definition disagree at {n} rows")
-    cells: dict[int, dict[str, list[float]]] = {n: {"shipped": [], "definition": []} for n in rows}
-    for r in range(args.rounds):
-        for n in rows:
-            p, keys = inputs[n]
-            order = [("shipped", keyed_sample), ("definition", definition)]
-            for name, fn in order if r % 2 == 0 else order[::-1]:
-                cells[n][name].append(time_call(functools.partial(fn, p, keys), args.calls))
-        print(f"round {r + 1}/{args.rounds} done", flush=True)
-    table = []
-    for n in rows:
-        s, d = cells[n]["shipped"], cells[n]["definition"]
-        speedups = [b / a for a, b in zip(s, d)]
-        table.append(
-            {
-                "rows": n,
-                "shipped_ms": 1e3 * statistics.median(s),
-                "definition_ms": 1e3 * statistics.median(d),
-                "speedup": statistics.median(speedups),
-                "speedup_min": min(speedups),
-                "speedup_max": max(speedups),
-            }
-        )
-    print(
-        format_table(
-            table,
-            [
-                ("rows", "rows", "d"),
-                ("shipped_ms", "shipped ms", ".2f"),
-                ("definition_ms", "definition ms", ".2f"),
-                ("speedup", "speed-up", ".2f"),
-                ("speedup_min", "min", ".2f"),
-                ("speedup_max", "max", ".2f"),
-            ],
-            title=f"keyed sampling, vocab {args.vocab}, {args.threads} threads",
-        )
-    )
-    out = Path(args.out)
-    fig, axes = figure(ncols=1, width=7)
-    line_panel(
-        axes[0],
-        rows,
-        {
-            "keyed_sample (shipped)": [t["shipped_ms"] for t in table],
-            "argmax(p / keyed_exponentials) (definition)": [t["definition_ms"] for t in table],
+    # a sampled LM's rows: SmolLM2's own logits along a text (another vocabulary: random logits of a like spread)
+    logits = {n: pool[:n] if pool is not None else torch.randn(n, args.vocab, generator=gen) * 3.0 for n in rows}
+    keys = {n: [position_key(1234 + i, i) for i in range(n)] for n in rows}
+    pairs: dict[str, dict[str, Callable[[int], Any]]] = {
+        "race": {
+            "shipped": lambda n: keyed_sample(probs[n], keys[n]),
+            "definition": lambda n: definition(probs[n], keys[n]),
         },
-        title="ms per call (median over rounds)",
-        xlabel="rows (requests sampled in the step)",
-        ylabel="ms",
-    )
-    save_result(out, {"env": env_info(), "args": vars(args), "rows": table, "cells_s": cells}, fig)
+        "truncation": {
+            "shipped": lambda n: truncation(logits[n]),
+            "definition": lambda n: truncation_definition(logits[n]),
+        },
+    }
+    probs = {n: torch.softmax(logits[n], dim=-1) for n in rows}
+    for kind, fns in pairs.items():
+        for n in rows:
+            if not torch.equal(fns["shipped"](n), fns["definition"](n)):
+                raise SystemExit(f"{kind}: the shipped sampler and its definition disagree at {n} rows")
+    cells: dict[str, dict[int, dict[str, list[float]]]] = {
+        kind: {n: {"shipped": [], "definition": []} for n in rows} for kind in pairs
+    }
+    for r in range(args.rounds):
+        for kind, fns in pairs.items():
+            for n in rows:
+                order = ["shipped", "definition"]
+                for name in order if r % 2 == 0 else order[::-1]:
+                    cells[kind][n][name].append(time_call(functools.partial(fns[name], n), args.calls))
+        print(f"round {r + 1}/{args.rounds} done", flush=True)
+    tables: dict[str, list[dict[str, Any]]] = {}
+    for kind in pairs:
+        table = []
+        for n in rows:
+            s, d = cells[kind][n]["shipped"], cells[kind][n]["definition"]
+            speedups = [b / a for a, b in zip(s, d)]
+            table.append(
+                {
+                    "rows": n,
+                    "shipped_ms": 1e3 * statistics.median(s),
+                    "definition_ms": 1e3 * statistics.median(d),
+                    "speedup": statistics.median(speedups),
+                    "speedup_min": min(speedups),
+                    "speedup_max": max(speedups),
+                }
+            )
+        tables[kind] = table
+        print(
+            format_table(
+                table,
+                [
+                    ("rows", "rows", "d"),
+                    ("shipped_ms", "shipped ms", ".2f"),
+                    ("definition_ms", "definition ms", ".2f"),
+                    ("speedup", "speed-up", ".2f"),
+                    ("speedup_min", "min", ".2f"),
+                    ("speedup_max", "max", ".2f"),
+                ],
+                title=f"{kind}, vocab {args.vocab}, {args.threads} threads",
+            )
+        )
+    out = Path(args.out)
+    fig, axes = figure(ncols=2, width=7)
+    labels = {
+        "race": ("keyed_sample (shipped)", "argmax(p / keyed_exponentials) (definition)"),
+        "truncation": (f"process_logits, top-p {TOP_P} (shipped)", "truncated_by_sort (definition)"),
+    }
+    for ax, (kind, table) in zip(axes, tables.items()):
+        line_panel(
+            ax,
+            rows,
+            {labels[kind][0]: [t["shipped_ms"] for t in table], labels[kind][1]: [t["definition_ms"] for t in table]},
+            title=f"{kind}: ms per call (median over rounds)",
+            xlabel="rows (requests sampled in the step)",
+            ylabel="ms",
+        )
+    save_result(out, {"env": env_info(), "args": vars(args), "tables": tables, "cells_s": cells}, fig)
     return 0
 
 
