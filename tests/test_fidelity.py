@@ -192,16 +192,20 @@ def test_native_uniforms_are_the_keyed_generators_draws():
         assert torch.equal(ops.keyed_uniforms(keys, vocab), keyed_uniforms(keys, vocab)), vocab
 
 
-def test_native_race_noise_is_within_its_bound_for_every_uniform():
+def test_native_race_noise_is_the_definitions_for_every_uniform():
     """Every one of the 2^24 values uniform_ can draw: the native race's approximate noise is within a relative
-    1e-6 of the definition's, far inside _RACE_MARGIN (which is what makes the candidates hold the winner)."""
+    1e-6 of the definition's, far inside _RACE_MARGIN (which is what makes the candidates hold the winner), and
+    its exact noise is the definition's."""
     ops = native_attention.load_layer_ops()
     if ops is None:
         pytest.skip("no C compiler: the native kernels are not built")
     u = torch.arange(2**24, dtype=torch.float32) * 2.0**-24  # [2^24]
-    exact = _exponentials_of(u).double()
-    rel = (ops.race_noise(u).double() / exact - 1.0).abs()
+    exact = _exponentials_of(u)
+    rel = (ops.race_noise(u).double() / exact.double() - 1.0).abs()
     assert float(rel.max()) < 1e-6 < sampler._RACE_MARGIN / 50
+    # and the exact noise the native race decides with is the definition's, number for number, with none so near
+    # a rounding flip that it would leave the number to torch: a proof by exhaustion over the domain
+    assert torch.equal(ops.race_exact_noise(u), exact)
 
 
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:

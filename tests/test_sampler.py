@@ -9,7 +9,15 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from workers.sampler import make_generator, probs_for, process_logits, sample, truncated_by_sort
+from workers.sampler import (
+    make_generator,
+    probs_for,
+    process_logits,
+    process_params,
+    sample,
+    sampling_tensors,
+    truncated_by_sort,
+)
 from workers.sampling_params import SamplingParams
 
 
@@ -201,3 +209,21 @@ def test_truncation_is_the_definition_on_a_real_vocabulary(shape: str, native: b
         assert torch.equal(got[i], want), (shape, k, p)
         alone = process_logits(x[i : i + 1], temperature[i : i + 1], top_k[i : i + 1], top_p[i : i + 1])
         assert torch.equal(alone[0], got[i])  # a row is computed alone: its batch does not matter
+
+
+def test_process_params_is_process_logits_of_the_params_tensors() -> None:
+    """The decode step's path (one tensor built, the rest as Python numbers) gives exactly what process_logits
+    gives on sampling_tensors' three tensors: top-p rounded to float32 as the tensor holds it, greedy rows at
+    temperature 1."""
+    logits = torch.randn(5, 49152) * 3
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(temperature=1.3, top_k=40),
+        SamplingParams(temperature=0.7, top_k=50, top_p=0.95),
+        SamplingParams(temperature=1.0),
+    ]
+    want = process_logits(logits, *sampling_tensors(params, "cpu"))
+    assert torch.equal(process_params(logits, params), want)
+    with pytest.raises(ValueError):
+        process_params(logits, params[:2])

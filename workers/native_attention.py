@@ -356,11 +356,15 @@ class NativeLayerOps:
         self._noise = dll.race_noise
         self._noise.argtypes = [p, p, i64]
         self._noise.restype = None
+        self._exact_noise = dll.race_exact_noise
+        self._exact_noise.argtypes = [p, p, i64]
+        self._exact_noise.restype = None
         self._race = dll.keyed_race
-        self._race.argtypes = [p, p, i64, i64, ctypes.c_float, i64, p, p, p, p]
-        self._race.restype = None
+        self._race.argtypes = [p, p, i64, i64, ctypes.c_float, i64, i32, p]
+        self._race.restype = ctypes.c_int
         self._leading = dll.leading_candidates
-        self._leading.argtypes = [p, i64, i64, p, p, i64, ctypes.POINTER(ctypes.c_int)]
+        self._leading.argtypes = [p, i64, i64, p, p, i64, ctypes.POINTER(ctypes.c_int), p, ctypes.c_double,
+                                  ctypes.POINTER(ctypes.c_int64)]  # fmt: skip
         self._leading.restype = i64
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:  # x: [R, V] float32 -> [R] int64
@@ -390,53 +394,60 @@ class NativeLayerOps:
         self._noise(u.data_ptr(), out.data_ptr(), u.numel())
         return out
 
+    def race_exact_noise(self, u: torch.Tensor) -> torch.Tensor:  # [n] float32 -> [n] float32
+        """The race's exact noise ``(float)-log((double)u + 2^-25)`` as the kernel computes it (-1 where it would
+        leave the number to torch)."""
+        if u.dtype != torch.float32 or u.dim() != 1 or not u.is_contiguous():
+            raise ValueError("race_exact_noise: u must be a contiguous 1-D float32 tensor")
+        out = torch.empty_like(u)
+        self._exact_noise(u.data_ptr(), out.data_ptr(), u.numel())
+        return out
+
     def keyed_race(
         self,
         p: torch.Tensor,  # [R, V] float32 contiguous processed probabilities
         keys: list[int],  # [R] position keys
         margin: float,
         cap: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:  # cand [R, cap] int64, cand_u [R, cap] float32, count [R]
-        """Each row's race candidates (``keyed_race`` in workers/kernels/keyed_race.c): the indices whose approximate
-        score is within ``margin`` of the row's best, ascending, their uniforms, and how many (-1: the definition
-        must decide that row)."""
+    ) -> list[int]:  # [R] each row's token, -1 where the definition must decide
+        """Each row's exponential race on its keyed noise (``keyed_race`` in workers/kernels/keyed_race.c)."""
         if p.dtype != torch.float32 or p.dim() != 2 or not p.is_contiguous() or len(keys) != p.shape[0]:
             raise ValueError("keyed_race: p must be a contiguous [R, V] float32 tensor with one key per row")
         rows, vocab = p.shape
-        cand = torch.empty(rows, cap, dtype=torch.long)
-        cand_u = torch.empty(rows, cap, dtype=torch.float32)
-        count = array("q", bytes(8 * rows))
-        u_scratch = torch.empty(vocab, dtype=torch.float32)
-        addr, _ = count.buffer_info()
+        tokens = array("q", bytes(8 * rows))
         k = self._keys(keys)  # held until the call returns
-        self._race(
-            p.data_ptr(),
-            ctypes.addressof(k),
-            rows,
-            vocab,
-            margin,
-            cap,
-            u_scratch.data_ptr(),
-            cand.data_ptr(),
-            cand_u.data_ptr(),
-            addr,
-        )
-        return cand, cand_u, count.tolist()
+        threads = torch.get_num_threads()
+        if self._race(p.data_ptr(), ctypes.addressof(k), rows, vocab, margin, cap, threads, tokens.buffer_info()[0]):
+            raise MemoryError("keyed_race: no memory for its buffers")
+        return tokens.tolist()
 
-    def leading_candidates(self, x: torch.Tensor, c: int) -> tuple[torch.Tensor, bool]:  # x: [V] float32
+    def leading_candidates(
+        self,
+        x: torch.Tensor,  # [V] float32 scaled logits
+        c: int,
+        mass: torch.Tensor | None = None,  # [V] float32 each token's probability, for top-p
+        top_p: float = 1.0,
+    ) -> tuple[torch.Tensor, bool, int]:  # ids [n] int64, every, keep
         """The ids of every finite logit at least the ``c``-th largest finite one (ties included), ordered by logit
-        descending then id, and whether that is every finite logit (the row has at most ``c``)."""
+        descending then id; whether that is every finite logit (the row has at most ``c``); and with ``mass``, how
+        many of them top-p keeps (-1: more candidates are needed to say)."""
         if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous() or c < 1:
             raise ValueError("leading_candidates: x must be a contiguous 1-D float32 tensor and c >= 1")
         vocab = x.numel()
+        if mass is not None and (mass.dtype != torch.float32 or mass.shape != x.shape or not mass.is_contiguous()):
+            raise ValueError("leading_candidates: mass must be a contiguous float32 tensor shaped as x")
         heap = torch.empty(min(c, vocab), dtype=torch.float32)
         cap = min(vocab, 4 * c)
-        every = ctypes.c_int(0)
+        every, keep = ctypes.c_int(0), ctypes.c_int64(0)
+        mass_at = mass.data_ptr() if mass is not None else None
         while True:
             ids = torch.empty(cap, dtype=torch.long)
-            n = self._leading(x.data_ptr(), vocab, min(c, vocab), heap.data_ptr(), ids.data_ptr(), cap, every)
+            n = self._leading(
+                x.data_ptr(), vocab, min(c, vocab), heap.data_ptr(), ids.data_ptr(), cap, every, mass_at, top_p, keep
+            )
             if n >= 0:
-                return ids[:n], bool(every.value) or c >= vocab
+                complete = bool(every.value) or c >= vocab
+                return ids[:n], complete, (n if complete and keep.value < 0 else keep.value) if mass is not None else n
             cap = vocab  # more ties at the threshold than room: every token fits
 
     @staticmethod

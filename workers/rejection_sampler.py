@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from workers import native_attention
-from workers.sampler import keyed_sample, process_logits, sample, sampling_tensors
+from workers.sampler import keyed_sample, process_logits, process_params, sample, sampling_tensors
 from workers.sampling_params import SamplingParams
 
 
@@ -119,8 +119,20 @@ def verify_coupled(
     if target_argmax is not None and len(target_argmax) != target_logits.shape[0]:
         raise ValueError(f"target_argmax has {len(target_argmax)} rows, the logits {target_logits.shape[0]}")
     sampled = [i for i in range(num_reqs) if not params[i].greedy]
-    if target_argmax is not None and not sampled and not any(num_draft):
-        return VerifyOutput(output_token_ids=[[t] for t in target_argmax], num_accepted=[0] * num_reqs)
+    if not any(num_draft):  # a plain step: row i is request i's only row; the sampled rows are drawn, the rest argmax
+        if target_argmax is not None:
+            tokens = list(target_argmax)
+        else:
+            tokens = argmax(target_logits).tolist() if len(sampled) < num_reqs else [0] * num_reqs
+        if sampled:
+            for i in sampled:
+                if len(row_keys[i]) != 1:
+                    raise ValueError(f"request {i}: {len(row_keys[i])} row keys for 1 row")
+            logits = target_logits if len(sampled) == num_reqs else target_logits[sampled]  # [S, vocab]
+            p = process_params(logits, [params[i] for i in sampled])  # [S, vocab]
+            for i, t in zip(sampled, keyed_sample(p, [row_keys[i][0] for i in sampled]).tolist()):
+                tokens[i] = t
+        return VerifyOutput(output_token_ids=[[t] for t in tokens], num_accepted=[0] * num_reqs)
     device = target_logits.device
     target_ids = (  # [R]: the greedy rows' tokens (a tensor of its own: the sampled rows are written below)
         argmax(target_logits) if target_argmax is None else torch.tensor(target_argmax, dtype=torch.long, device=device)
@@ -134,8 +146,6 @@ def verify_coupled(
         row_params = (t.repeat_interleave(counts) for t in sampling_tensors([params[i] for i in sampled], device))
         p = process_logits(target_logits[rows], *row_params)  # [R_s, vocab] p: the target's processed probs
         target_ids[rows] = keyed_sample(p, [k for i in sampled for k in row_keys[i]])
-    if not any(num_draft):
-        return VerifyOutput(output_token_ids=[[t] for t in target_ids.tolist()], num_accepted=[0] * num_reqs)
     drafts, lengths = _padded(draft_token_ids, device)  # [B, K], [B]
     pos = torch.arange(drafts.shape[1] + 1, device=device)  # [K + 1]
     starts = torch.tensor(row_start[:-1], dtype=torch.long, device=device)  # [B]

@@ -13,6 +13,8 @@ seed, so a seeded request writes the same tokens whatever else shares its batch.
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from workers import native_attention
@@ -44,18 +46,38 @@ def process_logits(
     get the softmax of their logits, in candidate order; every other token 0. Each row is computed alone,
     from its own logits and parameters.
     """
+    return _process(logits, temperature, top_k.tolist(), top_p.tolist())
+
+
+def process_params(
+    logits: torch.Tensor,  # [num_rows, vocab] float32 raw logits, row i belongs to params[i]
+    params: list[SamplingParams],
+) -> torch.Tensor:  # [num_rows, vocab] float32
+    """``process_logits`` with the parameters read from ``params`` (greedy rows at temperature 1, as
+    :func:`sampling_tensors` sets them): one tensor built where that builds three, since at a decode step's few
+    rows the torch ops, not the arithmetic, are the cost. top-p is rounded to float32 as the tensor would hold it."""
+    if logits.shape[0] != len(params):
+        raise ValueError(f"{logits.shape[0]} logit rows but {len(params)} sampling params")
+    temperature = torch.tensor(
+        [1.0 if sp.greedy else sp.temperature for sp in params], dtype=torch.float32, device=logits.device
+    )
+    return _process(logits, temperature, [sp.top_k for sp in params], array("f", [sp.top_p for sp in params]).tolist())
+
+
+def _process(
+    logits: torch.Tensor,  # [num_rows, vocab] raw logits
+    temperature: torch.Tensor,  # [num_rows] float
+    top_k: list[int],  # [num_rows]
+    top_p: list[float],  # [num_rows] float32 values
+) -> torch.Tensor:  # [num_rows, vocab] float32
     logits = logits.float() / temperature.float().clamp_min(_MIN_TEMPERATURE).unsqueeze(1)
-    num_rows, vocab = logits.shape
-    k_off = (top_k <= 0) | (top_k >= vocab)  # [num_rows] bool
-    p_off = top_p >= 1.0  # [num_rows] bool
+    vocab = logits.shape[1]
     probs = logits.softmax(dim=-1)  # [num_rows, vocab] the rows with nothing to truncate (and the masses below)
-    if num_rows == 0 or bool((k_off & p_off).all()):
-        return probs
-    ks, ps, offs = top_k.tolist(), top_p.tolist(), (k_off & p_off).tolist()
-    for i in range(num_rows):
-        if not offs[i]:
-            k = ks[i] if 0 < ks[i] < vocab else vocab
-            probs[i] = _truncated(logits[i], k, float(ps[i]), probs[i])
+    # per row as Python numbers: a decode step has a few rows, and each torch op on them costs more than the loop
+    for i, (k, p) in enumerate(zip(top_k, top_p)):
+        k = k if 0 < k < vocab else vocab
+        if k < vocab or p < 1.0:
+            probs[i] = _truncated(logits[i], k, float(p), probs[i])
     return probs
 
 
@@ -67,7 +89,8 @@ def _candidates(
     (ties included), ordered by logit then id."""
     ops = native_attention.load_layer_ops() if x.device.type == "cpu" else None
     if ops is not None:
-        return ops.leading_candidates(x.contiguous(), c)
+        ids, every, _ = ops.leading_candidates(x.contiguous(), c)
+        return ids, every
     if c < x.numel():
         threshold = x.topk(c).values[-1]
         if bool(threshold > -torch.inf):
@@ -86,7 +109,16 @@ def _truncated(
     """One row of process_logits with top-k or top-p on."""
     vocab = x.numel()
     c = k if k < vocab else _FIRST_CANDIDATES
+    ops = native_attention.load_layer_ops() if x.device.type == "cpu" else None
     while True:
+        if ops is not None and k == vocab:  # top-p alone: the native search sums the nucleus's mass too
+            ids, _, keep = ops.leading_candidates(x.contiguous(), c, full.contiguous(), top_p)
+            if ids.numel() == 0:
+                return full
+            if keep >= 0:
+                break
+            c = min(4 * c, vocab)
+            continue
         ids, every = _candidates(x, c)
         if ids.numel() == 0:  # no finite logit: nothing to keep, the untruncated softmax's answer
             return full
@@ -163,9 +195,7 @@ def probs_for(
     Greedy rows (temperature 0) become a one-hot of the argmax, so a draft model can
     hand the rejection sampler a ``q`` for every request without special cases.
     """
-    if logits.shape[0] != len(params):
-        raise ValueError(f"{logits.shape[0]} logit rows but {len(params)} sampling params")
-    probs = process_logits(logits, *sampling_tensors(params, logits.device))
+    probs = process_params(logits, params)
     greedy_rows = [i for i, sp in enumerate(params) if sp.greedy]
     if greedy_rows:
         rows = torch.tensor(greedy_rows, device=logits.device)
@@ -292,8 +322,8 @@ def keyed_sample(
     race first runs with an approximate ``E`` (a few ulps from the exact one), and only the entries within
     ``_RACE_MARGIN`` of each row's best get the exact ``E``; the exact scores decide, first index on ties, as
     ``argmax`` does. The true winner is always among those entries. Where the native kernels are built the
-    approximate race, with the generator's draws, is one pass in C (workers/kernels/keyed_race.c); else it is
-    float32 torch ops over batches of rows."""
+    whole race, the generator's draws and the exact noise included, is one pass in C
+    (workers/kernels/keyed_race.c); else float32 torch ops over batches of rows."""
     if probs.shape[0] == 0:
         return torch.zeros(0, dtype=torch.long, device=probs.device)
     ops = native_attention.load_layer_ops() if probs.device.type == "cpu" else None
@@ -323,28 +353,11 @@ def _native_race(
     p: torch.Tensor,  # [n, vocab] float32 contiguous
     keys: list[int],  # [n]
 ) -> torch.Tensor:  # [n] long
-    """keyed_sample through the native race: its candidates get the exact scores here, in one set of torch ops
-    over all rows' few candidates; a row the race cannot decide (count -1) gets the definition."""
-    cand, cand_u, count = ops.keyed_race(p, keys, _RACE_MARGIN, _RACE_CAP)  # [n, cap], [n, cap], [n]
-    n = p.shape[0]
-    rows = [r for r in range(n) if count[r] > 0]
-    where = [(r, j) for r in rows for j in range(count[r])]
-    out = [0] * n
-    if where:
-        r_idx = torch.tensor([r for r, _ in where])
-        j_idx = torch.tensor([j for _, j in where])
-        ids = cand[r_idx, j_idx]  # [m] candidate token ids
-        exact = (p[r_idx, ids] / _exponentials_of(cand_u[r_idx, j_idx])).tolist()  # [m] the definition's scores
-        best: dict[int, tuple[float, int]] = {}
-        for (r, _), score, token in zip(where, exact, ids.tolist()):
-            if r not in best or score > best[r][0]:  # candidates ascend: the first maximal one wins, as argmax
-                best[r] = (score, token)
-        for r, (_, token) in best.items():
-            out[r] = token
-    undecided = [r for r in range(n) if count[r] <= 0]
+    """keyed_sample through the native race; a row it cannot decide (-1) gets the definition."""
+    out = ops.keyed_race(p, keys, _RACE_MARGIN, _RACE_CAP)  # [n]
+    undecided = [r for r, token in enumerate(out) if token < 0]
     if undecided:
         e = keyed_exponentials([keys[r] for r in undecided], p.shape[1], p.device)
-        picked = (p[undecided] / e).argmax(dim=-1).tolist()
-        for r, token in zip(undecided, picked):
+        for r, token in zip(undecided, (p[undecided] / e).argmax(dim=-1).tolist()):
             out[r] = token
     return torch.tensor(out, dtype=torch.long)

@@ -1,13 +1,14 @@
-/* Position-keyed sampling's exponential race (keyed_sample in workers/sampler.py) without its passes over the
- * vocabulary in torch: the uniforms a keyed torch generator draws, and the few entries whose race scores come close
- * enough to the best that the exact noise must decide between them.
+/* Position-keyed sampling's exponential race (keyed_sample in workers/sampler.py) in one pass over the vocabulary:
+ * the uniforms a keyed torch generator draws, an approximate race that names the few entries whose scores come close
+ * enough to the best for the exact noise to decide, and that decision.
  *
  * Why native: at a few rows a decode step's sampling was a dozen torch ops over the 49,152-entry vocabulary, each
  * paying for torch's code evicted by the streamed weights, and the generator's draws alone cost several times a
- * vectorized Mersenne twister. Nothing here decides a token: the exact scores of the candidates (torch's fp64 log,
- * the definition) do, in Python. */
+ * vectorized Mersenne twister. And a leading-candidates search for top-k / top-p (process_logits), where torch sorts
+ * the whole vocabulary. */
 
 #include <float.h>
+#include <math.h>
 #include <stdlib.h>
 #include <stdint.h>
 
@@ -99,61 +100,107 @@ void race_noise(const float *u, float *out, int64_t n) {
     }
 }
 
-/* The candidates of each row's exponential race: for row r of p [R, V] (processed probabilities, float32) and the
- * noise of keys[r], the entries whose approximate score p / race_noise(u) is within `margin` (relative) of the row's
- * best approximate score, in ascending index order: cand[r * cap ..] their indices, cand_u[r * cap ..] their uniforms,
- * count[r] how many. The exact winner (the first maximal p / E, E the definition's noise) is always among them: every
- * approximate score is within a relative 1e-6 + 3 ulps of the exact one, and margin is far wider. count[r] = -1 where
- * the race cannot say (a NaN or an infinity in p, a best score too small for relative errors to hold, more than cap
- * candidates): the definition decides that row. u_scratch: [V] floats. */
-void keyed_race(const float *p, const uint64_t *keys, int64_t R, int64_t V, float margin, int64_t cap, float *u_scratch,
-                int64_t *cand, float *cand_u, int64_t *count) {
-    float *const sc = __builtin_alloca((size_t)cap * sizeof(float)); /* a row's candidates' approximate scores */
-    for (int64_t r = 0; r < R; r++) {
-        const float *row = p + r * V;
-        int64_t *const c = cand + r * cap;
-        float *const cu = cand_u + r * cap;
-        mt_uniforms(keys[r], u_scratch, V);
-        float best = 0.0f, thr = 0.0f;
-        int64_t n = 0;
-        int bad = 0;
-        vlanes_i odd = {0}, positive = {0}; /* odd: a NaN, an infinity or a negative p */
-        for (int64_t i = 0; i < V && !bad; i += LANES) {
-            vlanes pv, uv;
-            if (i + LANES <= V) {
-                pv = load_lanes(row + i), uv = load_lanes(u_scratch + i);
-            } else { /* the row's end: p = 0 past it, never a candidate */
-                float pt[LANES], ut[LANES];
-                for (int l = 0; l < LANES; l++) pt[l] = i + l < V ? row[i + l] : 0.0f, ut[l] = i + l < V ? u_scratch[i + l] : 0.5f;
-                pv = load_lanes(pt), uv = load_lanes(ut);
-            }
-            odd |= lanes_ne(pv - pv, (vlanes){0}) | lanes_lt(pv, (vlanes){0});
-            positive |= lanes_gt(pv, (vlanes){0});
-            const vlanes s = pv / race_noise_lanes(uv);
-            if (!any_lane(lanes_ge(s, (vlanes){0} + thr) & lanes_gt(s, (vlanes){0}))) continue;
-            for (int l = 0; l < LANES && i + l < V; l++) {
-                if (!(s[l] >= thr && s[l] > 0.0f)) continue;
-                if (s[l] > best) { /* a new best: drop the candidates it leaves behind */
-                    best = s[l], thr = best * (1.0f - margin);
-                    int64_t k = 0;
-                    for (int64_t j = 0; j < n; j++)
-                        if (sc[j] >= thr) c[k] = c[j], cu[k] = cu[j], sc[k] = sc[j], k++;
-                    n = k;
-                }
-                if (n == cap) {
-                    bad = 1;
-                    break;
-                }
-                c[n] = i + l, cu[n] = u_scratch[i + l], sc[n] = s[l], n++;
-            }
+/* The definition's noise for one uniform: (float)-log((double)u + 2^-25), as torch computes it in fp64 and rounds
+ * (_exponentials_of in workers/sampler.py). Returns it, or -1 where -log lies within 4 double ulps of a point where
+ * the rounding to float flips, so that a log a few ulps off (torch's is within 1) could round elsewhere: there the
+ * caller asks torch. For every uniform uniform_ can draw it is the definition's number, and none is that close:
+ * tests check all 2^24. */
+static float exact_noise(float u) {
+    const double d = -log((double)u + 0x1p-25);
+    const float f = (float)d;
+    const double up = (double)nextafterf(f, __builtin_inff()) - (double)f, down = (double)f - (double)nextafterf(f, 0.0f);
+    const double slack = 4 * (nextafter(d, __builtin_inf()) - d);
+    return ((double)f + up / 2) - d < slack || d - ((double)f - down / 2) < slack ? -1.0f : f;
+}
+
+/* out: [n] exact_noise of u [n] (tests compare it with the definition's). */
+void race_exact_noise(const float *u, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = exact_noise(u[i]);
+}
+
+/* One row of keyed_race: its winner, or -1. u_scratch: [V], c and sc: [cap]. */
+static int64_t race_row(const float *row, uint64_t key, int64_t V, float margin, int64_t cap, float *u_scratch,
+                        int64_t *c, float *sc) {
+    mt_uniforms(key, u_scratch, V);
+    float best = 0.0f, thr = 0.0f;
+    int64_t n = 0;
+    int bad = 0;
+    vlanes_i odd = {0}, positive = {0}; /* odd: a NaN, an infinity or a negative p */
+    for (int64_t i = 0; i < V && !bad; i += LANES) {
+        vlanes pv, uv;
+        if (i + LANES <= V) {
+            pv = load_lanes(row + i), uv = load_lanes(u_scratch + i);
+        } else { /* the row's end: p = 0 past it, never a candidate */
+            float pt[LANES], ut[LANES];
+            for (int l = 0; l < LANES; l++)
+                pt[l] = i + l < V ? row[i + l] : 0.0f, ut[l] = i + l < V ? u_scratch[i + l] : 0.5f;
+            pv = load_lanes(pt), uv = load_lanes(ut);
         }
-        if (!bad && !any_lane(odd) && !any_lane(positive)) { /* every p is 0: so is every score; argmax's first index */
-            c[0] = 0, cu[0] = u_scratch[0], n = 1;
-        } else if (any_lane(odd) || !(best >= 0x1p-100f) || best > FLT_MAX) {
-            bad = 1;
+        odd |= lanes_ne(pv - pv, (vlanes){0}) | lanes_lt(pv, (vlanes){0});
+        positive |= lanes_gt(pv, (vlanes){0});
+        /* p >= thr * E' (a hair lower): every lane whose score p / E' reaches thr, without a division */
+        const vlanes e = race_noise_lanes(uv);
+        if (!any_lane(lanes_ge(pv, e * (thr * (1.0f - 0x1p-20f))) & lanes_gt(pv, (vlanes){0}))) continue;
+        const vlanes s = pv / e;
+        for (int l = 0; l < LANES && i + l < V; l++) {
+            if (!(s[l] >= thr && s[l] > 0.0f)) continue;
+            if (s[l] > best) { /* a new best: drop the candidates it leaves behind */
+                best = s[l], thr = best * (1.0f - margin);
+                int64_t k = 0;
+                for (int64_t j = 0; j < n; j++)
+                    if (sc[j] >= thr) c[k] = c[j], sc[k] = sc[j], k++;
+                n = k;
+            }
+            if (n == cap) {
+                bad = 1;
+                break;
+            }
+            c[n] = i + l, sc[n] = s[l], n++;
         }
-        count[r] = bad ? -1 : n;
     }
+    int64_t token = -1;
+    if (!bad && !any_lane(odd) && !any_lane(positive)) { /* every p is 0: so is every score; argmax's first */
+        token = 0;
+    } else if (!bad && !any_lane(odd) && best >= 0x1p-100f && best <= FLT_MAX) {
+        float top = -1.0f;
+        for (int64_t j = 0; j < n; j++) {
+            const float e = exact_noise(u_scratch[c[j]]);
+            if (e < 0.0f) {
+                token = -1;
+                break;
+            }
+            const float score = row[c[j]] / e;
+            if (score > top) top = score, token = c[j]; /* ascending: the first maximal one, as argmax */
+        }
+    }
+    return token;
+}
+
+/* Each row's exponential race: tokens[r] = argmax_v p[r, v] / E_v, the first maximal index, E the definition's noise
+ * for keys[r] (keyed_sample in workers/sampler.py), p [R, V] processed probabilities (float32). An approximate race
+ * first names the entries whose score p / race_noise(u) is within `margin` (relative) of the row's best; the exact
+ * scores p / exact_noise(u) of those decide. The winner is always among them: every approximate score is within a
+ * relative 1e-6 + 3 ulps of the exact one, and margin is far wider. tokens[r] = -1 where the race cannot say (a NaN,
+ * an infinity or a negative p, a best score too small for relative errors to hold, more than cap candidates, a
+ * candidate's noise near a rounding flip): the definition decides that row. Rows are split over nthreads threads
+ * (each row is one thread's, whatever the split). Returns 0, or -1 if a buffer could not be allocated. */
+int keyed_race(const float *p, const uint64_t *keys, int64_t R, int64_t V, float margin, int64_t cap, int nthreads,
+               int64_t *tokens) {
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1) if (nthreads > 1 && R > 1) reduction(| : failed)
+    {
+        float *const u = malloc((size_t)V * sizeof(float));   /* the row's uniforms */
+        int64_t *const c = malloc((size_t)cap * sizeof(int64_t)); /* its candidates, ascending */
+        float *const sc = malloc((size_t)cap * sizeof(float));    /* their approximate scores */
+        if (u && c && sc) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < R; r++) tokens[r] = race_row(p + r * V, keys[r], V, margin, cap, u, c, sc);
+        } else {
+            failed = 1;
+        }
+        free(u), free(c), free(sc);
+    }
+    return failed ? -1 : 0;
 }
 
 /* qsort's order for leading_candidates: logit descending, then id ascending (a total order: ids are distinct). */
@@ -178,11 +225,14 @@ static void heap_down(float *h, int64_t n, int64_t i) {
 /* A truncated row's leading candidates (process_logits in workers/sampler.py): ids [n] every token whose logit in
  * x [V] is finite and at least the c-th largest finite one (ties included), ordered by logit descending then id; or,
  * where the row has at most c finite logits, every finite one (*every = 1). Returns n, or -1 if more than cap tokens
- * qualify (ids then unset). heap: [c] floats. Why not torch's topk then nonzero: each reads the vocabulary several
- * times; here one pass keeps the c largest in a heap (past the first few hundred, a vector compare rejects all 16
- * lanes at once), and a second collects the ids. */
-int64_t leading_candidates(const float *x, int64_t V, int64_t c, float *heap, int64_t *ids, int64_t cap,
-                           int *every) {
+ * qualify (ids then unset). heap: [c] floats. With mass ([V] each token's probability, or NULL), *keep is how many of
+ * the ids top-p keeps: those before which the mass of the ones before them, summed in double in order, is below
+ * top_p; or -1 where all n are kept and the mass is still below top_p while more candidates exist (the caller asks
+ * for more). Why not torch's topk then nonzero: each reads the vocabulary several times; here one pass keeps the c
+ * largest in a heap (past the first few hundred, a vector compare rejects all 16 lanes at once), and a second
+ * collects the ids. */
+int64_t leading_candidates(const float *x, int64_t V, int64_t c, float *heap, int64_t *ids, int64_t cap, int *every,
+                           const float *mass, double top_p, int64_t *keep) {
     int64_t n = 0;
     if (c < 1) return -1;
     for (int64_t i = 0; i < V; i += LANES) {
@@ -216,5 +266,17 @@ int64_t leading_candidates(const float *x, int64_t V, int64_t c, float *heap, in
     }
     lead_x = x;
     qsort(ids, (size_t)m, sizeof(int64_t), lead_cmp);
+    if (mass) {
+        double before = 0.0;
+        *keep = m;
+        for (int64_t j = 0; j < m; j++) {
+            if (j > 0 && !(before < top_p)) {
+                *keep = j;
+                break;
+            }
+            before += (double)mass[ids[j]];
+        }
+        if (*keep == m && !*every && before < top_p) *keep = -1;
+    }
     return m;
 }

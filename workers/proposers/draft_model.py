@@ -44,7 +44,7 @@ import torch
 
 from workers.kv_blocks import DraftBlocks
 from workers.proposers.base import ProposalRequest, Proposals, Proposer, coupled_key, draw_drafts, stack_draft_probs
-from workers.sampler import make_generator, process_logits, sampling_tensors
+from workers.sampler import make_generator, process_params
 from workers.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the runner imports transformers (~3 s); load it only when a proposer is built
@@ -323,7 +323,7 @@ class DraftModelProposer(Proposer):
         if sampled:
             sp_rows = [params[j] for j in sampled]
             idx = torch.tensor(sampled, device=logits.device)
-            q = process_logits(logits[idx], *sampling_tensors(sp_rows, logits.device))  # [S, V] q: draft probs
+            q = process_params(logits[idx], sp_rows)  # [S, V] q: draft probs
             picked, sent = draw_drafts(
                 q, [keys[j] for j in sampled], lambda a: self._generator(states[sampled[a]], params[sampled[a]])
             )

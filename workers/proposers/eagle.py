@@ -34,7 +34,7 @@ from workers.eagle_head import EagleHead, load_head
 from workers.kv_blocks import DraftBlocks
 from workers.proposers.base import ProposalRequest, Proposals, Proposer, coupled_key, draw_drafts, stack_draft_probs
 from workers.proposers.draft_model import DRAFT_SEED_SALT
-from workers.sampler import make_generator, process_logits, sampling_tensors
+from workers.sampler import make_generator, process_params
 from workers.sampling_params import SamplingParams
 
 
@@ -287,7 +287,7 @@ class EagleProposer(Proposer):
             full = logits.new_full((len(sampled), self.vocab_size), float("-inf"))  # [S, V]: q is 0 off the draft vocab
             full[:, d2t] = logits[idx]
             sp_rows = [params[j] for j in sampled]
-            q = process_logits(full, *sampling_tensors(sp_rows, logits.device))  # [S, V] q: draft probs
+            q = process_params(full, sp_rows)  # [S, V] q: draft probs
             picked, sent = draw_drafts(
                 q, [keys[j] for j in sampled], lambda a: self._generator(states[sampled[a]], params[sampled[a]])
             )
