@@ -89,7 +89,7 @@ BENCHMARKS = [
     Benchmark(
         "fidelity",
         "benchmarks.fidelity.sampler_bench",
-        "What does the shipped position-keyed sampler cost against its definition?",
+        "What does the shipped sampler (keyed race, top-k / top-p) cost against its definitions?",
         "sampler_bench.json",
     ),
     Benchmark(
@@ -231,6 +231,12 @@ RECORDS = {
     "commit_ab_notensor": "commit_ab --base 2c1349d --rounds 8 --steps 32: the decode step without a tensor made",
     "commit_ab_steps": "commit_ab --base 30f8a24 --rounds 6 --steps 32: the default step after decode_steps landed",
     "commit_ab_steps_c1": "commit_ab --base 30f8a24 --rounds 14 --concurrency 1 --dtypes bfloat16: the same c=1 cell",
+    "commit_ab_sampler_t1": "commit_ab --base ac41526 --rounds 5 --concurrency 1,4,16,32 --sampling temperature 1: "
+    "the sampled step before and after the native race",
+    "commit_ab_sampler_topp": "commit_ab --base ac41526 --rounds 5, temperature 0.8 top-p 0.95: the same, top-p",
+    "commit_ab_sampler_topk": "commit_ab --base ac41526 --rounds 5, temperature 0.7 top-k 50: the same, top-k",
+    "commit_ab_sampler_greedy": "commit_ab --base ac41526 --rounds 5: the greedy step across the sampler change",
+    "commit_ab_sampler_greedy_c1": "commit_ab --base ac41526 --rounds 12 --concurrency 1 --dtypes bfloat16: c=1",
     "cpu_priority_ab": "engine-first priorities vs Ray's own (one-off A/B, script in git history)",
     "decode_floor_avx2": "decode_floor --http --http-reps 8 on an AVX2-only CPU (fp32 served, native GEMMs)",
     "decode_floor_avx2_before": "decode_floor --http --http-reps 6 on the same AVX2-only CPU, before its kernel fixes",
