@@ -416,10 +416,11 @@ def test_async_engine_builds_from_a_factory_in_its_loop_thread(tiny_loaded):
 
 
 def test_decode_steps_in_one_call_write_what_single_steps_write(tiny_loaded):
-    """``decode_steps``: plain greedy decoding runs several steps per engine iteration (one native call) and
-    writes, token for token and chunk text for chunk text, what one step per iteration writes: through a stop
-    string and EOS found inside a call, max_tokens cut to the call, a request arriving meanwhile (prefilled
-    between calls), and a sampled request beside them (its steps one at a time, so every request's are)."""
+    """``decode_steps``: plain decoding runs several steps per engine iteration and writes, token for token and
+    chunk text for chunk text, what one step per iteration writes: through a stop string and EOS found inside a
+    call, max_tokens cut to the call, a request arriving meanwhile (prefilled between calls), seeded sampled
+    requests beside them (temperature, top-p, top-k: sampled between the steps' native calls with the noise of
+    each step's position), and a penalized one (its steps one at a time, so every request's are then)."""
     prompts = rand_prompts(4, 11)
 
     def run(decode_steps: int) -> tuple[dict[str, tuple[list[int], str, str | None]], int, int]:
@@ -437,6 +438,10 @@ def test_decode_steps_in_one_call_write_what_single_steps_write(tiny_loaded):
         eng.add_request("long", prompts[0], {"max_tokens": 37, "ignore_eos": True})
         eng.add_request("stop", prompts[1], {"max_tokens": 40, "ignore_eos": True, "stop": [stop]})
         eng.add_request("eos", prompts[2], {"max_tokens": 60})
+        eng.add_request("t1", prompts[0], {"max_tokens": 30, "ignore_eos": True, "temperature": 1.0, "seed": 5})
+        eng.add_request("top_p", prompts[1], {"max_tokens": 33, "ignore_eos": True, "temperature": 0.8, "top_p": 0.9})
+        eng.add_request("top_k", prompts[2], {"max_tokens": 26, "temperature": 1.3, "top_k": 7, "seed": 9})
+        eng.requests["top_p"].seed = 11  # an unseeded request's drawn seed, the same in both runs
         got: dict[str, tuple[list[int], str, str | None]] = {}
         calls = 0
         while eng.has_work():
@@ -444,7 +449,8 @@ def test_decode_steps_in_one_call_write_what_single_steps_write(tiny_loaded):
             if calls == 4:
                 eng.add_request("late", prompts[3], {"max_tokens": 21, "ignore_eos": True})
             if calls == 9:
-                eng.add_request("sampled", prompts[3], {"max_tokens": 6, "temperature": 0.9, "seed": 3})
+                eng.add_request("penalized", prompts[3], {"max_tokens": 6, "temperature": 0.9, "seed": 3,
+                                                          "frequency_penalty": 0.5})  # fmt: skip
             for o in eng.step():
                 ids, txt, _ = got.get(o.request_id, ([], "", None))
                 got[o.request_id] = (ids + o.token_ids, txt + o.text, o.finish_reason)
@@ -454,6 +460,23 @@ def test_decode_steps_in_one_call_write_what_single_steps_write(tiny_loaded):
     many, calls_many, steps_many = run(6)
     assert many == one
     assert one["stop"][2] == one["eos"][2] == "stop" and len(one["long"][0]) == 37 and len(one["late"][0]) == 21
+    assert len(one["t1"][0]) == 30 and len(one["top_p"][0]) == 33
     assert calls_many < calls_one and steps_many > calls_many  # iterations that ran several steps each
+
+    def sampled_alone(decode_steps: int) -> tuple[list[int], int, int]:
+        eng = LLMEngine(
+            EngineConfig(dtype="bfloat16", max_num_seqs=8, max_model_len=256, proposers=[], decode_steps=decode_steps),
+            tiny_loaded,
+        )
+        eng.add_request("s", prompts[0], {"max_tokens": 24, "ignore_eos": True, "temperature": 1.0, "seed": 2})
+        tokens, calls = [], 0
+        while eng.has_work():
+            calls += 1
+            tokens += [t for o in eng.step() for t in o.token_ids]
+        return tokens, calls, eng.num_steps
+
+    alone_one, alone_calls_one, _ = sampled_alone(1)
+    alone_many, alone_calls, alone_steps = sampled_alone(6)
+    assert alone_many == alone_one and alone_calls < alone_calls_one and alone_steps > alone_calls  # sampled, too
     with pytest.raises(ValidationError, match="decode_steps"):
         EngineConfig(decode_steps=0)

@@ -509,7 +509,8 @@ def test_dtype_auto_is_bf16_on_avx2_only_where_the_native_kernels_build(tiny_loa
 def test_decode_steps_in_one_call_are_the_greedy_steps_one_at_a_time(tiny_loaded, linear, dtype):
     """``decode_steps``: n greedy steps in one native call, each row's argmax fed back, give the tokens and the
     cache writes of n forwards made one at a time with those tokens fed, bit for bit, for three requests whose
-    scattered blocks the steps cross into, and for one alone (fewer rows than threads). A step that is not one
+    scattered blocks the steps cross into, and for one alone (fewer rows than threads); with a pick between the
+    steps, it sees each step's logits and its tokens are the ones fed. A step that is not one
     decode row per request, or block tables that do not cover the n positions, are refused by name."""
     runners = [
         ModelRunner(tiny_loaded.model, 4, 128, dtype=dtype, cpu_gemm="native", batch_invariant=True, num_blocks=40)
@@ -549,6 +550,24 @@ def test_decode_steps_in_one_call_are_the_greedy_steps_one_at_a_time(tiny_loaded
             .argmax
         )
     assert runners[1].decode_steps(solo, 3) == alone
+    # a pick between the steps (a sampler's place): it sees each step's logits, and what it returns is fed back
+    start = [lengths[0] + n + 3]
+    picked, seen, fed = [], [], [alone[-1][0]]
+    for s in range(4):
+        out = runners[0].forward(StepBatch([-1], [start[0] + s], [fed], [[0]], block_tables=tables[:1]))
+        assert out.argmax is not None
+        seen.append(out.logits.clone())
+        fed = [(out.argmax[0] * 7 + s) % 90 + 2]
+        picked.append(fed)
+    got_logits: list[torch.Tensor] = []
+
+    def pick(s: int, logits: torch.Tensor, argmax: list[int]) -> list[int]:
+        got_logits.append(logits.clone())
+        return [(argmax[0] * 7 + s) % 90 + 2]
+
+    picks = StepBatch([-1], start, [[alone[-1][0]]], [[0]], block_tables=tables[:1])
+    assert runners[1].decode_steps(picks, 4, pick) == picked
+    assert all(torch.equal(a, b) for a, b in zip(got_logits, seen)) and len(got_logits) == 4
     with pytest.raises(ValueError, match="one new token per request"):
         runners[1].decode_steps(StepBatch([-1], [5], [[3, 4]], [[1]], block_tables=tables[:1]), 2)
     with pytest.raises(ValueError, match="cannot hold"):

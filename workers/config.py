@@ -184,12 +184,14 @@ class EngineConfig(BaseModel):
         1,
         ge=1,
         le=64,
-        description="Plain decode steps one engine iteration may run in one native call (vLLM's "
+        description="Plain decode steps one engine iteration may run with no commit between them (vLLM's "
         "num_scheduler_steps), where the scheduler, the output handling and the Python between steps run once for "
-        "all of them: when every running request decodes greedily with nothing per token to compute in Python (no "
-        "drafts this step, logprobs, penalties, grammar or recorded events, no proposer reading hidden states), "
-        "nothing waits to be admitted and the fused native forward runs (cpu_gemm='native' on the CPU). Each step "
-        "is the one a single step would run: the output is the same, bit for bit. The price is granularity: "
+        "all of them: when every running request decodes greedily, or samples under coupled verification, with "
+        "nothing else per token to compute in Python (no drafts this step, logprobs, penalties, grammar or "
+        "recorded events, no proposer reading hidden states), nothing waits to be admitted and the fused native "
+        "forward runs (cpu_gemm='native' on the CPU). Greedy steps then run in one native call; with a sampled "
+        "request, one call a step with its sampling between. Each step is the one a single step would run: the "
+        "output is the same, bit for bit. The price is granularity: "
         "tokens stream in chunks of up to this many, and a request arriving meanwhile waits for the call to end. "
         "Stops (EOS, stop strings) are found after the call; steps past one are discarded.",
     )

@@ -414,16 +414,17 @@ class LLMEngine:
             self.on_step(tokens, dt, decoding if not prefill_tokens else None)
 
     def _steps_ahead(self, plan: SchedulerOutput, decoding: list[Request], drafts: list[list[int]]) -> int:
-        """How many plain greedy decode steps this iteration runs in one native call (EngineConfig.decode_steps),
-        with the KV of their positions reserved; 1: the usual step. Only where no token needs Python between
-        steps and nothing waits to be admitted (see the config key), and never past a request's max_tokens or
-        the context."""
+        """How many plain decode steps this iteration runs with no commit between them (EngineConfig.decode_steps),
+        with the KV of their positions reserved; 1: the usual step. Only where a token needs nothing between steps
+        but its logits (and, sampled under coupled verification, its position's key) and nothing waits to be
+        admitted (see the config key), and never past a request's max_tokens or the context."""
         n = self.config.decode_steps
         if n < 2 or plan.prefill or self.scheduler.waiting or not decoding or not self.runner.runs_decode_steps:
             return 1
+        coupled = self.config.verification == "coupled"  # a sampled token then needs only its logits and key
         for r, d in zip(decoding, drafts):
             p = r.params
-            if d or not p.greedy or p.penalized or p.logprobs is not None or r.grammar is not None:
+            if d or not (p.greedy or coupled) or p.penalized or p.logprobs is not None or r.grammar is not None:
                 return 1
             if r.events is not None or r.proposer in self._hidden_proposers:
                 return 1
@@ -436,8 +437,9 @@ class LLMEngine:
         return n
 
     def _decode_steps(self, decoding: list[Request], n: int, t0: float) -> list[RequestOutput]:
-        """``n`` greedy decode steps of ``decoding`` in one native call (runner.decode_steps), committed as ``n``
-        steps would commit them: each request's tokens up to its first stop."""
+        """``n`` plain decode steps of ``decoding`` (runner.decode_steps: one native call when every request is
+        greedy, else one a step with the plain step's sampling between), committed as ``n`` steps would commit
+        them: each request's tokens up to its first stop."""
         batch = StepBatch(
             slots=[-1] * len(decoding),
             start_pos=[r.num_computed for r in decoding],
@@ -445,7 +447,8 @@ class LLMEngine:
             logits_rows=[[0]] * len(decoding),
             block_tables=[r.block_table for r in decoding],
         )
-        steps = self.runner.decode_steps(batch, n)  # [ran][R]
+        greedy = all(r.params.greedy for r in decoding)  # then the steps' argmax feeds back in one native call
+        steps = self.runner.decode_steps(batch, n, None if greedy else self.processor.plain_picks(decoding))  # [ran][R]
         outputs = self.processor.commit_steps(decoding, [list(toks) for toks in zip(*steps)])
         self._after_steps(decoding, len(steps), len(decoding), t0, len(decoding), 0)
         return outputs

@@ -814,6 +814,8 @@ class NativeLayers:
         self._fn = fn
         self._steps = dll.invariant_layers_steps
         self._steps.argtypes, self._steps.restype = [p, i64, p], i64  # args, steps, [steps, M] int64 tokens
+        self._advance = dll.invariant_layers_advance
+        self._advance.argtypes, self._advance.restype = [p, p], ctypes.c_int  # args, [M] int64 tokens
         self._workspace_bytes = dll.layers_workspace_bytes
         self._workspace_bytes.argtypes = [i64] * 7 + [i32, i32]
         self._workspace_bytes.restype = i64
@@ -844,7 +846,7 @@ class NativeLayers:
     ) -> BoundLayers:
         return BoundLayers(
             self._fn, self._workspace_bytes, layers, caches, cos, sin, num_heads, eps, attn,
-            norm_w, lm_head, stream, embed, self._steps,
+            norm_w, lm_head, stream, embed, self._steps, self._advance,
         )  # fmt: skip
 
 
@@ -914,6 +916,7 @@ class BoundLayers:
         stream: bool | None = None,
         embed: torch.Tensor | None = None,
         steps: ctypes._CFuncPtr | None = None,  # type: ignore[name-defined]
+        advance: ctypes._CFuncPtr | None = None,  # type: ignore[name-defined]
     ) -> None:
         names = ("in_norm", "qkv", "o", "post_norm", "gate_up", "down")
         weights = [L[n] for L in layers for n in names]
@@ -939,7 +942,7 @@ class BoundLayers:
         self._embed = embed
         self._embed_ptr: int | None = None if embed is None else embed.data_ptr()
         self._vocab_in = 0 if embed is None else embed.shape[0]  # rows of the embedding table
-        self._fn, self._steps, self._attn, self._caches = fn, steps, attn, caches
+        self._fn, self._steps, self._advance, self._attn, self._caches = fn, steps, advance, attn, caches
         self._workspace_bytes = workspace_bytes
         self.dtype, self.num_heads, self.eps = dtype, num_heads, eps
         self.hidden = layers[0]["in_norm"].shape[0]
@@ -1031,15 +1034,24 @@ class BoundLayers:
         delta = self._run(b.h_at, index, scale, b, head)
         return b.h, delta, head.hs, head.logits, head.argmax.tolist()
 
-    def decode_steps(self, index: StepIndex, scale: float, n: int) -> list[list[int]]:
-        """``n`` greedy decode steps in one native call (``invariant_layers_steps``): :meth:`forward` on ``index``,
-        then each row's argmax fed back as its next token, ``n`` times. Returns each step's argmax per row
-        ([steps][M] ints): the tokens ``n`` greedy steps one at a time would pick, bit for bit (each step is the
-        same fused computation on the same inputs). ``index``: a decode step, one row per request, every row a
-        logits row in order, each block table covering ``n`` positions from the row's (its vectors are advanced
-        in place). Why: a step's Python around the forward (scheduling, output handling) runs on caches the weights
-        have just flushed; here ``n - 1`` steps skip it."""
-        if self._embed is None or self._steps is None:
+    def decode_steps(
+        self,
+        index: StepIndex,
+        scale: float,
+        n: int,
+        pick: Callable[[int, torch.Tensor, list[int]], list[int]] | None = None,
+    ) -> list[list[int]]:
+        """``n`` decode steps with no return to the engine between them: :meth:`forward` on ``index``, then each
+        row's token fed back as its next, ``n`` times. Returns each step's tokens per row ([steps][M] ints).
+        Without ``pick`` the tokens are the argmaxes and the whole run is one native call
+        (``invariant_layers_steps``): the tokens ``n`` greedy steps one at a time would pick, bit for bit (each
+        step is the same fused computation on the same inputs). With ``pick(step, logits [M, V] fp32, argmax [M])
+        -> [M] tokens`` (a sampler) each step is one native call and ``pick`` chooses the tokens fed to the next.
+        ``index``: a decode step, one row per request, every row a logits row in order, each block table covering
+        ``n`` positions from the row's (its vectors are advanced in place). Why: a step's Python around the
+        forward (scheduling, output handling) runs on caches the weights have just flushed; here ``n - 1`` steps
+        skip it."""
+        if self._embed is None or self._steps is None or self._advance is None:
             raise ValueError("decode_steps needs the embedding table and a library with invariant_layers_steps")
         T, M = index.T, index.M
         if n < 1 or M != T or index.num_reqs != T or index.width * self._caches.block_size < index.max_nvis + n - 1:
@@ -1050,14 +1062,28 @@ class BoundLayers:
             )
         b, head = self.buffers(T, torch.get_num_threads()), self._kept_head(M)
         self._set_args(b.h_at, index, scale, b, head, index.max_nvis + n - 1)
-        tokens = array("q", bytes(8 * n * M))
-        ran = self._steps(b.args_at, n, tokens.buffer_info()[0])
-        if ran < 1:
-            raise ValueError(
-                "the fused layers refused the decode steps: a position past the tables, a block id outside the pool, "
-                "a token id outside the vocabulary, or a step that is not one decode row per request"
-            )
-        return [tokens[s * M : (s + 1) * M].tolist() for s in range(ran)]
+        refused = ValueError(
+            "the fused layers refused the decode steps: a position past the tables, a block id outside the pool, "
+            "a token id outside the vocabulary, or a step that is not one decode row per request"
+        )
+        if pick is None:
+            tokens = array("q", bytes(8 * n * M))
+            ran = self._steps(b.args_at, n, tokens.buffer_info()[0])
+            if ran < 1:
+                raise refused
+            return [tokens[s * M : (s + 1) * M].tolist() for s in range(ran)]
+        steps: list[list[int]] = []
+        fed = array("q", bytes(8 * M))
+        for s in range(n):
+            if s and self._advance(b.args_at, fed.buffer_info()[0]):
+                break
+            if self._fn(b.args_at):
+                if s:
+                    break
+                raise refused
+            steps.append(pick(s, head.logits, head.argmax.tolist()))
+            fed = array("q", steps[-1])
+        return steps
 
     def _kept_head(self, M: int) -> _Head:
         """The head's outputs for M rows that callers reading them at once share (see forward's ``reuse``)."""

@@ -180,9 +180,23 @@ class OutputProcessor:
                 )
         return logits
 
+    def plain_picks(self, requests: list[Request]) -> Callable[[int, torch.Tensor, list[int]], list[int]]:
+        """What plain steps of ``requests`` choose, for a run of steps with no commit between them (LLMEngine's
+        decode_steps): ``pick(step, logits [R, V], argmax [R])`` gives each request's token ``step`` positions past
+        its committed output, by the verify_coupled call :meth:`process` makes for a plain step of rows with no
+        penalties, grammar or logprobs (the noise of each sampled request keyed by that position)."""
+        params = [r.params for r in requests]
+        no_drafts: list[list[int]] = [[] for _ in requests]
+
+        def pick(step: int, logits: torch.Tensor, argmax: list[int]) -> list[int]:
+            keys = [[] if r.params.greedy else [position_key(r.seed, len(r.output_ids) + step)] for r in requests]
+            return [t[0] for t in verify_coupled(logits, no_drafts, params, keys, argmax).output_token_ids]
+
+        return pick
+
     def commit_steps(self, requests: list[Request], tokens: list[list[int]]) -> list[RequestOutput]:
-        """Plain greedy steps run in one call (LLMEngine's decode_steps): ``tokens[i]``, request i's token of each
-        step, committed as that many plain steps would commit them, up to its first stop. The KV of each step's
+        """Plain steps run with no commit between them (LLMEngine's decode_steps): ``tokens[i]``, request i's token
+        of each step, committed as that many plain steps would commit them, up to its first stop. The KV of each step's
         fed token is computed: the pending one and every token but the last."""
         outputs = []
         for r, toks in zip(requests, tokens):

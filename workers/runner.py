@@ -464,12 +464,19 @@ class ModelRunner:
         """Whether :meth:`decode_steps` runs here: the fused native forward (every GEMM native, on the CPU)."""
         return self.native_layers is not None and self.fused_layers
 
-    def decode_steps(self, batch: StepBatch, n: int) -> list[list[int]]:
-        """``n`` greedy decode steps in one native call (``BoundLayers.decode_steps``): the step ``batch`` holds
-        (one pending token per request, each request's block table covering ``n`` positions from its start), then
-        each request's argmax fed back ``n - 1`` times. Returns per step the argmax of each request ([steps][R]
-        ints, steps <= n): the tokens ``n`` greedy :meth:`forward` calls would pick, bit for bit. No logits come
-        back: the caller wants none (no logprobs, penalties or grammar)."""
+    def decode_steps(
+        self,
+        batch: StepBatch,
+        n: int,
+        pick: Callable[[int, torch.Tensor, list[int]], list[int]] | None = None,
+    ) -> list[list[int]]:
+        """``n`` decode steps with no return to the caller between them (``BoundLayers.decode_steps``): the step
+        ``batch`` holds (one pending token per request, each request's block table covering ``n`` positions from
+        its start), then each request's token fed back ``n - 1`` times: its argmax (one native call for all
+        steps), or what ``pick(step, logits [R, V] fp32, argmax [R])`` returns (a sampler, between the steps'
+        native calls). Returns per step the token of each request ([steps][R] ints, steps <= n): the tokens ``n``
+        :meth:`forward` calls would give those choices, bit for bit. The logits go only to ``pick``: the caller
+        wants none (no logprobs, penalties or grammar)."""
         if not self.runs_decode_steps:
             raise ValueError("decode_steps needs the fused native forward (cpu_gemm='native' on the CPU)")
         if self.batch_invariant and torch.get_num_threads() != self._probed_threads:
@@ -478,7 +485,7 @@ class ModelRunner:
             raise ValueError("decode_steps runs a decode step: one new token per request, its logits row")
         index, _, _ = self._step_index(batch, n - 1)
         assert self.native_layers is not None
-        return self.native_layers.decode_steps(index, self.head_dim**-0.5, n)
+        return self.native_layers.decode_steps(index, self.head_dim**-0.5, n, pick)
 
     def _step_index(self, batch: StepBatch, ahead: int = 0) -> tuple[StepIndex, list[int], list[int]]:
         """The step's index vectors (workers/step_index.py), its new tokens per request and each request's first

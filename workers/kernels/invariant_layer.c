@@ -663,30 +663,37 @@ int invariant_layers_packed(const layers_args *a) {
                             a->hs, a->logits, a->V, a->logits_f32, a->argmax);
 }
 
+/* The next decode step of a's (see invariant_layers_steps): each row's token tokens[r] at its next position and cache
+ * slot (read from its request's block table). Returns 0, or -1 (nothing changed) where a row's next position lies
+ * past its table (bt_stride blocks). */
+int invariant_layers_advance(layers_args *a, const int64_t *tokens) {
+    int64_t *const ids = (int64_t *)a->ids, *const pos = (int64_t *)a->pos, *const kv = (int64_t *)a->kv_index;
+    int64_t *const nvis = (int64_t *)a->nvis;
+    if (!ids || a->BS <= 0) return -1;
+    for (int64_t r = 0; r < a->T; r++)
+        if ((pos[r] + 1) / a->BS >= a->bt_stride) return -1;
+    for (int64_t r = 0; r < a->T; r++) {
+        const int64_t p = pos[r] + 1;
+        ids[r] = tokens[r], pos[r] = p, nvis[r] += 1;
+        kv[r] = a->block_table[a->req[r] * a->bt_stride + p / a->BS] * a->BS + p % a->BS;
+    }
+    return 0;
+}
+
 /* n greedy decode steps in one call: the fused forward of a's step, then each row's argmax fed back as that row's
  * next token, n times, with no return to the caller between them. Step s's argmaxes go to tokens[s * M ..]. Each
  * step is the computation a call of invariant_layers_packed makes on the same inputs, so every token is the one a
  * greedy step at a time would pick; what a call saves is the caller's work between steps (its scheduling, its
  * output handling). The step a has set up must be a decode step whose logits rows are its rows in order (M == T,
  * rows[m] == m, one row per request), with an argmax; a's index vectors (ids, pos, kv_index, nvis) are advanced in
- * place, one position a step, each row's next cache slot read from its request's block table, which must cover
- * the n positions (bt_stride blocks), as the attention scratch must cover its longest row's keys then. Returns
- * how many steps ran: n, or fewer if a check refused one (none: -1); the tokens of the steps that ran are set. */
+ * place (invariant_layers_advance), which the attention scratch must cover too. Returns how many steps ran: n, or
+ * fewer if a check refused one (none: -1); the tokens of the steps that ran are set. */
 int64_t invariant_layers_steps(layers_args *a, int64_t n, int64_t *tokens) {
     if (n < 1 || !a->rows || !a->argmax || !a->ids || a->M != a->T || a->BS <= 0) return -1;
     for (int64_t m = 0; m < a->M; m++)
         if (a->rows[m] != m || (m > 0 && a->req[m] <= a->req[m - 1])) return -1;
-    int64_t *const ids = (int64_t *)a->ids, *const pos = (int64_t *)a->pos, *const kv = (int64_t *)a->kv_index;
-    int64_t *const nvis = (int64_t *)a->nvis;
     for (int64_t s = 0; s < n; s++) {
-        if (s > 0) { /* the next position of every row, its token the last step's argmax */
-            for (int64_t r = 0; r < a->T; r++) {
-                const int64_t p = pos[r] + 1, b = p / a->BS;
-                if (b >= a->bt_stride) return s;
-                ids[r] = a->argmax[r], pos[r] = p, nvis[r] += 1;
-                kv[r] = a->block_table[a->req[r] * a->bt_stride + b] * a->BS + p % a->BS;
-            }
-        }
+        if (s > 0 && invariant_layers_advance(a, a->argmax)) return s; /* the next position of every row */
         if (invariant_layers_packed(a)) return s ? s : -1;
         __builtin_memcpy(tokens + s * a->M, a->argmax, (size_t)a->M * sizeof(int64_t));
     }
