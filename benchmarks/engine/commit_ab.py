@@ -2,7 +2,8 @@
 engine's Python did, on one host, measured as the change, not as two runs minutes apart.
 
     python -m benchmarks.engine.commit_ab --base <rev> [--new <rev>] [--rounds 3] [--concurrency 1,4,16,32]
-        [--dtypes bfloat16,float32] [--steps 16] [--sampling '{"temperature": 0.8, "top_p": 0.95}'] [--out commit_ab]
+        [--dtypes bfloat16,float32] [--steps 16] [--sampling '{"temperature": 0.8, "top_p": 0.95}']
+        [--decode-steps 1] [--out commit_ab]
 
 Where ``step_ab`` swaps only runner.py in one process, this compares whole trees (kernels, native bindings,
 engine): two trees cannot share one process (both are ``workers``), so each side is a child process, loaded once
@@ -14,7 +15,8 @@ with c requests decoding, between two samples of the read bandwidth (a torch sum
 so every cell also has its ratio to the floor of its own window (weights' bytes / the higher of the two
 samples). Per cell: B/A of the step over the rounds (median, min..max), and each side's median window ratio.
 ``--sampling``: the requests' sampling parameters (default greedy), each request seeded with its own seed, so that
-a change to the sampler is measured where it runs, inside the step.
+a change to the sampler is measured where it runs, inside the step. ``--decode-steps N``: both sides' engines run up
+to N steps an iteration (EngineConfig.decode_steps), and a cell is then the iterations' time per token written.
 
 Writes benchmarks/results/<--out>.{json,png}.
 """
@@ -53,8 +55,9 @@ loaded = load_model("smollm2")
 rb = ReadBandwidth(256)
 engines = {}
 for dt in a["dtypes"]:
+    steps_kw = {"decode_steps": a["decode_steps"]} if a["decode_steps"] > 1 else {}
     cfg = EngineConfig(dtype=dt, max_num_seqs=a["max_c"], enable_prefix_caching=False, max_model_len=512,
-                       proposers=[])
+                       proposers=[], **steps_kw)
     eng = LLMEngine(cfg, loaded)
     wbytes = sum(weight_bytes(eng.runner).values())  # the floor's bytes, as decode_floor counts them
     prompt = eng.tokenize_chat([{"role": "user", "content": PROMPT}])
@@ -71,6 +74,17 @@ def decode_step_s(eng, prompt, c, steps):
     while any(r.in_prefill for r in eng.running) or eng.waiting:
         eng.step()
     eng.step()  # first step after prefill: every request decoding
+    if a["decode_steps"] > 1:  # iterations of several steps: their time over the tokens they wrote (a mean)
+        reqs = list(eng.running)
+        done = [len(r.output_ids) for r in reqs]
+        t0 = time.perf_counter()
+        while eng.has_work() and min(len(r.output_ids) - d for r, d in zip(reqs, done)) < steps:
+            eng.step()
+        s = time.perf_counter() - t0
+        tokens = sum(len(r.output_ids) - d for r, d in zip(reqs, done))
+        while eng.has_work():
+            eng.step()
+        return s * c / tokens
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -97,8 +111,10 @@ for line in sys.stdin:
 class Side:
     """One side's child process, loaded and waiting for cells."""
 
-    def __init__(self, root: Path, dtypes: list[str], max_c: int, sampling: dict[str, object]) -> None:
-        spec = json.dumps({"dtypes": dtypes, "max_c": max_c, "sampling": sampling})
+    def __init__(
+        self, root: Path, dtypes: list[str], max_c: int, sampling: dict[str, object], decode_steps: int
+    ) -> None:
+        spec = json.dumps({"dtypes": dtypes, "max_c": max_c, "sampling": sampling, "decode_steps": decode_steps})
         self.root = root
         self.proc = subprocess.Popen(
             [sys.executable, "-c", f"MARK = {MARK!r}\n" + CHILD, spec],
@@ -145,6 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per cell (their median)")
     ap.add_argument("--sampling", default="{}", help="the requests' sampling parameters, JSON (default: greedy)")
+    ap.add_argument(
+        "--decode-steps",
+        type=int,
+        default=1,
+        help="EngineConfig.decode_steps on both sides; above 1 a cell is the time per token of the iterations",
+    )
     ap.add_argument("--out", default="commit_ab", help="result name under benchmarks/results")
     args = ap.parse_args(argv)
     sampling = json.loads(args.sampling)
@@ -160,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         sides: dict[str, Side] = {}
         try:
             for name, root in roots.items():
-                sides[name] = Side(root, dtypes, max(concurrency), sampling)
+                sides[name] = Side(root, dtypes, max(concurrency), sampling, args.decode_steps)
             for r in progress(range(args.rounds), desc="rounds"):
                 for i, (dt, c) in enumerate(cells):  # each cell on both sides back to back, the order alternating
                     for name in ("A", "B") if (r + i) % 2 == 0 else ("B", "A"):
