@@ -237,6 +237,8 @@ RECORDS = {
     "commit_ab_sampler_topk": "commit_ab --base ac41526 --rounds 5, temperature 0.7 top-k 50: the same, top-k",
     "commit_ab_sampler_greedy": "commit_ab --base ac41526 --rounds 5: the greedy step across the sampler change",
     "commit_ab_sampler_greedy_c1": "commit_ab --base ac41526 --rounds 12 --concurrency 1 --dtypes bfloat16: c=1",
+    "commit_ab_steps_sampled": "commit_ab --base 1db17f9 --decode-steps 4, temperature 1: sampled decode_steps",
+    "commit_ab_steps_greedy": "commit_ab --base 1db17f9 --decode-steps 4 --concurrency 1,4: the greedy steps unchanged",
     "cpu_priority_ab": "engine-first priorities vs Ray's own (one-off A/B, script in git history)",
     "decode_floor_avx2": "decode_floor --http --http-reps 8 on an AVX2-only CPU (fp32 served, native GEMMs)",
     "decode_floor_avx2_before": "decode_floor --http --http-reps 6 on the same AVX2-only CPU, before its kernel fixes",
