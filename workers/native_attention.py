@@ -388,19 +388,19 @@ class NativeLayerOps:
 
     def race_noise(self, u: torch.Tensor) -> torch.Tensor:  # [n] float32 -> [n] float32
         """The race's approximate noise ``-log(u + 2^-25)`` (within a relative 1e-6 of the exact one)."""
-        if u.dtype != torch.float32 or u.dim() != 1 or not u.is_contiguous():
-            raise ValueError("race_noise: u must be a contiguous 1-D float32 tensor")
-        out = torch.empty_like(u)
-        self._noise(u.data_ptr(), out.data_ptr(), u.numel())
-        return out
+        return self._floats_map(self._noise, u, "race_noise")
 
     def race_exact_noise(self, u: torch.Tensor) -> torch.Tensor:  # [n] float32 -> [n] float32
         """The race's exact noise ``(float)-log((double)u + 2^-25)`` as the kernel computes it (-1 where it would
         leave the number to torch)."""
+        return self._floats_map(self._exact_noise, u, "race_exact_noise")
+
+    @staticmethod
+    def _floats_map(fn: ctypes._CFuncPtr, u: torch.Tensor, name: str) -> torch.Tensor:  # type: ignore[name-defined]
         if u.dtype != torch.float32 or u.dim() != 1 or not u.is_contiguous():
-            raise ValueError("race_exact_noise: u must be a contiguous 1-D float32 tensor")
+            raise ValueError(f"{name}: u must be a contiguous 1-D float32 tensor")
         out = torch.empty_like(u)
-        self._exact_noise(u.data_ptr(), out.data_ptr(), u.numel())
+        fn(u.data_ptr(), out.data_ptr(), u.numel())
         return out
 
     def keyed_race(
@@ -446,8 +446,7 @@ class NativeLayerOps:
                 x.data_ptr(), vocab, min(c, vocab), heap.data_ptr(), ids.data_ptr(), cap, every, mass_at, top_p, keep
             )
             if n >= 0:
-                complete = bool(every.value) or c >= vocab
-                return ids[:n], complete, (n if complete and keep.value < 0 else keep.value) if mass is not None else n
+                return ids[:n], bool(every.value), keep.value if mass is not None else n
             cap = vocab  # more ties at the threshold than room: every token fits
 
     @staticmethod
@@ -1073,7 +1072,7 @@ class BoundLayers:
                 raise refused
             return [tokens[s * M : (s + 1) * M].tolist() for s in range(ran)]
         steps: list[list[int]] = []
-        fed = array("q", bytes(8 * M))
+        fed = array("q")  # the tokens fed to the next step: the last pick's
         for s in range(n):
             if s and self._advance(b.args_at, fed.buffer_info()[0]):
                 break

@@ -114,11 +114,12 @@ class OutputProcessor:
         return outputs
 
     @staticmethod
-    def _row_keys(r: Request, num_draft: int) -> list[int]:
-        """Noise keys of the output positions a verify of ``num_draft`` drafts decides (none if greedy)."""
+    def _row_keys(r: Request, num_draft: int, ahead: int = 0) -> list[int]:
+        """Noise keys of the output positions a verify of ``num_draft`` drafts decides (none if greedy), ``ahead``
+        positions past the committed output (a run of steps with no commit between them)."""
         if r.params.greedy:
             return []
-        t0 = len(r.output_ids)
+        t0 = len(r.output_ids) + ahead
         return [position_key(r.seed, t0 + j) for j in range(num_draft + 1)]
 
     def _record(self, r: Request, n_draft: int, n_acc: int, n_forced: int = 0) -> None:
@@ -189,7 +190,7 @@ class OutputProcessor:
         no_drafts: list[list[int]] = [[] for _ in requests]
 
         def pick(step: int, logits: torch.Tensor, argmax: list[int]) -> list[int]:
-            keys = [[] if r.params.greedy else [position_key(r.seed, len(r.output_ids) + step)] for r in requests]
+            keys = [self._row_keys(r, 0, step) for r in requests]
             return [t[0] for t in verify_coupled(logits, no_drafts, params, keys, argmax).output_token_ids]
 
         return pick

@@ -119,15 +119,15 @@ def verify_coupled(
     if target_argmax is not None and len(target_argmax) != target_logits.shape[0]:
         raise ValueError(f"target_argmax has {len(target_argmax)} rows, the logits {target_logits.shape[0]}")
     sampled = [i for i in range(num_reqs) if not params[i].greedy]
+    for i in sampled:
+        if len(row_keys[i]) != num_draft[i] + 1:
+            raise ValueError(f"request {i}: {len(row_keys[i])} row keys for {num_draft[i] + 1} rows")
     if not any(num_draft):  # a plain step: row i is request i's only row; the sampled rows are drawn, the rest argmax
         if target_argmax is not None:
             tokens = list(target_argmax)
         else:
             tokens = argmax(target_logits).tolist() if len(sampled) < num_reqs else [0] * num_reqs
         if sampled:
-            for i in sampled:
-                if len(row_keys[i]) != 1:
-                    raise ValueError(f"request {i}: {len(row_keys[i])} row keys for 1 row")
             logits = target_logits if len(sampled) == num_reqs else target_logits[sampled]  # [S, vocab]
             p = process_params(logits, [params[i] for i in sampled])  # [S, vocab]
             for i, t in zip(sampled, keyed_sample(p, [row_keys[i][0] for i in sampled]).tolist()):
@@ -138,9 +138,6 @@ def verify_coupled(
         argmax(target_logits) if target_argmax is None else torch.tensor(target_argmax, dtype=torch.long, device=device)
     )
     if sampled:
-        for i in sampled:
-            if len(row_keys[i]) != num_draft[i] + 1:
-                raise ValueError(f"request {i}: {len(row_keys[i])} row keys for {num_draft[i] + 1} rows")
         rows = torch.tensor([r for i in sampled for r in range(row_start[i], row_start[i + 1])], device=device)
         counts = torch.tensor([num_draft[i] + 1 for i in sampled], device=device)  # [B_s]
         row_params = (t.repeat_interleave(counts) for t in sampling_tensors([params[i] for i in sampled], device))

@@ -224,7 +224,7 @@ static void heap_down(float *h, int64_t n, int64_t i) {
 
 /* A truncated row's leading candidates (process_logits in workers/sampler.py): ids [n] every token whose logit in
  * x [V] is finite and at least the c-th largest finite one (ties included), ordered by logit descending then id; or,
- * where the row has at most c finite logits, every finite one (*every = 1). Returns n, or -1 if more than cap tokens
+ * where the row has at most c finite logits (or c is V), every finite one (*every = 1). Returns n, or -1 if more than cap tokens
  * qualify (ids then unset). heap: [c] floats. With mass ([V] each token's probability, or NULL), *keep is how many of
  * the ids top-p keeps: those before which the mass of the ones before them, summed in double in order, is below
  * top_p; or -1 where all n are kept and the mass is still below top_p while more candidates exist (the caller asks
@@ -253,7 +253,7 @@ int64_t leading_candidates(const float *x, int64_t V, int64_t c, float *heap, in
             }
         }
     }
-    *every = n < c;
+    *every = n < c || c >= V; /* fewer finite logits than c, or c the whole vocabulary */
     const float t = n == c ? heap[0] : -__builtin_inff(); /* the c-th largest, or every finite logit */
     int64_t m = 0;
     for (int64_t i = 0; i < V; i += LANES) {
