@@ -7,9 +7,13 @@ path the policy would give it there (for metrics and traces: the engine re-appli
 policy every step, so a request admitted at low load stops speculating when load rises).
 
 Placement: a burst arrives faster than replicas report, so the Router adds every request it
-assigns to its replica's load until that replica's next report (optimistic increment), and
-breaks near-ties (loads within one request) with two random choices, so that equal replicas
-share a burst instead of all of it landing on the first. The load is what the policy cares
+sends to its replica's load until a report counts it (optimistic increment), and breaks near-ties
+(loads within one request) with two random choices, so that equal replicas share a burst instead
+of all of it landing on the first. A report counts a request once the engine was handed it (the
+snapshot's ``handed`` counter): a request still on its way (the ingress's call, the target's
+queue) when the replica reports stays counted here, so a burst's placement holds the balance and
+the affinity threshold it was given. A request that never reaches the engine (its client left)
+stops counting after ``router.stale_after_s``. The load is what the policy cares
 about: requests in the engine (running, waiting) plus the share of the KV cache in use.
 
 Prefix affinity: the ingress sends the chained hashes of the prompt's full KV blocks, and among
@@ -27,6 +31,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from collections import deque
 from typing import Any
 
 from opentelemetry.metrics import Observation
@@ -50,7 +55,9 @@ class Router:
         self.policy = make_policy(self.user_config.policy)
         self.version = 0
         self.loads: dict[str, tuple[float, dict[str, Any]]] = {}  # replica id -> (received at, snapshot)
-        self.assigned: dict[str, int] = {}  # replica id -> requests routed to it since its last report
+        # replica id -> send times (monotonic, oldest first) of the requests sent there its reports do not count yet
+        self.unacked: dict[str, deque[float]] = {}
+        self.handed: dict[str, int] = {}  # replica id -> its engine's ``handed`` counter in its last report
         self.rng = random.Random()
         self.prefixes = PrefixIndex(self.cfg.router.prefix_index_blocks)
         ctx = serve.get_replica_context()
@@ -78,7 +85,14 @@ class Router:
 
     def report(self, replica_id: str, snapshot: dict[str, Any], version: int) -> dict[str, Any] | None:
         self.loads[replica_id] = (time.time(), snapshot)
-        self.assigned[replica_id] = 0  # the snapshot now counts what was assigned before it (or soon will)
+        handed, before = snapshot.get("handed", 0), self.handed.get(replica_id)
+        self.handed[replica_id] = handed
+        sent = self.unacked.setdefault(replica_id, deque())
+        if before is not None:  # else its first report (or this Router's): nothing sent yet to match
+            # the engine got these requests since its last report (oldest sent first, as near as matters); a
+            # request that reached it unrouted (a resumed stream, a route timed out) counts one too many, once
+            for _ in range(min(max(handed - before, 0), len(sent))):
+                sent.popleft()
         if version != self.version:
             return {"version": self.version, "policy": self.user_config.policy_dump()}
         return None
@@ -111,9 +125,9 @@ class Router:
             self.prefixes.add(prefix, rid)
             self.prefix_routed.add(1, {"result": "hit" if cached_blocks else "miss"})
         at, snap = fresh[rid]
-        self.assigned[rid] = self.assigned.get(rid, 0) + 1
+        self.unacked.setdefault(rid, deque()).append(time.monotonic())
         s = LoadSnapshot(**snap)
-        s.decoding += self.assigned[rid]  # as if this request and the others sent since the report were running
+        s.decoding += self.in_flight(rid)  # as if this request and the others its report misses were running
         k = self.policy.decide(s, [SpecCandidate("route", proposer or "default", speculation, k_max)])[0]
         self.route_decisions.add(1, {"path": "spec" if k > 0 else "plain", "k": str(k)})
         return {
@@ -131,9 +145,20 @@ class Router:
         a change, only every heartbeat)."""
         return {"version": self.version, "policy": self.user_config.policy_dump()}
 
+    def in_flight(self, replica_id: str) -> int:
+        """Requests sent to the replica that its last report does not count, less those sent longer than
+        ``router.stale_after_s`` ago (lost on the way: a client that left before the engine got it)."""
+        sent = self.unacked.get(replica_id)
+        if not sent:
+            return 0
+        oldest = time.monotonic() - self.cfg.router.stale_after_s
+        while sent and sent[0] < oldest:
+            sent.popleft()
+        return len(sent)
+
     def requests(self, replica_id: str, snap: dict[str, Any]) -> int:
-        """Requests in the replica's engine and routed to it since its report."""
-        return snap["running"] + snap["waiting"] + self.assigned.get(replica_id, 0)
+        """Requests in the replica's engine and on their way to it."""
+        return snap["running"] + snap["waiting"] + self.in_flight(replica_id)
 
     def load(self, replica_id: str, snap: dict[str, Any]) -> float:
         """Its requests plus its KV share in use."""

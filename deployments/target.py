@@ -149,7 +149,7 @@ class TargetWorker:
 
     async def _report_loop(self) -> None:
         """Push this replica's load to the Router when it changes (requests running / waiting /
-        decoding), and at least every ``router.heartbeat_s``. Why not every interval: on a small
+        decoding / handed to the engine), and at least every ``router.heartbeat_s``. Why not every interval: on a small
         machine each report is a Ray call in this process and in the Router, and any CPU work beside
         the engine's threads stretches its steps; a steady load need not be re-sent 20 times a second."""
         interval = self.cfg.router.report_interval_s
@@ -163,7 +163,7 @@ class TargetWorker:
                     await asyncio.sleep(interval)
                     continue
                 snap = self.engine.snapshot()
-                key = (snap.running, snap.waiting, snap.decoding)
+                key = (snap.running, snap.waiting, snap.decoding, snap.handed)
                 if key == last_key and time.monotonic() - last_sent < self.cfg.router.heartbeat_s:
                     await asyncio.sleep(interval)
                     continue

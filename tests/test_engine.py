@@ -245,6 +245,8 @@ def test_bad_input_named_and_engine_keeps_serving(tiny_loaded):
         assert field in str(ei.value) or field == "prompt"
     with pytest.raises(InvalidRequestError):
         eng.add_request("ok2", good, {}, proposer="nope")
+    # every request handed over counts, rejected ones too: the Router matches the count against what it sent
+    assert eng.snapshot().handed == 2 + len(cases) and eng.snapshot().waiting == 1
     out = []
     while eng.has_work():
         out += [t for o in eng.step() for t in o.token_ids]

@@ -1,6 +1,7 @@
 """The Router's placement without a cluster: optimistic increments and near-tie choices spread a
-burst over equal replicas; reports reset the increments; the load counts KV in use; prefix
-affinity sends a continued prompt to the replica holding its blocks, within the load balance."""
+burst over equal replicas; a report takes back the increments of the requests its engine got; the
+load counts KV in use; prefix affinity sends a continued prompt to the replica holding its blocks,
+within the load balance."""
 
 from __future__ import annotations
 
@@ -35,8 +36,43 @@ def test_a_burst_spreads_over_equal_replicas_between_reports():
         r.report(rid, _snap(), r.version)
     picks = [r.route("auto", None, 4)["replica_id"] for _ in range(16)]
     assert picks.count("a") == 8 and picks.count("b") == 8  # no report came in: the increments alone spread it
-    r.report("a", _snap(running=8), r.version)  # a's report now counts its 8; b has not reported yet
-    assert r.assigned == {"a": 0, "b": 8}
+    r.report("a", _snap(running=3, handed=3), r.version)  # a's engine got 3 of its 8 so far
+    assert (r.in_flight("a"), r.in_flight("b")) == (5, 8)
+    r.report("a", _snap(running=8, handed=8), r.version)  # a's report now counts its 8; b has not reported yet
+    assert (r.in_flight("a"), r.in_flight("b")) == (0, 8)
+    assert r.requests("a", r.loads["a"][1]) == r.requests("b", r.loads["b"][1]) == 8
+
+
+def test_a_report_that_misses_requests_on_their_way_keeps_them_in_the_load(monkeypatch):
+    """A replica reporting while part of a burst is still on its way to its engine (the ingress's call,
+    the target's queue) must not look emptier than it is: the burst stays balanced."""
+    r = _router()
+    for rid in ("a", "b"):
+        r.report(rid, _snap(), r.version)
+    picks = []
+    for _ in range(22):
+        picks.append(r.route("auto", None, 4)["replica_id"])
+        r.report("a", _snap(), r.version)  # a reports between every two requests; none reached its engine yet
+    assert picks.count("a") == picks.count("b") == 11
+    assert (r.in_flight("a"), r.in_flight("b")) == (11, 11)
+    # a request whose client left before the engine got it stops counting after stale_after_s
+    later = r.cfg.router.stale_after_s + 0.1
+    clock = __import__("time").monotonic
+    monkeypatch.setattr("deployments.router.time.monotonic", lambda: clock() + later)
+    assert (r.in_flight("a"), r.in_flight("b")) == (0, 0)
+
+
+def test_a_restarted_engine_counter_and_unrouted_requests_never_make_the_load_negative():
+    r = _router()
+    r.report("a", _snap(handed=40), r.version)  # a replica that served before this Router started
+    for _ in range(3):
+        r.route("auto", None, 4)
+    r.report("a", _snap(running=1, handed=41), r.version)  # one of the three reached it
+    assert r.in_flight("a") == 2
+    r.report("a", _snap(running=1, handed=50), r.version)  # more arrived than were sent (unrouted ones)
+    assert r.in_flight("a") == 0
+    r.report("a", _snap(running=0, handed=2), r.version)  # a counter that went back: nothing matched
+    assert r.in_flight("a") == 0 and r.requests("a", r.loads["a"][1]) == 0
 
 
 def test_ties_are_broken_at_random_and_the_lighter_replica_wins_otherwise():
@@ -46,12 +82,12 @@ def test_ties_are_broken_at_random_and_the_lighter_replica_wins_otherwise():
     r.report("c", _snap(running=9), r.version)
     seen = set()
     for _ in range(40):
-        r.assigned = {"a": 0, "b": 0, "c": 0}
+        r.unacked.clear()
         seen.add(r.route("auto", None, 4)["replica_id"])
     assert seen == {"a", "b"}  # equal: either; c is never chosen
     r.report("b", _snap(running=3, kv_tokens_in_use=500), r.version)  # same requests, more of its KV in use
     for _ in range(10):
-        r.assigned = {"a": 0, "b": 0, "c": 0}
+        r.unacked.clear()
         assert r.route("auto", None, 4)["replica_id"] == "a"
     assert r.route("auto", None, 4, exclude="a")["replica_id"] == "b"  # a resubmission avoids the failed one
 

@@ -158,6 +158,7 @@ class LLMEngine:
         self.step_time_ema = Ema(0.1)
         self.tokens_per_step_ema = Ema(0.1)
         self.num_steps = 0
+        self.num_handed = 0  # add_request calls, valid or not: the Router matches them against what it sent
         self.last_plan: SchedulerOutput | None = None  # the last step's schedule (traces, tests)
         self._tokens_last_step = 0
         self._num_recording = 0  # requests in flight that record per-step events (tracing); 0: no event work
@@ -244,6 +245,7 @@ class LLMEngine:
         ``grammar``: ``params.structured`` compiled already (``self.grammars.compile``, which blocks:
         the async front compiles off the step loop); None compiles it here.
         """
+        self.num_handed += 1
         if request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", param="request_id")
         params = as_sampling_params(params)
@@ -660,6 +662,7 @@ class LLMEngine:
                 step_time_ema_s=self.step_time_ema.value or 0.0,
                 tokens_per_step_ema=self.tokens_per_step_ema.value or 0.0,
                 num_steps=self.num_steps,
+                handed=self.num_handed,
                 output_tokens=c.output_tokens,
                 spec_request_steps=c.spec_request_steps,
                 plain_request_steps=c.plain_request_steps,

@@ -190,6 +190,9 @@ class LoadSnapshot:
     proposal_rate_ema: dict[str, float] = field(default_factory=dict)
     num_steps: int = 0
     # cumulative counters (rates come from two snapshots' difference over their timestamps)
+    # requests handed to the engine (add_request calls, rejected ones too): with it the Router tells which of
+    # the requests it sent this replica the snapshot's running + waiting already count
+    handed: int = 0
     output_tokens: int = 0  # tokens committed to outputs
     spec_request_steps: int = 0  # decode request-steps that verified drafts
     plain_request_steps: int = 0  # decode request-steps without drafts
