@@ -180,6 +180,80 @@ def test_keyed_sample_is_exactly_the_race_on_the_exact_noise(shape, native, monk
     assert torch.equal(keyed_sample(p, keys), definition)
 
 
+@pytest.mark.parametrize(
+    "shape", ["normal", "peaky", "flat", "bf16_ties", "masked", "one_finite", "near_tie", "nan", "subset", "mixed"]
+)
+def test_the_race_from_logits_is_the_definition(shape):
+    """``sample_rows`` races a temperature-only row on its logits (no softmax formed) and must give exactly
+    ``keyed_sample(process_params(...))``: on a real vocabulary, at temperatures whose division rounds (and one
+    clamped), coarse bf16 logits, a grammar-masked row, a single finite logit, a NaN row, rows picked out of a
+    batch, top-k / top-p rows beside them, and rows whose two leaders' scores are a few ulps apart, where only
+    the fallback to the definition can say (the race must hand those over, not guess)."""
+    from workers.sampler import plain_temperature, process_params, sample_rows
+
+    gen = torch.Generator().manual_seed(sum(map(ord, shape)))
+    n, vocab = 12, 49152
+    x = torch.randn(n, vocab, generator=gen) * {"peaky": 9.0, "flat": 0.2}.get(shape, 3.0)
+    temps = [1.0, 0.7, 1.3, 0.37, 2.0, 0.1, 1e-7, 5.0, 0.9, 1.1, 0.61, 1.7]
+    params = [SamplingParams(temperature=t, seed=i) for i, t in enumerate(temps)]
+    keys = [position_key(31, t) for t in range(n)]
+    if shape == "bf16_ties":
+        x = x.bfloat16().float()
+    elif shape == "masked":
+        x[torch.rand(n, vocab, generator=gen) < 0.99] = -torch.inf
+    elif shape == "one_finite":
+        x[:] = -torch.inf
+        x[torch.arange(n), torch.randint(0, vocab, (n,), generator=gen)] = 2.0
+    elif shape == "nan":
+        x[3, 77] = float("nan")
+    elif shape == "mixed":  # truncated rows beside plain ones take the definition's own path
+        params[2] = SamplingParams(temperature=0.8, top_p=0.9, seed=2)
+        params[5] = SamplingParams(temperature=0.8, top_k=40, seed=5)
+    elif shape == "near_tie":  # two leaders whose scores exp(x) / E differ by j ulps of x near 0.5, j = -3..3
+        n = 42
+        x = torch.randn(n, vocab, generator=gen) - 30.0
+        params = [SamplingParams(temperature=1.0, seed=i) for i in range(n)]
+        keys = [position_key(31, t) for t in range(n)]
+        e = keyed_exponentials(keys, vocab, "cpu")
+        for i in range(n):
+            a, b = torch.randperm(vocab, generator=gen)[:2].tolist()
+            x[i, a] = 0.5
+            x[i, b] = float(0.5 + torch.log(e[i, b].double() / e[i, a].double())) + (i % 7 - 3) * 2.0**-24
+    rows = list(range(n)) if shape != "subset" else [9, 2, 2, 7]
+    row_params = [params[r] for r in rows]
+    row_keys = [keys[r] for r in rows]
+    want = keyed_sample(process_params(x[rows], row_params), row_keys).tolist()
+    assert sample_rows(x, rows, row_params, row_keys) == want
+    for r, p, k, w in zip(rows, row_params, row_keys, want):  # alone: the same token as in its batch
+        assert sample_rows(x, [r], [p], [k]) == [w]
+    ops = native_attention.load_layer_ops()
+    if ops is not None and shape in ("normal", "near_tie"):
+        plain = [j for j, p in enumerate(row_params) if plain_temperature(p, vocab)]
+        raw = ops.scaled_race(x, [rows[j] for j in plain], [max(row_params[j].temperature, 1e-6) for j in plain],
+                              [row_keys[j] for j in plain], 1e-4, 1e-5, 64)  # fmt: skip
+        decided = sum(t >= 0 for t in raw)
+        # ordinary rows are decided natively; rows whose leaders tie within ~1e-6 are left to the definition
+        assert decided == len(plain) if shape == "normal" else decided < len(plain)
+
+
+def test_torch_softmax_stays_far_inside_the_races_guard():
+    """The race from logits trusts torch's softmax to order a row's entries as exp(y - max) does, within a few
+    ulps of each other (its guard is 1e-5 relative; the sum's rounding scales the whole row alike and cannot
+    reorder it): a torch whose softmax strays further must fail here, not change a sampled token."""
+    from workers.sampler import _SCALED_GUARD
+
+    for scale in (0.3, 1.0, 4.0, 9.0):
+        x = torch.randn(16, 49152, generator=torch.Generator().manual_seed(5)) * scale / 0.7
+        p = torch.softmax(x, dim=-1).double()  # [16, V]
+        d = (x - x.max(dim=-1, keepdim=True).values).double()  # y - max rounded in float, as torch rounds it
+        ratio = p / d.exp()  # [16, V] 1 / sum, times each entry's own error
+        big = d > -60  # normal floats: the race's candidates are never smaller
+        hi = torch.where(big, ratio, 0.0).max(dim=-1).values
+        lo = torch.where(big, ratio, torch.inf).min(dim=-1).values
+        spread = (hi / lo - 1).max().item()
+        assert spread < _SCALED_GUARD / 10, (scale, spread)
+
+
 def test_native_uniforms_are_the_keyed_generators_draws():
     """The native race draws its noise from a Mersenne twister of its own; it must be torch's CPU generator's,
     number for number, for any key (the high 32 bits too) and any vocabulary (across the twister's 624-draw

@@ -362,6 +362,9 @@ class NativeLayerOps:
         self._race = dll.keyed_race
         self._race.argtypes = [p, p, i64, i64, ctypes.c_float, i64, i32, p]
         self._race.restype = ctypes.c_int
+        self._scaled_race = dll.scaled_race
+        self._scaled_race.argtypes = [p, p, p, p, i64, i64, ctypes.c_float, ctypes.c_double, i64, i32, p]
+        self._scaled_race.restype = ctypes.c_int
         self._leading = dll.leading_candidates
         self._leading.argtypes = [p, i64, i64, p, p, i64, ctypes.POINTER(ctypes.c_int), p, ctypes.c_double,
                                   ctypes.POINTER(ctypes.c_int64)]  # fmt: skip
@@ -419,6 +422,35 @@ class NativeLayerOps:
         threads = torch.get_num_threads()
         if self._race(p.data_ptr(), ctypes.addressof(k), rows, vocab, margin, cap, threads, tokens.buffer_info()[0]):
             raise MemoryError("keyed_race: no memory for its buffers")
+        return tokens.tolist()
+
+    def scaled_race(
+        self,
+        x: torch.Tensor,  # [N, V] float32 contiguous raw logits
+        rows: list[int],  # [R] the rows of x to race
+        temps: list[float],  # [R] float32 values, each > 0: the divisors of the rows' logits
+        keys: list[int],  # [R] position keys
+        margin: float,
+        guard: float,
+        cap: int,
+    ) -> list[int]:  # [R] each row's token, -1 where the definition must decide
+        """Each listed row's exponential race on ``softmax(x / t)`` from its logits (``scaled_race`` in
+        workers/kernels/keyed_race.c)."""
+        if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+            raise ValueError("scaled_race: x must be a contiguous [N, V] float32 tensor")
+        if not (len(rows) == len(temps) == len(keys)) or any(not 0 <= r < x.shape[0] for r in rows):
+            raise ValueError("scaled_race: one temperature and one key per row, each row of x")
+        n = len(rows)
+        tokens = array("q", bytes(8 * n))
+        row_ids, t = array("q", rows), array("f", temps)
+        k = self._keys(keys)  # held until the call returns
+        threads = torch.get_num_threads()
+        failed = self._scaled_race(
+            x.data_ptr(), row_ids.buffer_info()[0], t.buffer_info()[0], ctypes.addressof(k), n, x.shape[1], margin,
+            guard, cap, threads, tokens.buffer_info()[0],
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("scaled_race: no memory for its buffers")
         return tokens.tolist()
 
     def leading_candidates(

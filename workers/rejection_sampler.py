@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from workers import native_attention
-from workers.sampler import keyed_sample, process_logits, process_params, sample, sampling_tensors
+from workers.sampler import process_logits, sample, sample_rows, sampling_tensors
 from workers.sampling_params import SamplingParams
 
 
@@ -128,21 +128,20 @@ def verify_coupled(
         else:
             tokens = argmax(target_logits).tolist() if len(sampled) < num_reqs else [0] * num_reqs
         if sampled:
-            logits = target_logits if len(sampled) == num_reqs else target_logits[sampled]  # [S, vocab]
-            p = process_params(logits, [params[i] for i in sampled])  # [S, vocab]
-            for i, t in zip(sampled, keyed_sample(p, [row_keys[i][0] for i in sampled]).tolist()):
+            keys = [row_keys[i][0] for i in sampled]
+            picked = sample_rows(target_logits, sampled, [params[i] for i in sampled], keys)
+            for i, t in zip(sampled, picked):
                 tokens[i] = t
         return VerifyOutput(output_token_ids=[[t] for t in tokens], num_accepted=[0] * num_reqs)
     device = target_logits.device
     target_ids = (  # [R]: the greedy rows' tokens (a tensor of its own: the sampled rows are written below)
         argmax(target_logits) if target_argmax is None else torch.tensor(target_argmax, dtype=torch.long, device=device)
     )
-    if sampled:
-        rows = torch.tensor([r for i in sampled for r in range(row_start[i], row_start[i + 1])], device=device)
-        counts = torch.tensor([num_draft[i] + 1 for i in sampled], device=device)  # [B_s]
-        row_params = (t.repeat_interleave(counts) for t in sampling_tensors([params[i] for i in sampled], device))
-        p = process_logits(target_logits[rows], *row_params)  # [R_s, vocab] p: the target's processed probs
-        target_ids[rows] = keyed_sample(p, [k for i in sampled for k in row_keys[i]])
+    if sampled:  # each sampled row's token: the race on the target's processed probabilities p
+        rows = [r for i in sampled for r in range(row_start[i], row_start[i + 1])]
+        row_params = [params[i] for i in sampled for _ in range(num_draft[i] + 1)]
+        picked = sample_rows(target_logits, rows, row_params, [k for i in sampled for k in row_keys[i]])
+        target_ids[torch.tensor(rows, device=device)] = torch.tensor(picked, dtype=torch.long, device=device)
     drafts, lengths = _padded(draft_token_ids, device)  # [B, K], [B]
     pos = torch.arange(drafts.shape[1] + 1, device=device)  # [K + 1]
     starts = torch.tensor(row_start[:-1], dtype=torch.long, device=device)  # [B]

@@ -348,6 +348,50 @@ def keyed_sample(
     return race.argmax(dim=-1)
 
 
+# A row's race from its logits decides only where its winner leads every other candidate by this much (relative):
+# torch's softmax and the two roundings after it move a score by a few ulps (tests bound them far below it).
+_SCALED_GUARD = 1e-5
+
+
+def plain_temperature(sp: SamplingParams, vocab: int) -> bool:
+    """Whether ``process_logits`` only divides this sampled request's logits by its temperature (top-k and top-p
+    off): its race can then run on the logits themselves (:func:`sample_rows`)."""
+    return not (0 < sp.top_k < vocab) and array("f", [sp.top_p])[0] >= 1.0
+
+
+def sample_rows(
+    logits: torch.Tensor,  # [N, vocab] raw logits
+    rows: list[int],  # [R] the rows to sample
+    params: list[SamplingParams],  # [R] each row's (sampled) request's parameters
+    keys: list[int],  # [R] each row's position key
+) -> list[int]:  # [R] token ids
+    """``keyed_sample(process_params(logits[rows], params), keys)``, row by row the same tokens. Rows whose
+    processing is a division by the temperature race on the logits where the native kernels are built
+    (``scaled_race``: no probabilities formed, no torch op); a row it cannot decide, and every other row, take
+    the definition."""
+    if not (len(rows) == len(params) == len(keys)):
+        raise ValueError("sample_rows: one params and one key per row")
+    out = [-1] * len(rows)
+    vocab = logits.shape[1]
+    ops = native_attention.load_layer_ops() if logits.device.type == "cpu" else None
+    if ops is not None and logits.dtype == torch.float32 and logits.is_contiguous():
+        plain = [j for j, sp in enumerate(params) if plain_temperature(sp, vocab)]
+        if plain:
+            # as process_params sets them (rounded to float32 in the call)
+            temps = [1.0 if params[j].greedy else max(params[j].temperature, _MIN_TEMPERATURE) for j in plain]
+            plain_rows, plain_keys = [rows[j] for j in plain], [keys[j] for j in plain]
+            won = ops.scaled_race(logits, plain_rows, temps, plain_keys, _RACE_MARGIN, _SCALED_GUARD, _RACE_CAP)
+            for j, token in zip(plain, won):
+                out[j] = token
+    rest = [j for j, token in enumerate(out) if token < 0]
+    if rest:
+        x = logits[[rows[j] for j in rest]]  # [len(rest), vocab]
+        p = process_params(x, [params[j] for j in rest])
+        for j, token in zip(rest, keyed_sample(p, [keys[j] for j in rest]).tolist()):
+            out[j] = token
+    return out
+
+
 def _native_race(
     ops: native_attention.NativeLayerOps,
     p: torch.Tensor,  # [n, vocab] float32 contiguous

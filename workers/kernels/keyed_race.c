@@ -203,6 +203,104 @@ int keyed_race(const float *p, const uint64_t *keys, int64_t R, int64_t V, float
     return failed ? -1 : 0;
 }
 
+/* One row of scaled_race: its winner, or -1. u_scratch: [V], c and sc: [cap]. */
+static int64_t scaled_race_row(const float *x, float t, uint64_t key, int64_t V, float margin, double guard, int64_t cap,
+                               float *u_scratch, int64_t *c, float *sc) {
+    /* y = x / t, as torch divides; its maximum, and whether the row holds a NaN or a +inf (the definition then) */
+    const vlanes tv = (vlanes){0} + t;
+    vlanes mv = (vlanes){0} - __builtin_inff();
+    vlanes_i odd = {0};
+    int64_t i = 0;
+    for (; i + LANES <= V; i += LANES) {
+        const vlanes y = load_lanes(x + i) / tv;
+        odd |= lanes_ne(y, y) | lanes_gt(y, (vlanes){0} + FLT_MAX);
+        mv = select_lanes(lanes_gt(y, mv), y, mv);
+    }
+    float m = -__builtin_inff();
+    for (int l = 0; l < LANES; l++) m = mv[l] > m ? mv[l] : m;
+    for (; i < V; i++) {
+        const float y = x[i] / t;
+        if (y != y || y > FLT_MAX) return -1;
+        m = y > m ? y : m;
+    }
+    if (any_lane(odd) || !(m > -__builtin_inff())) return -1;
+    mt_uniforms(key, u_scratch, V);
+    /* the approximate race on exp(y - m) / E': softmax's common 1 / sum cannot change which entries come close */
+    float best = 0.0f, thr = 0.0f;
+    int64_t n = 0;
+    const vlanes mvec = (vlanes){0} + m;
+    for (i = 0; i < V; i += LANES) {
+        vlanes yv, uv;
+        if (i + LANES <= V) {
+            yv = load_lanes(x + i) / tv, uv = load_lanes(u_scratch + i);
+        } else { /* the row's end: -inf past it, never a candidate */
+            float yt[LANES], ut[LANES];
+            for (int l = 0; l < LANES; l++)
+                yt[l] = i + l < V ? x[i + l] / t : -__builtin_inff(), ut[l] = i + l < V ? u_scratch[i + l] : 0.5f;
+            yv = load_lanes(yt), uv = load_lanes(ut);
+        }
+        const vlanes pv = exp_nonpos(yv - mvec);
+        const vlanes e = race_noise_lanes(uv);
+        if (!any_lane(lanes_ge(pv, e * (thr * (1.0f - 0x1p-20f))) & lanes_gt(yv, (vlanes){0} - __builtin_inff())))
+            continue;
+        const vlanes s = pv / e;
+        for (int l = 0; l < LANES && i + l < V; l++) {
+            if (!(s[l] >= thr && yv[l] > -__builtin_inff())) continue;
+            if (s[l] > best) {
+                best = s[l], thr = best * (1.0f - margin);
+                int64_t k = 0;
+                for (int64_t j = 0; j < n; j++)
+                    if (sc[j] >= thr) c[k] = c[j], sc[k] = sc[j], k++;
+                n = k;
+            }
+            if (n == cap) return -1;
+            c[n] = i + l, sc[n] = s[l], n++;
+        }
+    }
+    /* the candidates' scores in double (y - m rounded in float as torch rounds it); the winner must lead every other
+     * by a relative `guard`, far more than the few ulps torch's softmax and its two roundings may move a score */
+    int64_t token = -1;
+    double top = -1.0, second = -1.0;
+    for (int64_t j = 0; j < n; j++) {
+        const float d = x[c[j]] / t - m;
+        const double e = (double)(float)-log((double)u_scratch[c[j]] + 0x1p-25);
+        const double score = exp((double)d) / e;
+        if (score > top) {
+            second = top, top = score, token = c[j];
+        } else if (score > second) {
+            second = score;
+        }
+    }
+    return token >= 0 && second * (1.0 + guard) < top ? token : -1;
+}
+
+/* Each listed row's exponential race on softmax(x / t) straight from its logits: tokens[r] is what keyed_race gives on
+ * torch's softmax(x[rows[r]] / temps[r]) with keys[r] (keyed_sample of process_logits with top-k and top-p off),
+ * without forming the probabilities. The approximate race names the entries within `margin` of the best; their
+ * scores exp(y - max) / E in double decide, and the winner must beat every other by a relative `guard`, else -1
+ * (a near tie, a NaN or +inf logit, a row of -inf, more than cap candidates): the definition decides that row. x:
+ * [*, V] float32, rows: [R] indices into it. Rows split over nthreads threads. Returns 0, or -1 if a buffer could not
+ * be allocated. */
+int scaled_race(const float *x, const int64_t *rows, const float *temps, const uint64_t *keys, int64_t R, int64_t V,
+                float margin, double guard, int64_t cap, int nthreads, int64_t *tokens) {
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1) if (nthreads > 1 && R > 1) reduction(| : failed)
+    {
+        float *const u = malloc((size_t)V * sizeof(float));
+        int64_t *const c = malloc((size_t)cap * sizeof(int64_t));
+        float *const sc = malloc((size_t)cap * sizeof(float));
+        if (u && c && sc) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < R; r++)
+                tokens[r] = scaled_race_row(x + rows[r] * V, temps[r], keys[r], V, margin, guard, cap, u, c, sc);
+        } else {
+            failed = 1;
+        }
+        free(u), free(c), free(sc);
+    }
+    return failed ? -1 : 0;
+}
+
 /* qsort's order for leading_candidates: logit descending, then id ascending (a total order: ids are distinct). */
 static __thread const float *lead_x;
 static int lead_cmp(const void *a, const void *b) {

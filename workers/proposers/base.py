@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from workers.sampler import keyed_sample, position_key, sample
+from workers.sampler import position_key, process_params, sample, sample_rows
 from workers.sampling_params import SamplingParams
 
 
@@ -78,21 +78,29 @@ def coupled_key(r: ProposalRequest, num_drafted: int) -> int | None:
 
 
 def draw_drafts(
-    q: torch.Tensor,  # [S, V] processed draft probabilities of the sampled rows
+    logits: torch.Tensor,  # [N, V] raw draft logits over the target vocabulary (-inf off the draft's own)
+    rows: list[int],  # [S] the sampled rows
+    params: list[SamplingParams],  # [S] their requests' sampling parameters
     keys: list[int | None],  # [S] coupled_key of each row (None: the draft's own stream)
-    generator_of: Callable[[int], torch.Generator | None],  # row -> that request's draft generator
-) -> tuple[torch.Tensor, list[int]]:  # [S] drafted token ids; the rows whose q must be sent
-    """Sample one draft token per row. Coupled rows take the keyed sample of the position they would
-    fill (the target's own noise there) and send no q; the others draw from the draft's stream and
-    send q for rejection sampling."""
-    picked = torch.empty(q.shape[0], dtype=torch.long, device=q.device)  # [S]
+    generator_of: Callable[[int], torch.Generator | None],  # a (0..S-1) -> that request's draft generator
+) -> tuple[list[int], dict[int, torch.Tensor]]:  # [S] drafted token ids; a -> q [V] for the rows that must send it
+    """Sample one draft token per row from its processed probabilities ``q``. Coupled rows take the keyed
+    sample of the position they would fill (the target's own noise there) and send no q, so theirs is never
+    formed where the race can run on the logits; the others draw from the draft's stream and send q for
+    rejection sampling."""
+    picked = [0] * len(rows)
     tied = [a for a, k in enumerate(keys) if k is not None]
     own = [a for a, k in enumerate(keys) if k is None]
     if tied:
-        picked[tied] = keyed_sample(q[tied], [keys[a] for a in tied])  # type: ignore[misc]
+        tied_keys = [k for k in keys if k is not None]
+        for a, token in zip(tied, sample_rows(logits, [rows[a] for a in tied], [params[a] for a in tied], tied_keys)):
+            picked[a] = token
+    sent: dict[int, torch.Tensor] = {}
     if own:
-        picked[own] = sample(q[own], [generator_of(a) for a in own])
-    return picked, own
+        q = process_params(logits[[rows[a] for a in own]], [params[a] for a in own])  # [O, V]
+        for j, (a, token) in enumerate(zip(own, sample(q, [generator_of(a) for a in own]).tolist())):
+            picked[a], sent[a] = token, q[j]
+    return picked, sent
 
 
 def stack_draft_probs(

@@ -44,7 +44,7 @@ import torch
 
 from workers.kv_blocks import DraftBlocks
 from workers.proposers.base import ProposalRequest, Proposals, Proposer, coupled_key, draw_drafts, stack_draft_probs
-from workers.sampler import make_generator, process_params
+from workers.sampler import make_generator
 from workers.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the runner imports transformers (~3 s); load it only when a proposer is built
@@ -321,13 +321,14 @@ class DraftModelProposer(Proposer):
         q_out: list[torch.Tensor | None] = [None] * len(params)
         sampled = [j for j, sp in enumerate(params) if not sp.greedy]
         if sampled:
-            sp_rows = [params[j] for j in sampled]
-            idx = torch.tensor(sampled, device=logits.device)
-            q = process_params(logits[idx], sp_rows)  # [S, V] q: draft probs
             picked, sent = draw_drafts(
-                q, [keys[j] for j in sampled], lambda a: self._generator(states[sampled[a]], params[sampled[a]])
+                logits,
+                sampled,
+                [params[j] for j in sampled],
+                [keys[j] for j in sampled],
+                lambda a: self._generator(states[sampled[a]], params[sampled[a]]),
             )
-            for a in sent:
-                q_out[sampled[a]] = q[a]
-            chosen[idx] = picked
+            for a, q in sent.items():
+                q_out[sampled[a]] = q  # [V] q: the draft's processed probabilities
+            chosen[torch.tensor(sampled, device=logits.device)] = torch.tensor(picked, device=logits.device)
         return chosen.tolist(), q_out

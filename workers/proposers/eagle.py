@@ -34,7 +34,7 @@ from workers.eagle_head import EagleHead, load_head
 from workers.kv_blocks import DraftBlocks
 from workers.proposers.base import ProposalRequest, Proposals, Proposer, coupled_key, draw_drafts, stack_draft_probs
 from workers.proposers.draft_model import DRAFT_SEED_SALT
-from workers.sampler import make_generator, process_params
+from workers.sampler import make_generator
 from workers.sampling_params import SamplingParams
 
 
@@ -286,14 +286,16 @@ class EagleProposer(Proposer):
             idx = torch.tensor(sampled, device=logits.device)
             full = logits.new_full((len(sampled), self.vocab_size), float("-inf"))  # [S, V]: q is 0 off the draft vocab
             full[:, d2t] = logits[idx]
-            sp_rows = [params[j] for j in sampled]
-            q = process_params(full, sp_rows)  # [S, V] q: draft probs
             picked, sent = draw_drafts(
-                q, [keys[j] for j in sampled], lambda a: self._generator(states[sampled[a]], params[sampled[a]])
+                full,
+                list(range(len(sampled))),
+                [params[j] for j in sampled],
+                [keys[j] for j in sampled],
+                lambda a: self._generator(states[sampled[a]], params[sampled[a]]),
             )
-            for a in sent:
-                q_out[sampled[a]] = q[a]
-            chosen[idx] = picked
+            for a, q in sent.items():
+                q_out[sampled[a]] = q  # [V] q: the draft's processed probabilities
+            chosen[idx] = torch.tensor(picked, device=logits.device)
         return chosen.tolist(), q_out
 
     def _generator(self, st: _EagleState, sp: SamplingParams) -> torch.Generator | None:
