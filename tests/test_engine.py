@@ -480,5 +480,57 @@ def test_decode_steps_in_one_call_write_what_single_steps_write(tiny_loaded):
     alone_one, alone_calls_one, _ = sampled_alone(1)
     alone_many, alone_calls, alone_steps = sampled_alone(6)
     assert alone_many == alone_one and alone_calls < alone_calls_one and alone_steps > alone_calls  # sampled, too
+
+
+def test_sampled_decode_steps_race_in_the_native_call_and_hand_near_ties_to_the_definition(tiny_loaded, monkeypatch):
+    """Temperature-only requests (beside greedy ones) run their decode_steps as one native call that races each
+    row itself: no pick between the steps. Where a race cannot decide (forced here for every row: too many
+    candidates) the call ends at that step and the definition picks its tokens. Either way the tokens
+    are those of one step per iteration."""
+    from workers import sampler
+    from workers.output_processor import OutputProcessor
+
+    prompts = rand_prompts(3, 12)
+    picks = [0]
+    plain_picks = OutputProcessor.plain_picks
+
+    def counted(self, requests):
+        pick = plain_picks(self, requests)
+
+        def wrapped(step, logits, argmax):
+            picks[0] += 1
+            return pick(step, logits, argmax)
+
+        return wrapped
+
+    monkeypatch.setattr(OutputProcessor, "plain_picks", counted)
+
+    def run(decode_steps: int) -> tuple[dict[str, list[int]], int, int]:
+        eng = LLMEngine(
+            EngineConfig(dtype="bfloat16", max_num_seqs=8, max_model_len=256, proposers=[], decode_steps=decode_steps),
+            tiny_loaded,
+        )
+        if decode_steps > 1 and not eng.runner.runs_decode_steps:
+            pytest.skip("no fused native forward here (no C compiler)")
+        eng.add_request("t1", prompts[0], {"max_tokens": 30, "ignore_eos": True, "temperature": 1.0, "seed": 4})
+        eng.add_request("t07", prompts[1], {"max_tokens": 25, "ignore_eos": True, "temperature": 0.7, "seed": 8})
+        eng.add_request("greedy", prompts[2], {"max_tokens": 28, "ignore_eos": True})
+        picks[0] = 0
+        got: dict[str, list[int]] = {}
+        calls = 0
+        while eng.has_work():
+            calls += 1
+            for o in eng.step():
+                got[o.request_id] = got.get(o.request_id, []) + o.token_ids
+        return got, calls, picks[0]
+
+    one, calls_one, _ = run(1)
+    raced, calls_raced, picks_raced = run(6)
+    assert raced == one and calls_raced < calls_one
+    assert picks_raced == 0  # every step's tokens came from the native races
+    # every entry a candidate, more than a race may weigh: no race decides, each call's first step is handed over
+    monkeypatch.setattr(sampler, "_RACE_MARGIN", 1.0)
+    handed, calls_handed, picks_handed = run(6)
+    assert handed == one and picks_handed > 0 and calls_handed == calls_one  # one step an iteration, as handed over
     with pytest.raises(ValidationError, match="decode_steps"):
         EngineConfig(decode_steps=0)

@@ -450,7 +450,9 @@ class LLMEngine:
             block_tables=[r.block_table for r in decoding],
         )
         greedy = all(r.params.greedy for r in decoding)  # then the steps' argmax feeds back in one native call
-        steps = self.runner.decode_steps(batch, n, None if greedy else self.processor.plain_picks(decoding))  # [ran][R]
+        pick = None if greedy else self.processor.plain_picks(decoding)
+        races = None if greedy else self.processor.plain_races(decoding, self.vocab_size)  # one call too, if not None
+        steps = self.runner.decode_steps(batch, n, pick, races)  # [ran][R]
         outputs = self.processor.commit_steps(decoding, [list(toks) for toks in zip(*steps)])
         self._after_steps(decoding, len(steps), len(decoding), t0, len(decoding), 0)
         return outputs

@@ -847,6 +847,10 @@ class NativeLayers:
         self._steps.argtypes, self._steps.restype = [p, i64, p], i64  # args, steps, [steps, M] int64 tokens
         self._advance = dll.invariant_layers_advance
         self._advance.argtypes, self._advance.restype = [p, p], ctypes.c_int  # args, [M] int64 tokens
+        self._steps_sampled = dll.invariant_layers_steps_sampled
+        self._steps_sampled.argtypes = [p, i64, p, p, p, p, ctypes.c_float, ctypes.c_double, i64, p,
+                                        ctypes.POINTER(ctypes.c_int)]  # fmt: skip
+        self._steps_sampled.restype = i64
         self._workspace_bytes = dll.layers_workspace_bytes
         self._workspace_bytes.argtypes = [i64] * 7 + [i32, i32]
         self._workspace_bytes.restype = i64
@@ -877,7 +881,7 @@ class NativeLayers:
     ) -> BoundLayers:
         return BoundLayers(
             self._fn, self._workspace_bytes, layers, caches, cos, sin, num_heads, eps, attn,
-            norm_w, lm_head, stream, embed, self._steps, self._advance,
+            norm_w, lm_head, stream, embed, self._steps, self._advance, self._steps_sampled,
         )  # fmt: skip
 
 
@@ -922,6 +926,20 @@ class _Head:
         return _Head(hs, logits, staged, argmax, (hs.data_ptr(), staged.data_ptr(), f32, argmax.buffer_info()[0]))
 
 
+@dataclass(frozen=True)
+class RowRaces:
+    """How a run of native decode steps picks each row's token (``BoundLayers.decode_steps``): a row with
+    ``temps[r] > 0`` the exponential race on ``softmax(logits / temps[r])`` keyed by its output position
+    ``first_positions[r] + step`` of seed ``seeds[r]``, the others their argmax (``sampler.row_races`` builds it)."""
+
+    temps: list[float]  # [M] float32 values; 0: greedy
+    seeds: list[int]  # [M]
+    first_positions: list[int]  # [M] the output position of the run's first token
+    margin: float
+    guard: float
+    cap: int
+
+
 class BoundLayers:
     """One runner's layers bound to the fused call: weights, caches and tables as pointer arrays made once."""
 
@@ -948,6 +966,7 @@ class BoundLayers:
         embed: torch.Tensor | None = None,
         steps: ctypes._CFuncPtr | None = None,  # type: ignore[name-defined]
         advance: ctypes._CFuncPtr | None = None,  # type: ignore[name-defined]
+        steps_sampled: ctypes._CFuncPtr | None = None,  # type: ignore[name-defined]
     ) -> None:
         names = ("in_norm", "qkv", "o", "post_norm", "gate_up", "down")
         weights = [L[n] for L in layers for n in names]
@@ -974,6 +993,7 @@ class BoundLayers:
         self._embed_ptr: int | None = None if embed is None else embed.data_ptr()
         self._vocab_in = 0 if embed is None else embed.shape[0]  # rows of the embedding table
         self._fn, self._steps, self._advance, self._attn, self._caches = fn, steps, advance, attn, caches
+        self._steps_sampled = steps_sampled
         self._workspace_bytes = workspace_bytes
         self.dtype, self.num_heads, self.eps = dtype, num_heads, eps
         self.hidden = layers[0]["in_norm"].shape[0]
@@ -1071,13 +1091,17 @@ class BoundLayers:
         scale: float,
         n: int,
         pick: Callable[[int, torch.Tensor, list[int]], list[int]] | None = None,
+        races: RowRaces | None = None,
     ) -> list[list[int]]:
         """``n`` decode steps with no return to the engine between them: :meth:`forward` on ``index``, then each
         row's token fed back as its next, ``n`` times. Returns each step's tokens per row ([steps][M] ints).
         Without ``pick`` the tokens are the argmaxes and the whole run is one native call
         (``invariant_layers_steps``): the tokens ``n`` greedy steps one at a time would pick, bit for bit (each
         step is the same fused computation on the same inputs). With ``pick(step, logits [M, V] fp32, argmax [M])
-        -> [M] tokens`` (a sampler) each step is one native call and ``pick`` chooses the tokens fed to the next.
+        -> [M] tokens`` (a sampler) each step is one native call and ``pick`` chooses the tokens fed to the next;
+        with ``races`` too (the same choices where the native race can make them) the run is one native call
+        again (``invariant_layers_steps_sampled``), and ``pick`` chooses only at a step whose race could not
+        decide, after which the run ends.
         ``index``: a decode step, one row per request, every row a logits row in order, each block table covering
         ``n`` positions from the row's (its vectors are advanced in place). Why: a step's Python around the
         forward (scheduling, output handling) runs on caches the weights have just flushed; here ``n - 1`` steps
@@ -1103,6 +1127,24 @@ class BoundLayers:
             if ran < 1:
                 raise refused
             return [tokens[s * M : (s + 1) * M].tolist() for s in range(ran)]
+        if races is not None and self._steps_sampled is not None:
+            if len(races.temps) != M or len(races.seeds) != M or len(races.first_positions) != M:
+                raise ValueError(f"races: one temperature, seed and position per row ({M})")
+            tokens = array("q", bytes(8 * n * M))
+            temps, first = array("f", races.temps), array("q", races.first_positions)
+            seeds = self._seeds(races.seeds)
+            pending = ctypes.c_int(0)
+            ran = self._steps_sampled(
+                b.args_at, n, head.logits.data_ptr(), temps.buffer_info()[0], ctypes.addressof(seeds),
+                first.buffer_info()[0], races.margin, races.guard, races.cap, tokens.buffer_info()[0],
+                ctypes.byref(pending),
+            )  # fmt: skip
+            if ran < 0:
+                raise refused
+            raced = [tokens[s * M : (s + 1) * M].tolist() for s in range(ran)]
+            if pending.value:  # step `ran` ran but a race could not say: the definition picks its tokens
+                raced.append(pick(ran, head.logits, head.argmax.tolist()))
+            return raced
         steps: list[list[int]] = []
         fed = array("q")  # the tokens fed to the next step: the last pick's
         for s in range(n):
@@ -1115,6 +1157,10 @@ class BoundLayers:
             steps.append(pick(s, head.logits, head.argmax.tolist()))
             fed = array("q", steps[-1])
         return steps
+
+    @staticmethod
+    def _seeds(seeds: list[int]) -> ctypes.Array[ctypes.c_uint64]:
+        return (ctypes.c_uint64 * len(seeds))(*(k & 0xFFFFFFFFFFFFFFFF for k in seeds))
 
     def _kept_head(self, M: int) -> _Head:
         """The head's outputs for M rows that callers reading them at once share (see forward's ``reuse``)."""

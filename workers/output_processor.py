@@ -17,11 +17,12 @@ import torch
 
 from workers.grammar import GrammarRuntime
 from workers.logprobs import token_logprobs
+from workers.native_attention import RowRaces
 from workers.penalties import penalize_rows
 from workers.proposers.base import Proposer
 from workers.rejection_sampler import verify, verify_coupled
 from workers.request import Request, RequestOutput, Status, StepEvent, TokenLogprob
-from workers.sampler import position_key
+from workers.sampler import position_key, row_races
 from workers.stats import AcceptanceTracker, SpecDecodeStats
 
 
@@ -194,6 +195,12 @@ class OutputProcessor:
             return [t[0] for t in verify_coupled(logits, no_drafts, params, keys, argmax).output_token_ids]
 
         return pick
+
+    def plain_races(self, requests: list[Request], vocab: int) -> RowRaces | None:
+        """:meth:`plain_picks`' choices in a form the native steps make themselves (``sampler.row_races``), or
+        None where a request truncates its distribution."""
+        positions = [len(r.output_ids) for r in requests]  # as _row_keys keys a run's first step
+        return row_races([r.params for r in requests], [r.seed for r in requests], positions, vocab)
 
     def commit_steps(self, requests: list[Request], tokens: list[list[int]]) -> list[RequestOutput]:
         """Plain steps run with no commit between them (LLMEngine's decode_steps): ``tokens[i]``, request i's token

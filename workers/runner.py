@@ -469,12 +469,14 @@ class ModelRunner:
         batch: StepBatch,
         n: int,
         pick: Callable[[int, torch.Tensor, list[int]], list[int]] | None = None,
+        races: native_attention.RowRaces | None = None,
     ) -> list[list[int]]:
         """``n`` decode steps with no return to the caller between them (``BoundLayers.decode_steps``): the step
         ``batch`` holds (one pending token per request, each request's block table covering ``n`` positions from
         its start), then each request's token fed back ``n - 1`` times: its argmax (one native call for all
         steps), or what ``pick(step, logits [R, V] fp32, argmax [R])`` returns (a sampler, between the steps'
-        native calls). Returns per step the token of each request ([steps][R] ints, steps <= n): the tokens ``n``
+        native calls; with ``races``, the same choices made in the one native call). Returns per step the token of each
+        request ([steps][R] ints, steps <= n): the tokens ``n``
         :meth:`forward` calls would give those choices, bit for bit. The logits go only to ``pick``: the caller
         wants none (no logprobs, penalties or grammar)."""
         if not self.runs_decode_steps:
@@ -485,7 +487,7 @@ class ModelRunner:
             raise ValueError("decode_steps runs a decode step: one new token per request, its logits row")
         index, _, _ = self._step_index(batch, n - 1)
         assert self.native_layers is not None
-        return self.native_layers.decode_steps(index, self.head_dim**-0.5, n, pick)
+        return self.native_layers.decode_steps(index, self.head_dim**-0.5, n, pick, races)
 
     def _step_index(self, batch: StepBatch, ahead: int = 0) -> tuple[StepIndex, list[int], list[int]]:
         """The step's index vectors (workers/step_index.py), its new tokens per request and each request's first

@@ -392,6 +392,27 @@ def sample_rows(
     return out
 
 
+def row_races(
+    params: list[SamplingParams],  # [M] each row's request's parameters
+    seeds: list[int],  # [M] each request's resolved seed (ignored for greedy rows)
+    first_positions: list[int],  # [M] the output position of each row's next token
+    vocab: int,
+) -> native_attention.RowRaces | None:
+    """What native decode steps need to pick each row's token as a plain step's ``verify_coupled`` does (greedy
+    rows their argmax, temperature-only rows :func:`sample_rows`' race), or None where a row truncates (top-k,
+    top-p: the definition runs in torch)."""
+    if any(not sp.greedy and not plain_temperature(sp, vocab) for sp in params):
+        return None
+    return native_attention.RowRaces(
+        temps=[0.0 if sp.greedy else max(sp.temperature, _MIN_TEMPERATURE) for sp in params],
+        seeds=[0 if sp.greedy else seed for sp, seed in zip(params, seeds)],
+        first_positions=list(first_positions),
+        margin=_RACE_MARGIN,
+        guard=_SCALED_GUARD,
+        cap=_RACE_CAP,
+    )
+
+
 def _native_race(
     ops: native_attention.NativeLayerOps,
     p: torch.Tensor,  # [n, vocab] float32 contiguous

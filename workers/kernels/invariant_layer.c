@@ -17,6 +17,7 @@
  */
 
 #include <math.h>
+#include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -688,14 +689,69 @@ int invariant_layers_advance(layers_args *a, const int64_t *tokens) {
  * rows[m] == m, one row per request), with an argmax; a's index vectors (ids, pos, kv_index, nvis) are advanced in
  * place (invariant_layers_advance), which the attention scratch must cover too. Returns how many steps ran: n, or
  * fewer if a check refused one (none: -1); the tokens of the steps that ran are set. */
-int64_t invariant_layers_steps(layers_args *a, int64_t n, int64_t *tokens) {
-    if (n < 1 || !a->rows || !a->argmax || !a->ids || a->M != a->T || a->BS <= 0) return -1;
+static int steps_shape_ok(const layers_args *a, int64_t n) {
+    if (n < 1 || !a->rows || !a->argmax || !a->ids || a->M != a->T || a->BS <= 0) return 0;
     for (int64_t m = 0; m < a->M; m++)
-        if (a->rows[m] != m || (m > 0 && a->req[m] <= a->req[m - 1])) return -1;
+        if (a->rows[m] != m || (m > 0 && a->req[m] <= a->req[m - 1])) return 0;
+    return 1;
+}
+
+int64_t invariant_layers_steps(layers_args *a, int64_t n, int64_t *tokens) {
+    if (!steps_shape_ok(a, n)) return -1;
     for (int64_t s = 0; s < n; s++) {
         if (s > 0 && invariant_layers_advance(a, a->argmax)) return s; /* the next position of every row */
         if (invariant_layers_packed(a)) return s ? s : -1;
         __builtin_memcpy(tokens + s * a->M, a->argmax, (size_t)a->M * sizeof(int64_t));
     }
     return n;
+}
+
+/* invariant_layers_steps for rows that sample: row r with temps[r] > 0 takes, at step s, the exponential race on
+ * softmax(logits / temps[r]) keyed by output position first_pos[r] + s of a request seeded seeds[r]
+ * (scaled_race_row: the token the sampler's definition gives), the others their argmax. logits: [M, V] float32, the
+ * head's output the forward writes. Where a row's race cannot decide (a near tie), the call stops after that step's
+ * forward with *pending = 1: its logits are in place for the caller to pick that step's tokens by the definition.
+ * Returns the steps whose tokens are set (as invariant_layers_steps), or -1 if a buffer could not be allocated. */
+int64_t invariant_layers_steps_sampled(layers_args *a, int64_t n, const float *logits, const float *temps,
+                                       const uint64_t *seeds, const int64_t *first_pos, float margin, double guard,
+                                       int64_t cap, int64_t *tokens, int *pending) {
+    *pending = 0;
+    if (!steps_shape_ok(a, n) || !logits || cap < 1) return -1;
+    const int64_t M = a->M, V = a->V;
+    int64_t sampled = 0;
+    for (int64_t m = 0; m < M; m++) sampled += temps[m] > 0.0f;
+    const int nt = a->nthreads > 1 && sampled > 1 ? a->nthreads : 1;
+    /* each thread's candidates [cap], their scores [cap] and the row's uniforms [V], at 64-byte boundaries */
+    const size_t per = ((size_t)cap * (sizeof(int64_t) + sizeof(float)) + (size_t)V * sizeof(float) + 63) & ~(size_t)63;
+    char *const scratch = aligned_alloc(64, per * (size_t)nt);
+    if (!scratch) return -1;
+    int64_t s = 0;
+    for (; s < n; s++) {
+        if (s > 0 && invariant_layers_advance(a, tokens + (s - 1) * M)) break;
+        if (invariant_layers_packed(a)) {
+            if (!s) s = -1;
+            break;
+        }
+        int64_t *const out = tokens + s * M;
+        int undecided = 0;
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static) reduction(| : undecided)
+        for (int64_t m = 0; m < M; m++) {
+            if (!(temps[m] > 0.0f)) {
+                out[m] = a->argmax[m];
+                continue;
+            }
+            char *const mine = scratch + per * (size_t)(nt > 1 ? omp_get_thread_num() : 0);
+            int64_t *const c = (int64_t *)mine;
+            float *const sc = (float *)(c + cap), *const u = sc + cap;
+            const uint64_t key = position_key(seeds[m], (uint64_t)(first_pos[m] + s));
+            out[m] = scaled_race_row(logits + m * V, temps[m], key, V, margin, guard, cap, u, c, sc);
+            undecided |= out[m] < 0;
+        }
+        if (undecided) {
+            *pending = 1;
+            break;
+        }
+    }
+    free(scratch);
+    return s;
 }

@@ -300,6 +300,12 @@ static inline void team_wait_stage(const team *t, uint64_t stage) {
 void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int stream,
                  int tiled, team *t);
 int tiled_shape_ok(int64_t N, int64_t K, int bf16);
+
+/* keyed_race.c: one row's exponential race on softmax(x / t) with its key's noise (-1: the definition decides), and
+ * the key of an output position. */
+int64_t scaled_race_row(const float *x, float t, uint64_t key, int64_t V, float margin, double guard, int64_t cap,
+                        float *u_scratch, int64_t *c, float *sc);
+uint64_t position_key(uint64_t seed, uint64_t position);
 int tiled_layout_wins(int bf16);
 int invariant_linear(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int stream,
                      int tiled, int nthreads);

@@ -204,7 +204,7 @@ int keyed_race(const float *p, const uint64_t *keys, int64_t R, int64_t V, float
 }
 
 /* One row of scaled_race: its winner, or -1. u_scratch: [V], c and sc: [cap]. */
-static int64_t scaled_race_row(const float *x, float t, uint64_t key, int64_t V, float margin, double guard, int64_t cap,
+int64_t scaled_race_row(const float *x, float t, uint64_t key, int64_t V, float margin, double guard, int64_t cap,
                                float *u_scratch, int64_t *c, float *sc) {
     /* y = x / t, as torch divides; its maximum, and whether the row holds a NaN or a +inf (the definition then) */
     const vlanes tv = (vlanes){0} + t;
@@ -300,6 +300,17 @@ int scaled_race(const float *x, const int64_t *rows, const float *temps, const u
     }
     return failed ? -1 : 0;
 }
+
+/* splitmix64 (Steele et al. 2014), as workers/sampler.py's _splitmix64. */
+static inline uint64_t splitmix64(uint64_t x) {
+    uint64_t z = x + 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* The noise key of output position `position` of a request seeded `seed` (position_key in workers/sampler.py). */
+uint64_t position_key(uint64_t seed, uint64_t position) { return splitmix64(seed ^ splitmix64(position)); }
 
 /* qsort's order for leading_candidates: logit descending, then id ascending (a total order: ids are distinct). */
 static __thread const float *lead_x;
