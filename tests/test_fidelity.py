@@ -236,11 +236,49 @@ def test_the_race_from_logits_is_the_definition(shape):
         assert decided == len(plain) if shape == "normal" else decided < len(plain)
 
 
+@pytest.mark.parametrize("shape", ["peaky", "normal", "flat", "bf16_ties", "masked", "few_finite", "nucleus_edge"])
+def test_the_truncated_race_from_logits_is_the_definition(shape):
+    """Top-k and top-p rows race on their logits too (``truncated_race``: the candidates and top-k exact, the
+    nucleus's masses in fp64) and must give exactly the definition's tokens: peaky, flat and coarse rows, a
+    masked vocabulary, fewer finite logits than k, and rows whose first token's mass is top-p itself to a
+    float's rounding, where only handing the row over is right (with the mass guard at 0 this test fails)."""
+    from workers.sampler import process_params, sample_rows
+
+    gen = torch.Generator().manual_seed(sum(map(ord, shape)) + 1)
+    vocab = 49152
+    settings = [(0, 0.9), (0, 0.5), (0, 0.999), (50, 1.0), (1, 1.0), (40, 0.8), (3000, 0.95), (0, 1e-6), (7, 0.6)]
+    temps = [0.7, 1.0, 1.3, 0.8, 1.0, 0.9, 1.1, 0.5, 2.0]
+    n = len(settings)
+    x = torch.randn(n, vocab, generator=gen) * {"peaky": 8.0, "flat": 0.3}.get(shape, 3.0)
+    if shape == "bf16_ties":
+        x = x.bfloat16().float().round()
+    elif shape == "masked":
+        x[torch.rand(n, vocab, generator=gen) < 0.999] = -torch.inf
+    elif shape == "few_finite":
+        x[:, 5:] = -torch.inf
+    elif shape == "nucleus_edge":  # tokens 0 and 1 lead, each of mass top-p = 1/4 but for its logit's rounding
+        n = 24
+        x = torch.randn(n, vocab, generator=gen)
+        settings, temps = [(0, 0.25)] * n, [1.0] * n
+        rest = x[:, 2:].double().exp().sum(dim=-1)  # [n]
+        x[:, 0] = x[:, 1] = torch.log(rest / 2).float()  # 2 e^L + rest = 4 e^L: keep 1 token, or race 2
+    params = [
+        SamplingParams(temperature=t, top_k=k, top_p=p, seed=i) for i, ((k, p), t) in enumerate(zip(settings, temps))
+    ]
+    keys = [position_key(77, t) for t in range(n)]
+    rows = list(range(n))
+    want = keyed_sample(process_params(x, params), keys).tolist()
+    assert sample_rows(x, rows, params, keys) == want
+    for r in rows:
+        assert sample_rows(x, [r], [params[r]], [keys[r]]) == [want[r]]
+
+
 def test_torch_softmax_stays_far_inside_the_races_guard():
     """The race from logits trusts torch's softmax to order a row's entries as exp(y - max) does, within a few
     ulps of each other (its guard is 1e-5 relative; the sum's rounding scales the whole row alike and cannot
-    reorder it): a torch whose softmax strays further must fail here, not change a sampled token."""
-    from workers.sampler import _SCALED_GUARD
+    reorder it), and a top-p row's nucleus to sum to within 1e-4 of fp64's masses: a torch whose softmax strays
+    further must fail here, not change a sampled token."""
+    from workers.sampler import _MASS_GUARD, _SCALED_GUARD
 
     for scale in (0.3, 1.0, 4.0, 9.0):
         x = torch.randn(16, 49152, generator=torch.Generator().manual_seed(5)) * scale / 0.7
@@ -252,6 +290,9 @@ def test_torch_softmax_stays_far_inside_the_races_guard():
         lo = torch.where(big, ratio, torch.inf).min(dim=-1).values
         spread = (hi / lo - 1).max().item()
         assert spread < _SCALED_GUARD / 10, (scale, spread)
+        # a top-p row's nucleus sums masses: torch's, its sum's rounding included, against fp64's
+        mass_error = (p - d.exp() / d.exp().sum(dim=-1, keepdim=True)).abs().cumsum(dim=-1).max().item()
+        assert mass_error < _MASS_GUARD / 10, (scale, mass_error)
 
 
 def test_native_uniforms_are_the_keyed_generators_draws():

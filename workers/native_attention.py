@@ -365,6 +365,9 @@ class NativeLayerOps:
         self._scaled_race = dll.scaled_race
         self._scaled_race.argtypes = [p, p, p, p, i64, i64, ctypes.c_float, ctypes.c_double, i64, i32, p]
         self._scaled_race.restype = ctypes.c_int
+        self._truncated_race = dll.truncated_race
+        self._truncated_race.argtypes = [p, p, p, p, p, p, i64, i64, ctypes.c_double, ctypes.c_double, i32, p]
+        self._truncated_race.restype = ctypes.c_int
         self._leading = dll.leading_candidates
         self._leading.argtypes = [p, i64, i64, p, p, i64, ctypes.POINTER(ctypes.c_int), p, ctypes.c_double,
                                   ctypes.POINTER(ctypes.c_int64)]  # fmt: skip
@@ -451,6 +454,35 @@ class NativeLayerOps:
         )  # fmt: skip
         if failed:
             raise MemoryError("scaled_race: no memory for its buffers")
+        return tokens.tolist()
+
+    def truncated_race(
+        self,
+        x: torch.Tensor,  # [N, V] float32 contiguous raw logits
+        rows: list[int],  # [R] the rows of x to race
+        temps: list[float],  # [R] float32 values, each > 0
+        top_k: list[int],  # [R] 0: off
+        top_p: list[float],  # [R] float32 values, 1: off
+        keys: list[int],  # [R] position keys
+        guard: float,
+        mass_guard: float,
+    ) -> list[int]:  # [R] each row's token, -1 where the definition must decide
+        """Each listed row's race on ``process_logits``' truncated row, from its logits (``truncated_race`` in
+        workers/kernels/keyed_race.c)."""
+        if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+            raise ValueError("truncated_race: x must be a contiguous [N, V] float32 tensor")
+        n = len(rows)
+        if not (len(temps) == len(top_k) == len(top_p) == len(keys) == n) or any(not 0 <= r < x.shape[0] for r in rows):
+            raise ValueError("truncated_race: one temperature, top-k, top-p and key per row, each row of x")
+        tokens = array("q", bytes(8 * n))
+        row_ids, t, k_, p_ = array("q", rows), array("f", temps), array("q", top_k), array("d", top_p)
+        k = self._keys(keys)  # held until the call returns
+        failed = self._truncated_race(
+            x.data_ptr(), row_ids.buffer_info()[0], t.buffer_info()[0], k_.buffer_info()[0], p_.buffer_info()[0],
+            ctypes.addressof(k), n, x.shape[1], guard, mass_guard, torch.get_num_threads(), tokens.buffer_info()[0],
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("truncated_race: no memory for its buffers")
         return tokens.tolist()
 
     def leading_candidates(

@@ -351,6 +351,9 @@ def keyed_sample(
 # A row's race from its logits decides only where its winner leads every other candidate by this much (relative):
 # torch's softmax and the two roundings after it move a score by a few ulps (tests bound them far below it).
 _SCALED_GUARD = 1e-5
+# A top-p row's race from its logits decides only where no sum of masses it compares with top_p lies this close to it:
+# its masses (fp64 from the logits) and the definition's (torch's float32 softmax) differ by a few parts in a million.
+_MASS_GUARD = 1e-4
 
 
 def plain_temperature(sp: SamplingParams, vocab: int) -> bool:
@@ -382,6 +385,20 @@ def sample_rows(
             plain_rows, plain_keys = [rows[j] for j in plain], [keys[j] for j in plain]
             won = ops.scaled_race(logits, plain_rows, temps, plain_keys, _RACE_MARGIN, _SCALED_GUARD, _RACE_CAP)
             for j, token in zip(plain, won):
+                out[j] = token
+        cut = [j for j, sp in enumerate(params) if not sp.greedy and not plain_temperature(sp, vocab)]
+        if cut:
+            won = ops.truncated_race(
+                logits,
+                [rows[j] for j in cut],
+                [max(params[j].temperature, _MIN_TEMPERATURE) for j in cut],
+                [params[j].top_k if 0 < params[j].top_k < vocab else 0 for j in cut],
+                array("f", [params[j].top_p for j in cut]).tolist(),  # as process_params rounds it
+                [keys[j] for j in cut],
+                _SCALED_GUARD,
+                _MASS_GUARD,
+            )
+            for j, token in zip(cut, won):
                 out[j] = token
     rest = [j for j, token in enumerate(out) if token < 0]
     if rest:

@@ -301,6 +301,110 @@ int scaled_race(const float *x, const int64_t *rows, const float *temps, const u
     return failed ? -1 : 0;
 }
 
+int64_t leading_candidates(const float *x, int64_t V, int64_t c, float *heap, int64_t *ids, int64_t cap, int *every,
+                           const float *mass, double top_p, int64_t *keep);
+
+/* One truncated row (top-k and / or top-p) of process_logits, raced from its logits: the token keyed_sample gives on
+ * process_logits' row, or -1 where this cannot be sure of it. y: [V] scratch (x / t), u: [V], heap: [V], ids: [V].
+ * The candidates and top-k are exact (leading_candidates on y, as the definition orders them). The masses top-p sums
+ * are exp(y - max) / sum in double where torch's are float32 softmax values summed in double: they differ by a few
+ * parts in a million (a test bounds it), so a prefix sum within `mass_guard` of top_p at the nucleus's edge hands
+ * the row over. The kept tokens' race is scaled_race_row's: exp(y - max) / E in double, the winner ahead of every
+ * other kept token by a relative `guard`. */
+int64_t truncated_race_row(const float *x, float t, int64_t k, double top_p, uint64_t key, int64_t V, double guard,
+                           double mass_guard, float *y, float *u, float *heap, int64_t *ids) {
+    float m = -__builtin_inff();
+    for (int64_t i = 0; i < V; i++) {
+        y[i] = x[i] / t;
+        if (y[i] != y[i] || y[i] > FLT_MAX) return -1;
+        m = y[i] > m ? y[i] : m;
+    }
+    if (!(m > -__builtin_inff())) return -1;
+    const int64_t kk = k > 0 && k < V ? k : V;
+    if (kk == V && !(top_p < 1.0)) return -1; /* not truncated: scaled_race_row's row */
+    double total = 0.0;                      /* top-k off: the whole vocabulary's sum of exp(y - max) */
+    if (kk == V) {
+        int64_t i = 0;
+        const vlanes mv = (vlanes){0} + m;
+        for (; i + LANES <= V; i += LANES) {
+            const vlanes e = exp_nonpos(load_lanes(y + i) - mv);
+            float part = 0.0f;
+            for (int l = 0; l < LANES; l++) part += e[l];
+            total += part;
+        }
+        for (; i < V; i++) total += exp((double)(y[i] - m));
+    }
+    int64_t c = kk < V ? kk : 64, keep = -1;
+    for (;;) {
+        int every = 0;
+        int64_t n = leading_candidates(y, V, c, heap, ids, V, &every, NULL, 0.0, NULL);
+        if (n < 1) return -1;
+        if (kk < V) n = n < kk ? n : kk;
+        if (!(top_p < 1.0)) {
+            keep = n;
+            break;
+        }
+        double sum = total;
+        if (kk < V) { /* the masses under the top-k set's own softmax */
+            sum = 0.0;
+            for (int64_t j = 0; j < n; j++) sum += exp((double)(y[ids[j]] - m));
+        }
+        double before = 0.0;
+        for (int64_t j = 0; j < n && keep < 0; j++) {
+            if (j > 0) {
+                if (fabs(before - top_p) < mass_guard) return -1;
+                if (before >= top_p) keep = j;
+            }
+            if (keep < 0) before += exp((double)(y[ids[j]] - m)) / sum;
+        }
+        if (keep >= 0) break;
+        if (kk < V || every || before >= top_p) {
+            if (!(kk < V || every) && fabs(before - top_p) < mass_guard) return -1;
+            keep = n;
+            break;
+        }
+        if (c >= V) return -1;
+        c = 4 * c < V ? 4 * c : V;
+    }
+    mt_uniforms(key, u, V);
+    int64_t token = -1;
+    double top = -1.0, second = -1.0;
+    for (int64_t j = 0; j < keep; j++) {
+        const int64_t v = ids[j];
+        const double e = (double)(float)-log((double)u[v] + 0x1p-25);
+        const double score = exp((double)(y[v] - m)) / e;
+        if (score > top || (score == top && v < token)) {
+            second = top, top = score, token = v;
+        } else if (score > second) {
+            second = score;
+        }
+    }
+    return token >= 0 && second * (1.0 + guard) < top ? token : -1;
+}
+
+/* Each listed row's truncated race (truncated_race_row) with its own top-k (0: off) and top-p (1: off). Rows split
+ * over nthreads threads. Returns 0, or -1 if a buffer could not be allocated. */
+int truncated_race(const float *x, const int64_t *rows, const float *temps, const int64_t *top_k, const double *top_p,
+                   const uint64_t *keys, int64_t R, int64_t V, double guard, double mass_guard, int nthreads,
+                   int64_t *tokens) {
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1) if (nthreads > 1 && R > 1) reduction(| : failed)
+    {
+        float *const y = malloc((size_t)V * 3 * sizeof(float)); /* y, u, heap */
+        int64_t *const ids = malloc((size_t)V * sizeof(int64_t));
+        if (y && ids) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < R; r++)
+                tokens[r] = truncated_race_row(x + rows[r] * V, temps[r], top_k[r], top_p[r], keys[r], V, guard,
+                                               mass_guard, y, y + V, y + 2 * V, ids);
+        } else {
+            failed = 1;
+        }
+        free(y), free(ids);
+    }
+    return failed ? -1 : 0;
+}
+
 /* splitmix64 (Steele et al. 2014), as workers/sampler.py's _splitmix64. */
 static inline uint64_t splitmix64(uint64_t x) {
     uint64_t z = x + 0x9E3779B97F4A7C15ull;
