@@ -421,8 +421,8 @@ def test_decode_steps_in_one_call_write_what_single_steps_write(tiny_loaded):
     """``decode_steps``: plain decoding runs several steps per engine iteration and writes, token for token and
     chunk text for chunk text, what one step per iteration writes: through a stop string and EOS found inside a
     call, max_tokens cut to the call, a request arriving meanwhile (prefilled between calls), seeded sampled
-    requests beside them (temperature, top-p, top-k: sampled between the steps' native calls with the noise of
-    each step's position), and a penalized one (its steps one at a time, so every request's are then)."""
+    requests beside them (temperature, top-p, top-k: each step's token raced with the noise of its position),
+    and a penalized one (its steps one at a time, so every request's are then)."""
     prompts = rand_prompts(4, 11)
 
     def run(decode_steps: int) -> tuple[dict[str, tuple[list[int], str, str | None]], int, int]:
@@ -483,8 +483,8 @@ def test_decode_steps_in_one_call_write_what_single_steps_write(tiny_loaded):
 
 
 def test_sampled_decode_steps_race_in_the_native_call_and_hand_near_ties_to_the_definition(tiny_loaded, monkeypatch):
-    """Temperature-only requests (beside greedy ones) run their decode_steps as one native call that races each
-    row itself: no pick between the steps. Where a race cannot decide (forced here for every row: too many
+    """Sampled requests (temperature only, and top-k; beside greedy ones) run their decode_steps as one native
+    call that races each row itself: no pick between the steps. Where a race cannot decide (forced here for every row: too many
     candidates) the call ends at that step and the definition picks its tokens. Either way the tokens
     are those of one step per iteration."""
     from workers import sampler
@@ -515,6 +515,8 @@ def test_sampled_decode_steps_race_in_the_native_call_and_hand_near_ties_to_the_
         eng.add_request("t1", prompts[0], {"max_tokens": 30, "ignore_eos": True, "temperature": 1.0, "seed": 4})
         eng.add_request("t07", prompts[1], {"max_tokens": 25, "ignore_eos": True, "temperature": 0.7, "seed": 8})
         eng.add_request("greedy", prompts[2], {"max_tokens": 28, "ignore_eos": True})
+        eng.add_request("top_k", prompts[0], {"max_tokens": 27, "ignore_eos": True, "temperature": 0.9, "top_k": 20,
+                                              "seed": 6})  # fmt: skip
         picks[0] = 0
         got: dict[str, list[int]] = {}
         calls = 0

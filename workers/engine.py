@@ -451,7 +451,7 @@ class LLMEngine:
         )
         greedy = all(r.params.greedy for r in decoding)  # then the steps' argmax feeds back in one native call
         pick = None if greedy else self.processor.plain_picks(decoding)
-        races = None if greedy else self.processor.plain_races(decoding, self.vocab_size)  # one call too, if not None
+        races = None if greedy else self.processor.plain_races(decoding, self.vocab_size)  # then one call too
         steps = self.runner.decode_steps(batch, n, pick, races)  # [ran][R]
         outputs = self.processor.commit_steps(decoding, [list(toks) for toks in zip(*steps)])
         self._after_steps(decoding, len(steps), len(decoding), t0, len(decoding), 0)

@@ -880,8 +880,8 @@ class NativeLayers:
         self._advance = dll.invariant_layers_advance
         self._advance.argtypes, self._advance.restype = [p, p], ctypes.c_int  # args, [M] int64 tokens
         self._steps_sampled = dll.invariant_layers_steps_sampled
-        self._steps_sampled.argtypes = [p, i64, p, p, p, p, ctypes.c_float, ctypes.c_double, i64, p,
-                                        ctypes.POINTER(ctypes.c_int)]  # fmt: skip
+        self._steps_sampled.argtypes = [p, i64, p, p, p, p, p, p, ctypes.c_float, ctypes.c_double, ctypes.c_double,
+                                        i64, p, ctypes.POINTER(ctypes.c_int)]  # fmt: skip
         self._steps_sampled.restype = i64
         self._workspace_bytes = dll.layers_workspace_bytes
         self._workspace_bytes.argtypes = [i64] * 7 + [i32, i32]
@@ -961,14 +961,18 @@ class _Head:
 @dataclass(frozen=True)
 class RowRaces:
     """How a run of native decode steps picks each row's token (``BoundLayers.decode_steps``): a row with
-    ``temps[r] > 0`` the exponential race on ``softmax(logits / temps[r])`` keyed by its output position
+    ``temps[r] > 0`` the exponential race on ``softmax(logits / temps[r])`` (truncated by its top-k and top-p)
+    keyed by its output position
     ``first_positions[r] + step`` of seed ``seeds[r]``, the others their argmax (``sampler.row_races`` builds it)."""
 
     temps: list[float]  # [M] float32 values; 0: greedy
+    top_k: list[int]  # [M] 0: off
+    top_p: list[float]  # [M] float32 values; 1: off
     seeds: list[int]  # [M]
     first_positions: list[int]  # [M] the output position of the run's first token
     margin: float
     guard: float
+    mass_guard: float
     cap: int
 
 
@@ -1160,16 +1164,18 @@ class BoundLayers:
                 raise refused
             return [tokens[s * M : (s + 1) * M].tolist() for s in range(ran)]
         if races is not None and self._steps_sampled is not None:
-            if len(races.temps) != M or len(races.seeds) != M or len(races.first_positions) != M:
-                raise ValueError(f"races: one temperature, seed and position per row ({M})")
+            per_row = (races.temps, races.top_k, races.top_p, races.seeds, races.first_positions)
+            if any(len(v) != M for v in per_row):
+                raise ValueError(f"races: one temperature, top-k, top-p, seed and position per row ({M})")
             tokens = array("q", bytes(8 * n * M))
             temps, first = array("f", races.temps), array("q", races.first_positions)
+            top_k, top_p = array("q", races.top_k), array("d", races.top_p)
             seeds = self._seeds(races.seeds)
             pending = ctypes.c_int(0)
             ran = self._steps_sampled(
-                b.args_at, n, head.logits.data_ptr(), temps.buffer_info()[0], ctypes.addressof(seeds),
-                first.buffer_info()[0], races.margin, races.guard, races.cap, tokens.buffer_info()[0],
-                ctypes.byref(pending),
+                b.args_at, n, head.logits.data_ptr(), temps.buffer_info()[0], top_k.buffer_info()[0],
+                top_p.buffer_info()[0], ctypes.addressof(seeds), first.buffer_info()[0], races.margin, races.guard,
+                races.mass_guard, races.cap, tokens.buffer_info()[0], ctypes.byref(pending),
             )  # fmt: skip
             if ran < 0:
                 raise refused

@@ -196,9 +196,8 @@ class OutputProcessor:
 
         return pick
 
-    def plain_races(self, requests: list[Request], vocab: int) -> RowRaces | None:
-        """:meth:`plain_picks`' choices in a form the native steps make themselves (``sampler.row_races``), or
-        None where a request truncates its distribution."""
+    def plain_races(self, requests: list[Request], vocab: int) -> RowRaces:
+        """:meth:`plain_picks`' choices in a form the native steps make themselves (``sampler.row_races``)."""
         positions = [len(r.output_ids) for r in requests]  # as _row_keys keys a run's first step
         return row_races([r.params for r in requests], [r.seed for r in requests], positions, vocab)
 

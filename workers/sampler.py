@@ -414,18 +414,18 @@ def row_races(
     seeds: list[int],  # [M] each request's resolved seed (ignored for greedy rows)
     first_positions: list[int],  # [M] the output position of each row's next token
     vocab: int,
-) -> native_attention.RowRaces | None:
-    """What native decode steps need to pick each row's token as a plain step's ``verify_coupled`` does (greedy
-    rows their argmax, temperature-only rows :func:`sample_rows`' race), or None where a row truncates (top-k,
-    top-p: the definition runs in torch)."""
-    if any(not sp.greedy and not plain_temperature(sp, vocab) for sp in params):
-        return None
+) -> native_attention.RowRaces:
+    """What native decode steps need to pick each row's token as a plain step's ``verify_coupled`` does: greedy
+    rows their argmax, sampled rows :func:`sample_rows`' races (temperature only, or truncated by top-k / top-p)."""
     return native_attention.RowRaces(
         temps=[0.0 if sp.greedy else max(sp.temperature, _MIN_TEMPERATURE) for sp in params],
+        top_k=[0 if sp.greedy or not 0 < sp.top_k < vocab else sp.top_k for sp in params],
+        top_p=array("f", [1.0 if sp.greedy else sp.top_p for sp in params]).tolist(),  # as process_params rounds it
         seeds=[0 if sp.greedy else seed for sp, seed in zip(params, seeds)],
         first_positions=list(first_positions),
         margin=_RACE_MARGIN,
         guard=_SCALED_GUARD,
+        mass_guard=_MASS_GUARD,
         cap=_RACE_CAP,
     )
 

@@ -301,11 +301,13 @@ void linear_part(const void *x, const void *W, void *y, int64_t M, int64_t N, in
                  int tiled, team *t);
 int tiled_shape_ok(int64_t N, int64_t K, int bf16);
 
-/* keyed_race.c: one row's exponential race on softmax(x / t) with its key's noise (-1: the definition decides), and
- * the key of an output position. */
+/* keyed_race.c: one row's exponential race on softmax(x / t) with its key's noise (-1: the definition decides), the
+ * key of an output position, and the race of a row truncated by top-k / top-p. */
 int64_t scaled_race_row(const float *x, float t, uint64_t key, int64_t V, float margin, double guard, int64_t cap,
                         float *u_scratch, int64_t *c, float *sc);
 uint64_t position_key(uint64_t seed, uint64_t position);
+int64_t truncated_race_row(const float *x, float t, int64_t k, double top_p, uint64_t key, int64_t V, double guard,
+                           double mass_guard, float *y, float *u, float *heap, int64_t *ids);
 int tiled_layout_wins(int bf16);
 int invariant_linear(const void *x, const void *W, void *y, int64_t M, int64_t N, int64_t K, int bf16, int stream,
                      int tiled, int nthreads);
