@@ -56,6 +56,12 @@ BENCHMARKS = [
     ),
     Benchmark(
         "engine",
+        "benchmarks.engine.sampling_cost",
+        "What does sampling (temperature, top-p, top-k) cost a decoded token against greedy, in one engine?",
+        "sampling_cost.json",
+    ),
+    Benchmark(
+        "engine",
         "benchmarks.engine.gemm_ab",
         "Do the native invariant linears beat oneDNN's prepacked GEMMs (or tiled weights plain ones): decode, "
         "verify, prefill, GB/s at M=1?",
@@ -239,6 +245,11 @@ RECORDS = {
     "commit_ab_sampler_greedy_c1": "commit_ab --base ac41526 --rounds 12 --concurrency 1 --dtypes bfloat16: c=1",
     "commit_ab_steps_sampled": "commit_ab --base 1db17f9 --decode-steps 4, temperature 1: sampled decode_steps",
     "commit_ab_steps_greedy": "commit_ab --base 1db17f9 --decode-steps 4 --concurrency 1,4: the greedy steps unchanged",
+    "commit_ab_race": "commit_ab --base 4433a0b --rounds 6 --concurrency 1,4,16,32 --dtypes bfloat16, temperature 1: "
+    "the plain step with the race from the logits",
+    "commit_ab_race_steps": "commit_ab --base 4433a0b --decode-steps 4 --concurrency 1,4,16, temperature 1: the "
+    "races in the native decode_steps call",
+    "commit_ab_race_topp": "commit_ab --base 4433a0b --decode-steps 4 --concurrency 1,4,16, T 0.8 top-p 0.95: the same",
     "cpu_priority_ab": "engine-first priorities vs Ray's own (one-off A/B, script in git history)",
     "decode_floor_avx2": "decode_floor --http --http-reps 8 on an AVX2-only CPU (fp32 served, native GEMMs)",
     "decode_floor_avx2_before": "decode_floor --http --http-reps 6 on the same AVX2-only CPU, before its kernel fixes",

@@ -484,9 +484,9 @@ def test_decode_steps_in_one_call_write_what_single_steps_write(tiny_loaded):
 
 def test_sampled_decode_steps_race_in_the_native_call_and_hand_near_ties_to_the_definition(tiny_loaded, monkeypatch):
     """Sampled requests (temperature only, and top-k; beside greedy ones) run their decode_steps as one native
-    call that races each row itself: no pick between the steps. Where a race cannot decide (forced here for every row: too many
-    candidates) the call ends at that step and the definition picks its tokens. Either way the tokens
-    are those of one step per iteration."""
+    call that races each row itself: no pick between the steps. Where a race cannot decide (forced here for
+    every temperature-only row: too many candidates) the call ends at that step and the definition picks its
+    tokens. Either way the tokens are those of one step per iteration."""
     from workers import sampler
     from workers.output_processor import OutputProcessor
 

@@ -189,9 +189,9 @@ class EngineConfig(BaseModel):
         "all of them: when every running request decodes greedily, or samples under coupled verification, with "
         "nothing else per token to compute in Python (no drafts this step, logprobs, penalties, grammar or "
         "recorded events, no proposer reading hidden states), nothing waits to be admitted and the fused native "
-        "forward runs (cpu_gemm='native' on the CPU). Greedy steps then run in one native call; with a sampled "
-        "request, one call a step with its sampling between. Each step is the one a single step would run: the "
-        "output is the same, bit for bit. The price is granularity: "
+        "forward runs (cpu_gemm='native' on the CPU). The steps then run in one native call, sampled rows raced "
+        "in it (a race that cannot be sure ends the call there for the sampler's definition). Each step is the "
+        "one a single step would run: the output is the same, bit for bit. The price is granularity: "
         "tokens stream in chunks of up to this many, and a request arriving meanwhile waits for the call to end. "
         "Stops (EOS, stop strings) are found after the call; steps past one are discarded.",
     )
