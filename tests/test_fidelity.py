@@ -273,6 +273,23 @@ def test_the_truncated_race_from_logits_is_the_definition(shape):
         assert sample_rows(x, [r], [params[r]], [keys[r]]) == [want[r]]
 
 
+def test_the_race_calls_refuse_what_they_cannot_read():
+    ops = native_attention.load_layer_ops()
+    if ops is None:
+        pytest.skip("no C compiler: the native kernels are not built")
+    x = torch.randn(2, 100)
+    with pytest.raises(ValueError, match="each row one of x"):
+        ops.scaled_race(x, [2], [1.0], [7], 1e-4, 1e-5, 64)  # no row 2
+    with pytest.raises(ValueError, match="one value of each parameter per row"):
+        ops.truncated_race(x, [0, 1], [1.0, 1.0], [5], [0.9, 0.9], [7, 8], 1e-5, 1e-4)  # one top-k for two rows
+    with pytest.raises(ValueError, match="float32"):
+        ops.scaled_race(x.bfloat16(), [0], [1.0], [7], 1e-4, 1e-5, 64)
+    assert ops.scaled_race(x, [1, 0], [1.0, 0.5], [7, 8], 1e-4, 1e-5, 64) == [
+        ops.scaled_race(x, [1], [1.0], [7], 1e-4, 1e-5, 64)[0],
+        ops.scaled_race(x, [0], [0.5], [8], 1e-4, 1e-5, 64)[0],
+    ]  # each listed row raced alone
+
+
 def test_torch_softmax_stays_far_inside_the_races_guard():
     """The race from logits trusts torch's softmax to order a row's entries as exp(y - max) does, within a few
     ulps of each other (its guard is 1e-5 relative; the sum's rounding scales the whole row alike and cannot

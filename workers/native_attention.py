@@ -427,6 +427,16 @@ class NativeLayerOps:
             raise MemoryError("keyed_race: no memory for its buffers")
         return tokens.tolist()
 
+    @staticmethod
+    def _raced_rows(name: str, x: torch.Tensor, rows: list[int], *per_row: list) -> array:
+        """The rows a race call reads, checked: x a contiguous [N, V] float32 tensor, each row one of its, and one
+        value of each per-row list per row."""
+        if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+            raise ValueError(f"{name}: x must be a contiguous [N, V] float32 tensor")
+        if any(len(v) != len(rows) for v in per_row) or any(not 0 <= r < x.shape[0] for r in rows):
+            raise ValueError(f"{name}: one value of each parameter per row, each row one of x's")
+        return array("q", rows)
+
     def scaled_race(
         self,
         x: torch.Tensor,  # [N, V] float32 contiguous raw logits
@@ -439,13 +449,10 @@ class NativeLayerOps:
     ) -> list[int]:  # [R] each row's token, -1 where the definition must decide
         """Each listed row's exponential race on ``softmax(x / t)`` from its logits (``scaled_race`` in
         workers/kernels/keyed_race.c)."""
-        if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
-            raise ValueError("scaled_race: x must be a contiguous [N, V] float32 tensor")
-        if not (len(rows) == len(temps) == len(keys)) or any(not 0 <= r < x.shape[0] for r in rows):
-            raise ValueError("scaled_race: one temperature and one key per row, each row of x")
+        row_ids = self._raced_rows("scaled_race", x, rows, temps, keys)
         n = len(rows)
         tokens = array("q", bytes(8 * n))
-        row_ids, t = array("q", rows), array("f", temps)
+        t = array("f", temps)
         k = self._keys(keys)  # held until the call returns
         threads = torch.get_num_threads()
         failed = self._scaled_race(
@@ -469,13 +476,10 @@ class NativeLayerOps:
     ) -> list[int]:  # [R] each row's token, -1 where the definition must decide
         """Each listed row's race on ``process_logits``' truncated row, from its logits (``truncated_race`` in
         workers/kernels/keyed_race.c)."""
-        if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
-            raise ValueError("truncated_race: x must be a contiguous [N, V] float32 tensor")
+        row_ids = self._raced_rows("truncated_race", x, rows, temps, top_k, top_p, keys)
         n = len(rows)
-        if not (len(temps) == len(top_k) == len(top_p) == len(keys) == n) or any(not 0 <= r < x.shape[0] for r in rows):
-            raise ValueError("truncated_race: one temperature, top-k, top-p and key per row, each row of x")
         tokens = array("q", bytes(8 * n))
-        row_ids, t, k_, p_ = array("q", rows), array("f", temps), array("q", top_k), array("d", top_p)
+        t, k_, p_ = array("f", temps), array("q", top_k), array("d", top_p)
         k = self._keys(keys)  # held until the call returns
         failed = self._truncated_race(
             x.data_ptr(), row_ids.buffer_info()[0], t.buffer_info()[0], k_.buffer_info()[0], p_.buffer_info()[0],
