@@ -709,9 +709,9 @@ int64_t invariant_layers_steps(layers_args *a, int64_t n, int64_t *tokens) {
 /* invariant_layers_steps for rows that sample: row r with temps[r] > 0 takes, at step s, the exponential race on
  * softmax(logits / temps[r]) truncated by its top_k[r] (0: off) and top_p[r] (1: off), keyed by output position
  * first_pos[r] + s of a request seeded seeds[r] (scaled_race_row, truncated_race_row: the token the sampler's
- * definition gives), the others their argmax. logits: [M, V] float32, the
- * head's output the forward writes. Where a row's race cannot decide (a near tie), the call stops after that step's
- * forward with *pending = 1: its logits are in place for the caller to pick that step's tokens by the definition.
+ * definition gives), the others their argmax. logits: [M, V] float32, the head's output the forward writes. Where a
+ * row's race cannot decide (a near tie, a nucleus edge), the call stops after that step's forward with *pending = 1:
+ * its logits are in place for the caller to pick that step's tokens by the definition.
  * Returns the steps whose tokens are set (as invariant_layers_steps), or -1 if a buffer could not be allocated. */
 int64_t invariant_layers_steps_sampled(layers_args *a, int64_t n, const float *logits, const float *temps,
                                        const int64_t *top_k, const double *top_p, const uint64_t *seeds,
@@ -725,11 +725,12 @@ int64_t invariant_layers_steps_sampled(layers_args *a, int64_t n, const float *l
     const int nt = a->nthreads > 1 && sampled > 1 ? a->nthreads : 1;
     int truncating = 0; /* a row with top-k or top-p: its race needs the scaled row, a heap and the candidates */
     for (int64_t m = 0; m < M; m++) truncating |= temps[m] > 0.0f && ((top_k[m] > 0 && top_k[m] < V) || top_p[m] < 1.0);
-    /* each thread's candidates [cap], their scores [cap], the row's uniforms [V] (and, truncating, its scaled logits
-     * [V], a heap [V] and the candidate ids [V]), at 64-byte boundaries */
-    const size_t vf = (size_t)V * sizeof(float);
-    const size_t per = ((size_t)cap * (sizeof(int64_t) + sizeof(float)) + vf +
-                        (truncating ? 2 * vf + (size_t)V * sizeof(int64_t) : 0) + 63) & ~(size_t)63;
+    /* each thread's race candidates [cap] (and, truncating, the row's candidate ids [V]), their scores [cap], the
+     * row's uniforms [V] (and, truncating, its scaled logits [V] and a heap [V]): the int64 arrays first, each
+     * thread's block at a 64-byte boundary */
+    const size_t ids_bytes = truncating ? (size_t)V * sizeof(int64_t) : 0;
+    const size_t per = ((size_t)cap * (sizeof(int64_t) + sizeof(float)) + ids_bytes +
+                        (size_t)V * sizeof(float) * (truncating ? 3 : 1) + 63) & ~(size_t)63;
     char *const scratch = aligned_alloc(64, per * (size_t)nt);
     if (!scratch) return -1;
     int64_t s = 0;
@@ -748,13 +749,13 @@ int64_t invariant_layers_steps_sampled(layers_args *a, int64_t n, const float *l
                 continue;
             }
             char *const mine = scratch + per * (size_t)(nt > 1 ? omp_get_thread_num() : 0);
-            int64_t *const c = (int64_t *)mine;
-            float *const sc = (float *)(c + cap), *const u = sc + cap;
+            int64_t *const c = (int64_t *)mine, *const ids = c + cap;
+            float *const sc = (float *)(mine + (size_t)cap * sizeof(int64_t) + ids_bytes), *const u = sc + cap;
             const uint64_t key = position_key(seeds[m], (uint64_t)(first_pos[m] + s));
             if ((top_k[m] > 0 && top_k[m] < V) || top_p[m] < 1.0) {
                 float *const y = u + V, *const heap = y + V;
                 out[m] = truncated_race_row(logits + m * V, temps[m], top_k[m], top_p[m], key, V, guard, mass_guard,
-                                            y, u, heap, (int64_t *)(heap + V));
+                                            y, u, heap, ids);
             } else {
                 out[m] = scaled_race_row(logits + m * V, temps[m], key, V, margin, guard, cap, u, c, sc);
             }

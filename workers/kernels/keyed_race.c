@@ -205,7 +205,7 @@ int keyed_race(const float *p, const uint64_t *keys, int64_t R, int64_t V, float
 
 /* One row of scaled_race: its winner, or -1. u_scratch: [V], c and sc: [cap]. */
 int64_t scaled_race_row(const float *x, float t, uint64_t key, int64_t V, float margin, double guard, int64_t cap,
-                               float *u_scratch, int64_t *c, float *sc) {
+                        float *u_scratch, int64_t *c, float *sc) {
     /* y = x / t, as torch divides; its maximum, and whether the row holds a NaN or a +inf (the definition then) */
     const vlanes tv = (vlanes){0} + t;
     vlanes mv = (vlanes){0} - __builtin_inff();
