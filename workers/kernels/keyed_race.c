@@ -203,27 +203,38 @@ int keyed_race(const float *p, const uint64_t *keys, int64_t R, int64_t V, float
     return failed ? -1 : 0;
 }
 
-/* One row of scaled_race: its winner, or -1. u_scratch: [V], c and sc: [cap]. */
-int64_t scaled_race_row(const float *x, float t, uint64_t key, int64_t V, float margin, double guard, int64_t cap,
-                        float *u_scratch, int64_t *c, float *sc) {
-    /* y = x / t, as torch divides; its maximum, and whether the row holds a NaN or a +inf (the definition then) */
+/* y = x / t over a row of V, as torch divides (into y unless NULL), and its maximum *m. Returns -1 where the row holds
+ * a NaN or a +inf, or no finite value: the definition decides such a row. */
+static int scaled_max(const float *x, float t, int64_t V, float *y, float *m) {
     const vlanes tv = (vlanes){0} + t;
     vlanes mv = (vlanes){0} - __builtin_inff();
     vlanes_i odd = {0};
     int64_t i = 0;
     for (; i + LANES <= V; i += LANES) {
-        const vlanes y = load_lanes(x + i) / tv;
-        odd |= lanes_ne(y, y) | lanes_gt(y, (vlanes){0} + FLT_MAX);
-        mv = select_lanes(lanes_gt(y, mv), y, mv);
+        const vlanes yv = load_lanes(x + i) / tv;
+        odd |= lanes_ne(yv, yv) | lanes_gt(yv, (vlanes){0} + FLT_MAX);
+        mv = select_lanes(lanes_gt(yv, mv), yv, mv);
+        if (y) __builtin_memcpy(y + i, &yv, sizeof yv);
     }
-    float m = -__builtin_inff();
-    for (int l = 0; l < LANES; l++) m = mv[l] > m ? mv[l] : m;
+    float best = -__builtin_inff();
+    for (int l = 0; l < LANES; l++) best = mv[l] > best ? mv[l] : best;
     for (; i < V; i++) {
-        const float y = x[i] / t;
-        if (y != y || y > FLT_MAX) return -1;
-        m = y > m ? y : m;
+        const float v = x[i] / t;
+        if (v != v || v > FLT_MAX) return -1;
+        best = v > best ? v : best;
+        if (y) y[i] = v;
     }
-    if (any_lane(odd) || !(m > -__builtin_inff())) return -1;
+    *m = best;
+    return any_lane(odd) || !(best > -__builtin_inff()) ? -1 : 0;
+}
+
+/* One row of scaled_race: its winner, or -1. u_scratch: [V], c and sc: [cap]. */
+int64_t scaled_race_row(const float *x, float t, uint64_t key, int64_t V, float margin, double guard, int64_t cap,
+                        float *u_scratch, int64_t *c, float *sc) {
+    float m;
+    if (scaled_max(x, t, V, NULL, &m)) return -1;
+    const vlanes tv = (vlanes){0} + t;
+    int64_t i;
     mt_uniforms(key, u_scratch, V);
     /* the approximate race on exp(y - m) / E': softmax's common 1 / sum cannot change which entries come close */
     float best = 0.0f, thr = 0.0f;
@@ -313,13 +324,8 @@ int64_t leading_candidates(const float *x, int64_t V, int64_t c, float *heap, in
  * other kept token by a relative `guard`. */
 int64_t truncated_race_row(const float *x, float t, int64_t k, double top_p, uint64_t key, int64_t V, double guard,
                            double mass_guard, float *y, float *u, float *heap, int64_t *ids) {
-    float m = -__builtin_inff();
-    for (int64_t i = 0; i < V; i++) {
-        y[i] = x[i] / t;
-        if (y[i] != y[i] || y[i] > FLT_MAX) return -1;
-        m = y[i] > m ? y[i] : m;
-    }
-    if (!(m > -__builtin_inff())) return -1;
+    float m;
+    if (scaled_max(x, t, V, y, &m)) return -1;
     const int64_t kk = k > 0 && k < V ? k : V;
     if (kk == V && !(top_p < 1.0)) return -1; /* not truncated: scaled_race_row's row */
     double total = 0.0;                      /* top-k off: the whole vocabulary's sum of exp(y - max) */
