@@ -8,7 +8,9 @@ Two pairs, on the same rows (SmolLM2's vocabulary by default) and position keys,
   best; natively where the kernels are built) vs its definition ``argmax(p / keyed_exponentials(keys))``, the
   fp64 log of every draw;
 - truncation: ``process_logits`` at temperature 0.8, top-p 0.95 (the leading candidates of each row only) vs
-  the definition ``truncated_by_sort`` (a stable sort of the whole vocabulary per row).
+  the definition ``truncated_by_sort`` (a stable sort of the whole vocabulary per row);
+- a step's sampled rows from their logits, at temperature 1 and at temperature 0.8 top-p 0.95: ``sample_rows``
+  (the race on the logits, no probabilities formed) vs ``keyed_sample(process_params(...))``, what it replaced.
 Reports the median ms per call of each and the median speed-up with its min..max over rounds; writes
 benchmarks/results/sampler_bench.{json,png}.
 """
@@ -35,9 +37,19 @@ from benchmarks.common import (
     set_threads,
 )
 from workers.model_loader import load_model
-from workers.sampler import keyed_exponentials, keyed_sample, position_key, process_logits, truncated_by_sort
+from workers.sampler import (
+    keyed_exponentials,
+    keyed_sample,
+    position_key,
+    process_logits,
+    process_params,
+    sample_rows,
+    truncated_by_sort,
+)
+from workers.sampling_params import SamplingParams
 
 TEMPERATURE, TOP_P = 0.8, 0.95
+T1, TOPP = SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=TEMPERATURE, top_p=TOP_P, seed=1)
 VOCAB = 49152  # SmolLM2's
 TEXT = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk. He had done so for thirty years, "
@@ -111,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
             "definition": lambda n: truncation_definition(logits[n]),
         },
     }
+    for kind, params in (("from logits, T 1", T1), (f"from logits, T {TEMPERATURE} top-p {TOP_P}", TOPP)):
+        pairs[kind] = {
+            "shipped": lambda n, p=params: torch.tensor(sample_rows(logits[n], list(range(n)), [p] * n, keys[n])),
+            "definition": lambda n, p=params: keyed_sample(process_params(logits[n], [p] * n), keys[n]),
+        }
     probs = {n: torch.softmax(logits[n], dim=-1) for n in rows}
     for kind, fns in pairs.items():
         for n in rows:
@@ -158,11 +175,13 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     out = Path(args.out)
-    fig, axes = figure(ncols=2, width=7)
+    fig, axes = figure(ncols=len(tables), width=3.5 * len(tables))
     labels = {
         "race": ("keyed_sample (shipped)", "argmax(p / keyed_exponentials) (definition)"),
         "truncation": (f"process_logits, top-p {TOP_P} (shipped)", "truncated_by_sort (definition)"),
     }
+    for kind in tables:
+        labels.setdefault(kind, ("sample_rows (shipped)", "keyed_sample(process_params) (before)"))
     for ax, (kind, table) in zip(axes, tables.items()):
         line_panel(
             ax,
