@@ -381,14 +381,10 @@ class NativeLayerOps:
         self._argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
         return out
 
-    @staticmethod
-    def _keys(keys: list[int]) -> ctypes.Array[ctypes.c_uint64]:
-        return (ctypes.c_uint64 * len(keys))(*(k & 0xFFFFFFFFFFFFFFFF for k in keys))
-
     def keyed_uniforms(self, keys: list[int], vocab: int) -> torch.Tensor:  # -> [len(keys), vocab] float32
         """Row i: what a CPU ``torch.Generator`` seeded with ``keys[i]`` draws with ``uniform_`` (the same numbers)."""
         out = torch.empty(len(keys), vocab, dtype=torch.float32)
-        k = self._keys(keys)  # held until the call returns
+        k = _uint64s(keys)  # held until the call returns
         self._uniforms(ctypes.addressof(k), len(keys), vocab, out.data_ptr())
         return out
 
@@ -421,7 +417,7 @@ class NativeLayerOps:
             raise ValueError("keyed_race: p must be a contiguous [R, V] float32 tensor with one key per row")
         rows, vocab = p.shape
         tokens = array("q", bytes(8 * rows))
-        k = self._keys(keys)  # held until the call returns
+        k = _uint64s(keys)  # held until the call returns
         threads = torch.get_num_threads()
         if self._race(p.data_ptr(), ctypes.addressof(k), rows, vocab, margin, cap, threads, tokens.buffer_info()[0]):
             raise MemoryError("keyed_race: no memory for its buffers")
@@ -453,7 +449,7 @@ class NativeLayerOps:
         n = len(rows)
         tokens = array("q", bytes(8 * n))
         t = array("f", temps)
-        k = self._keys(keys)  # held until the call returns
+        k = _uint64s(keys)  # held until the call returns
         threads = torch.get_num_threads()
         failed = self._scaled_race(
             x.data_ptr(), row_ids.buffer_info()[0], t.buffer_info()[0], ctypes.addressof(k), n, x.shape[1], margin,
@@ -480,7 +476,7 @@ class NativeLayerOps:
         n = len(rows)
         tokens = array("q", bytes(8 * n))
         t, k_, p_ = array("f", temps), array("q", top_k), array("d", top_p)
-        k = self._keys(keys)  # held until the call returns
+        k = _uint64s(keys)  # held until the call returns
         failed = self._truncated_race(
             x.data_ptr(), row_ids.buffer_info()[0], t.buffer_info()[0], k_.buffer_info()[0], p_.buffer_info()[0],
             ctypes.addressof(k), n, x.shape[1], guard, mass_guard, torch.get_num_threads(), tokens.buffer_info()[0],
@@ -962,12 +958,17 @@ class _Head:
         return _Head(hs, logits, staged, argmax, (hs.data_ptr(), staged.data_ptr(), f32, argmax.buffer_info()[0]))
 
 
+def _uint64s(values: list[int]) -> ctypes.Array[ctypes.c_uint64]:
+    """Python ints (keys, seeds: any sign or size) as the uint64s C reads: their low 64 bits."""
+    return (ctypes.c_uint64 * len(values))(*(v & 0xFFFFFFFFFFFFFFFF for v in values))
+
+
 @dataclass(frozen=True)
 class RowRaces:
     """How a run of native decode steps picks each row's token (``BoundLayers.decode_steps``): a row with
     ``temps[r] > 0`` the exponential race on ``softmax(logits / temps[r])`` (truncated by its top-k and top-p)
-    keyed by its output position
-    ``first_positions[r] + step`` of seed ``seeds[r]``, the others their argmax (``sampler.row_races`` builds it)."""
+    keyed by its output position ``first_positions[r] + step`` of seed ``seeds[r]``, the others their argmax
+    (``sampler.row_races`` builds it)."""
 
     temps: list[float]  # [M] float32 values; 0: greedy
     top_k: list[int]  # [M] 0: off
@@ -1174,7 +1175,7 @@ class BoundLayers:
             tokens = array("q", bytes(8 * n * M))
             temps, first = array("f", races.temps), array("q", races.first_positions)
             top_k, top_p = array("q", races.top_k), array("d", races.top_p)
-            seeds = self._seeds(races.seeds)
+            seeds = _uint64s(races.seeds)
             pending = ctypes.c_int(0)
             ran = self._steps_sampled(
                 b.args_at, n, head.logits.data_ptr(), temps.buffer_info()[0], top_k.buffer_info()[0],
@@ -1199,10 +1200,6 @@ class BoundLayers:
             steps.append(pick(s, head.logits, head.argmax.tolist()))
             fed = array("q", steps[-1])
         return steps
-
-    @staticmethod
-    def _seeds(seeds: list[int]) -> ctypes.Array[ctypes.c_uint64]:
-        return (ctypes.c_uint64 * len(seeds))(*(k & 0xFFFFFFFFFFFFFFFF for k in seeds))
 
     def _kept_head(self, M: int) -> _Head:
         """The head's outputs for M rows that callers reading them at once share (see forward's ``reuse``)."""

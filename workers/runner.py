@@ -475,9 +475,9 @@ class ModelRunner:
         ``batch`` holds (one pending token per request, each request's block table covering ``n`` positions from
         its start), then each request's token fed back ``n - 1`` times: its argmax (one native call for all
         steps), or what ``pick(step, logits [R, V] fp32, argmax [R])`` returns (a sampler, between the steps'
-        native calls; with ``races``, the same choices made in the one native call). Returns per step the token of each
-        request ([steps][R] ints, steps <= n): the tokens ``n``
-        :meth:`forward` calls would give those choices, bit for bit. The logits go only to ``pick``: the caller
+        native calls; with ``races``, the same choices made in the one native call). Returns per step the token of
+        each request ([steps][R] ints, steps <= n): the tokens ``n`` :meth:`forward` calls would give those
+        choices, bit for bit. The logits go only to ``pick``: the caller
         wants none (no logprobs, penalties or grammar)."""
         if not self.runs_decode_steps:
             raise ValueError("decode_steps needs the fused native forward (cpu_gemm='native' on the CPU)")

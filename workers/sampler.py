@@ -356,10 +356,18 @@ _SCALED_GUARD = 1e-5
 _MASS_GUARD = 1e-4
 
 
+def _race_params(sp: SamplingParams, vocab: int) -> tuple[float, int, float]:
+    """A row's temperature, top-k (0: off) and top-p (1: off) as ``process_params`` applies them: the temperature
+    clamped (1 for a greedy row), top-p rounded to float32."""
+    t = 1.0 if sp.greedy else max(sp.temperature, _MIN_TEMPERATURE)
+    return t, sp.top_k if 0 < sp.top_k < vocab else 0, array("f", [sp.top_p])[0]
+
+
 def plain_temperature(sp: SamplingParams, vocab: int) -> bool:
     """Whether ``process_logits`` only divides this sampled request's logits by its temperature (top-k and top-p
     off): its race can then run on the logits themselves (:func:`sample_rows`)."""
-    return not (0 < sp.top_k < vocab) and array("f", [sp.top_p])[0] >= 1.0
+    _, k, p = _race_params(sp, vocab)
+    return k == 0 and p >= 1.0
 
 
 def sample_rows(
@@ -378,22 +386,22 @@ def sample_rows(
     vocab = logits.shape[1]
     ops = native_attention.load_layer_ops() if logits.device.type == "cpu" else None
     if ops is not None and logits.dtype == torch.float32 and logits.is_contiguous():
-        plain = [j for j, sp in enumerate(params) if plain_temperature(sp, vocab)]
+        race = [_race_params(sp, vocab) for sp in params]  # temperature (rounded to float32 in the call), k, p
+        plain = [j for j, (_, k, p) in enumerate(race) if k == 0 and p >= 1.0]
         if plain:
-            # as process_params sets them (rounded to float32 in the call)
-            temps = [1.0 if params[j].greedy else max(params[j].temperature, _MIN_TEMPERATURE) for j in plain]
             plain_rows, plain_keys = [rows[j] for j in plain], [keys[j] for j in plain]
+            temps = [race[j][0] for j in plain]
             won = ops.scaled_race(logits, plain_rows, temps, plain_keys, _RACE_MARGIN, _SCALED_GUARD, _RACE_CAP)
             for j, token in zip(plain, won):
                 out[j] = token
-        cut = [j for j, sp in enumerate(params) if not sp.greedy and not plain_temperature(sp, vocab)]
+        cut = [j for j, (_, k, p) in enumerate(race) if not params[j].greedy and (k > 0 or p < 1.0)]
         if cut:
             won = ops.truncated_race(
                 logits,
                 [rows[j] for j in cut],
-                [max(params[j].temperature, _MIN_TEMPERATURE) for j in cut],
-                [params[j].top_k if 0 < params[j].top_k < vocab else 0 for j in cut],
-                array("f", [params[j].top_p for j in cut]).tolist(),  # as process_params rounds it
+                [race[j][0] for j in cut],
+                [race[j][1] for j in cut],
+                [race[j][2] for j in cut],
                 [keys[j] for j in cut],
                 _SCALED_GUARD,
                 _MASS_GUARD,
@@ -417,10 +425,11 @@ def row_races(
 ) -> native_attention.RowRaces:
     """What native decode steps need to pick each row's token as a plain step's ``verify_coupled`` does: greedy
     rows their argmax, sampled rows :func:`sample_rows`' races (temperature only, or truncated by top-k / top-p)."""
+    race = [(0.0, 0, 1.0) if sp.greedy else _race_params(sp, vocab) for sp in params]  # greedy: temperature 0
     return native_attention.RowRaces(
-        temps=[0.0 if sp.greedy else max(sp.temperature, _MIN_TEMPERATURE) for sp in params],
-        top_k=[0 if sp.greedy or not 0 < sp.top_k < vocab else sp.top_k for sp in params],
-        top_p=array("f", [1.0 if sp.greedy else sp.top_p for sp in params]).tolist(),  # as process_params rounds it
+        temps=[t for t, _, _ in race],
+        top_k=[k for _, k, _ in race],
+        top_p=[p for _, _, p in race],
         seeds=[0 if sp.greedy else seed for sp, seed in zip(params, seeds)],
         first_positions=list(first_positions),
         margin=_RACE_MARGIN,

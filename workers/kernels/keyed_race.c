@@ -228,6 +228,26 @@ static int scaled_max(const float *x, float t, int64_t V, float *y, float *m) {
     return any_lane(odd) || !(best > -__builtin_inff()) ? -1 : 0;
 }
 
+/* The race among the entries ids [n] of a row x [V] at temperature t (row maximum of x / t: m), on the uniforms u:
+ * each scored exp(x / t - m) / E in double (x / t - m rounded in float as torch rounds it, E the definition's noise).
+ * Returns the winner where it leads every other by a relative `guard`, far more than the few ulps torch's softmax
+ * and its two roundings may move a score; else -1 (a near tie: the definition decides). */
+static int64_t clear_winner(const int64_t *ids, int64_t n, const float *x, float t, float m, const float *u,
+                            double guard) {
+    int64_t token = -1;
+    double top = -1.0, second = -1.0;
+    for (int64_t j = 0; j < n; j++) {
+        const float d = x[ids[j]] / t - m;
+        const double score = exp((double)d) / (double)(float)-log((double)u[ids[j]] + 0x1p-25);
+        if (score > top) {
+            second = top, top = score, token = ids[j];
+        } else if (score > second) {
+            second = score;
+        }
+    }
+    return token >= 0 && second * (1.0 + guard) < top ? token : -1;
+}
+
 /* One row of scaled_race: its winner, or -1. u_scratch: [V], c and sc: [cap]. */
 int64_t scaled_race_row(const float *x, float t, uint64_t key, int64_t V, float margin, double guard, int64_t cap,
                         float *u_scratch, int64_t *c, float *sc) {
@@ -268,21 +288,7 @@ int64_t scaled_race_row(const float *x, float t, uint64_t key, int64_t V, float 
             c[n] = i + l, sc[n] = s[l], n++;
         }
     }
-    /* the candidates' scores in double (y - m rounded in float as torch rounds it); the winner must lead every other
-     * by a relative `guard`, far more than the few ulps torch's softmax and its two roundings may move a score */
-    int64_t token = -1;
-    double top = -1.0, second = -1.0;
-    for (int64_t j = 0; j < n; j++) {
-        const float d = x[c[j]] / t - m;
-        const double e = (double)(float)-log((double)u_scratch[c[j]] + 0x1p-25);
-        const double score = exp((double)d) / e;
-        if (score > top) {
-            second = top, top = score, token = c[j];
-        } else if (score > second) {
-            second = score;
-        }
-    }
-    return token >= 0 && second * (1.0 + guard) < top ? token : -1;
+    return clear_winner(c, n, x, t, m, u_scratch, guard);
 }
 
 /* Each listed row's exponential race on softmax(x / t) straight from its logits: tokens[r] is what keyed_race gives on
@@ -373,19 +379,7 @@ int64_t truncated_race_row(const float *x, float t, int64_t k, double top_p, uin
         c = 4 * c < V ? 4 * c : V;
     }
     mt_uniforms(key, u, V);
-    int64_t token = -1;
-    double top = -1.0, second = -1.0;
-    for (int64_t j = 0; j < keep; j++) {
-        const int64_t v = ids[j];
-        const double e = (double)(float)-log((double)u[v] + 0x1p-25);
-        const double score = exp((double)(y[v] - m)) / e;
-        if (score > top || (score == top && v < token)) {
-            second = top, top = score, token = v;
-        } else if (score > second) {
-            second = score;
-        }
-    }
-    return token >= 0 && second * (1.0 + guard) < top ? token : -1;
+    return clear_winner(ids, keep, y, 1.0f, m, u, guard); /* y / 1 is y: the same scores */
 }
 
 /* Each listed row's truncated race (truncated_race_row) with its own top-k (0: off) and top-p (1: off). Rows split
